@@ -1,0 +1,152 @@
+"""The reference backend: every op of the cycle in plain torch, on any device.
+
+Fast backends (`speccycle.backends.cuda`, `speccycle.backends.rocm`) subclass `TorchBackend` and
+replace ops one by one; each replacement is tested equal to the method it overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...core import tree
+
+
+class TorchBackend:
+    """Reference ops. Shapes use the DESIGN vocabulary: ``bs``, ``N``, ``S``, ``K``, ``V``."""
+
+    name = "torch"
+
+    # ---- draft -------------------------------------------------------------------------------
+    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``K`` draft candidates of each row.
+
+        ``K == 1`` takes ``argmax`` of the logits and skips the full-vocabulary softmax: the chain
+        never uses the probability, and argmax is exact in any dtype, where softmax + max in low
+        precision can round two logits to one probability and pick the lower index.
+
+        Shapes: ``logits [R, V]`` -> ``probs [R, K]`` float32 (ones for ``K == 1``), ``ids [R, K]`` int64.
+        """
+        if topk == 1:
+            ids = logits.argmax(dim=-1, keepdim=True)
+            return torch.ones(ids.shape, dtype=torch.float32, device=logits.device), ids
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(topk, dim=-1)
+        return top.values, top.indices
+
+    def expand_frontier(self, frontier_scores, child_p, child_ids, topk):
+        """See `speccycle.core.tree.expand_frontier`."""
+        return tree.expand_frontier(frontier_scores, child_p, child_ids, topk)
+
+    def rerank_tree(self, root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens):
+        """See `speccycle.core.tree.rerank_tree`."""
+        return tree.rerank_tree(root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens)
+
+    def tree_mask(self, parents: torch.Tensor) -> torch.Tensor:
+        """Shapes: ``parents [bs, N]`` -> ``[bs, N, N]`` bool (ancestors and self)."""
+        return tree.ancestor_mask(parents)
+
+    def slots_for_positions(self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int):
+        """Slot of each position through the page table.
+
+        Shapes: ``page_table [bs, max_pages]``, ``positions [bs, X]`` -> ``[bs, X]`` int64.
+        """
+        flat = positions.reshape(positions.shape[0], -1)
+        pages = page_table.gather(1, flat // page_size)
+        if bool((pages < 0).any()):
+            raise IndexError("a position lies past the pages its request holds; reserve before assigning slots")
+        return (pages * page_size + flat % page_size).reshape(positions.shape)
+
+    # ---- verify ------------------------------------------------------------------------------
+    def greedy_predict(self, logits: torch.Tensor) -> torch.Tensor:
+        """Shapes: ``logits [R, V]`` -> ``[R]`` int64."""
+        return logits.argmax(dim=-1)
+
+    def verify_greedy(
+        self, tokens: torch.Tensor, parents: torch.Tensor, predict: torch.Tensor, accept_width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Walk each tree while the draft token equals the target's prediction at its parent.
+
+        Where siblings repeat a token the walk follows the first (lowest row). Shapes: ``tokens``,
+        ``parents``, ``predict`` ``[bs, N]`` -> ``accept_index [bs, S + 1]`` (flat row indices into
+        ``bs * N``, -1 padded), ``accept_len [bs]``.
+        """
+        bs, n = tokens.shape
+        idx = torch.arange(n, device=tokens.device)
+        safe_parents = parents.clamp(min=0)
+        matches = (tokens == predict.gather(1, safe_parents)) & (parents >= 0)
+        # Only the first matching child of a parent can be on the greedy path.
+        earlier = (parents[:, :, None] == parents[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+        first_match = matches & ~(earlier & matches[:, None, :]).any(-1)
+        on_path = (idx[None, :] == 0).expand(bs, n)
+        for _ in range(accept_width - 1):
+            on_path = (idx[None, :] == 0) | (first_match & on_path.gather(1, safe_parents))
+        accept_len = on_path.sum(-1)
+        order = torch.where(on_path, idx[None, :], idx[None, :] + n).sort(dim=-1).values
+        width = min(accept_width, n)
+        rows = order[:, :width]
+        flat = rows + (torch.arange(bs, device=tokens.device) * n)[:, None]
+        keep = torch.arange(width, device=tokens.device)[None, :] < accept_len[:, None]
+        accept_index = torch.full((bs, accept_width), -1, dtype=torch.long, device=tokens.device)
+        accept_index[:, :width] = torch.where(keep, flat, -1)
+        return accept_index, accept_len
+
+    # ---- accept ------------------------------------------------------------------------------
+    def gather_accepted(self, rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:
+        """Gather the accepted path of every request to the front.
+
+        Shapes: ``rows [bs * N, ...]``, ``accept_index [bs, S + 1]`` -> ``[bs, S + 1, ...]``; entries
+        past ``accept_len`` are zero.
+        """
+        valid = accept_index >= 0
+        out = rows[accept_index.clamp(min=0).reshape(-1)].reshape(*accept_index.shape, *rows.shape[1:])
+        return out * valid.reshape(*valid.shape, *([1] * (rows.dim() - 1))).to(out.dtype)
+
+    def fill_bonus(self, accept_tokens: torch.Tensor, accept_len: torch.Tensor, stride: int) -> torch.Tensor:
+        """The bonus token: ``accept_tokens.flat[b * stride + accept_len - 1]``.
+
+        ``stride`` is the width of ``accept_index``, ``S + 1`` (SGLang PR 26866 read it at ``N``).
+        Shapes: ``accept_tokens [bs * (S + 1)]`` (or ``[bs, S + 1]``), ``accept_len [bs]`` -> ``[bs]``.
+        """
+        flat = accept_tokens.reshape(-1)
+        bs = accept_len.shape[0]
+        if flat.numel() != bs * stride:
+            raise ValueError(f"accept_tokens holds {flat.numel()} entries, expected bs * stride = {bs * stride}")
+        base = torch.arange(bs, device=flat.device) * stride
+        return flat[base + accept_len - 1]
+
+    # ---- compact -----------------------------------------------------------------------------
+    def plan_kv_move(
+        self, accept_index: torch.Tensor, accept_len: torch.Tensor, verify_slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots to copy so the accepted path of request b lands at positions ``[L, L + accept_len)``.
+
+        Accepted row ``a_d`` sits at the slot of ``L + a_d``; it moves to the slot of ``L + d``. A move
+        reads only its request's verify slots; at most ``bs * (S + 1)`` moves, rows already in place
+        (every chain) skipped. Shapes: -> ``src [M]``, ``dst [M]``.
+        """
+        bs, n = verify_slots.shape
+        width = accept_index.shape[1]
+        rows = accept_index - (torch.arange(bs, device=accept_index.device) * n)[:, None]
+        depth = torch.arange(width, device=accept_index.device)[None, :]
+        valid = (depth < accept_len[:, None]) & (rows != depth) & (accept_index >= 0)
+        src = verify_slots.gather(1, rows.clamp(0, n - 1))
+        dst = verify_slots.gather(1, depth.clamp(max=n - 1).expand(bs, -1))
+        return src[valid], dst[valid]
+
+    def move_kv(self, buffers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slot ``src[m]`` to ``dst[m]`` in every buffer, all reads before any write.
+
+        A tree path can move row 3 to 2 while row 2 moves to 1: gathering first keeps that safe.
+        """
+        if src.numel() == 0:
+            return
+        for buf in buffers:
+            buf[dst] = buf[src]
+
+    def last_correct_step_indices(self, accept_index: torch.Tensor, accept_len: torch.Tensor, n: int):
+        """Index inside the request's ``N``-block of its last accepted row. Shapes: -> ``[bs]``."""
+        bs = accept_len.shape[0]
+        last = accept_index.gather(1, (accept_len - 1)[:, None]).squeeze(1)
+        return last - torch.arange(bs, device=last.device) * n

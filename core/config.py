@@ -1,0 +1,110 @@
+"""The speculative configuration and its validation (DESIGN invariant 1)."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+
+def max_tree_nodes(num_steps: int, topk: int) -> int:
+    """The most draft nodes an EAGLE-2 tree of depth ``S`` and branching ``K`` can offer: ``K + (S-1)K^2``."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+def _positive(name: str, value: int, upper: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1 or (upper is not None and value > upper):
+        allowed = f"[1, {upper}]" if upper is not None else ">= 1"
+        raise ValueError(f"{name}={value} is out of range: allowed {allowed}")
+
+
+@attrs.frozen
+class SpecConfig:
+    """How much to speculate.
+
+    * ``num_steps`` (``S``): draft depth.
+    * ``topk`` (``K``): branching per draft step; ``K == 1`` is a chain.
+    * ``num_draft_tokens`` (``N``): verify rows per request, root included. ``None`` picks the chain
+      value ``S + 1`` when ``K == 1``, and the largest tree ``1 + K + (S-1)K^2`` capped at 64 otherwise.
+    * ``page_size`` (``P``): tokens per page of the paged KV pool.
+    """
+
+    num_steps: int = 4
+    topk: int = 1
+    num_draft_tokens: int | None = attrs.field(default=None)
+    page_size: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        _positive("num_steps (S)", self.num_steps, 64)
+        _positive("topk (K)", self.topk, 16)
+        _positive("page_size (P)", self.page_size, 1024)
+        if self.num_draft_tokens is None:
+            n = self.num_steps + 1 if self.topk == 1 else min(64, 1 + max_tree_nodes(self.num_steps, self.topk))
+            object.__setattr__(self, "num_draft_tokens", n)
+        n = self.num_draft_tokens
+        if self.topk == 1:
+            if n != self.num_steps + 1:
+                raise ValueError(
+                    f"num_draft_tokens (N)={n} is invalid for a chain: with topk (K)=1 it must equal "
+                    f"num_steps (S) + 1 = {self.num_steps + 1}"
+                )
+        else:
+            upper = 1 + max_tree_nodes(self.num_steps, self.topk)
+            _positive("num_draft_tokens (N)", n, upper)
+            if n < 2:
+                raise ValueError(f"num_draft_tokens (N)={n} is out of range: allowed [2, {upper}]")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def accept_width(self) -> int:
+        """Width of ``accept_index``: ``S + 1``, the bonus-token stride (never ``N``)."""
+        return self.num_steps + 1
+
+    def draft_scratch_offset(self, pairing: str) -> int:
+        """Positions after ``L`` that a draft family keeps before its scratch: 1 for ``aligned`` (the root)."""
+        return 1 if pairing == "aligned" else 0
+
+    def reserve_len(self, pairing: str = "shifted") -> int:
+        """Positions past ``L`` a request holds during a cycle.
+
+        The ``N`` verify rows, the draft scratch, and for an aligned draft the next root, which its
+        draft extend writes at ``L + accept_len`` with ``accept_len <= min(S + 1, N)``.
+        """
+        offset = self.draft_scratch_offset(pairing)
+        scratch = offset + (self.num_steps - 1) * self.topk
+        next_root = min(self.num_steps + 1, self.num_draft_tokens) + offset
+        return max(self.num_draft_tokens, scratch, next_root)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+
+@attrs.frozen
+class SamplingParams:
+    """Per-request decoding parameters. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no truncation
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature} is out of range: allowed a finite value >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} is out of range: allowed an int >= 0 (0 disables it)")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p} is out of range: allowed (0, 1]")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} is out of range: allowed an int >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

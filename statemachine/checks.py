@@ -1,0 +1,240 @@
+"""Checked mode: the invariants of DESIGN.md, validated at every boundary.
+
+Each check raises `InvariantViolation` naming the invariant (its number in DESIGN.md and a short
+name) and what was wrong. The property tests run the machine with ``checked=True``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+from ..core.records import Accepted, Compacted, Drafted, Ready, RowOutputs, Verified
+from ..core.tree import ancestor_mask, pack_mask, tree_depths, unpack_mask
+
+INVARIANTS = {
+    1: "config",
+    2: "draft positions",
+    3: "draft slots",
+    4: "tree",
+    5: "accept",
+    6: "bonus stride",
+    7: "KV moves",
+    8: "KV conservation",
+    9: "compaction covers every per-row field",
+    10: "lossless, greedy",
+    11: "lossless, sampling",
+    12: "recurrent state",
+    13: "block drafts",
+    14: "fast kernel equals reference",
+}
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, number: int, message: str):
+        self.number = number
+        super().__init__(f"invariant {number} ({INVARIANTS[number]}): {message}")
+
+
+def require(ok: bool, number: int, message: str) -> None:
+    if not ok:
+        raise InvariantViolation(number, message)
+
+
+def row_count(record) -> int:
+    if isinstance(record, (Drafted, Verified, Accepted)):
+        return int(record.tree.tokens.numel())
+    if isinstance(record, Compacted):
+        return int(record.extend.input_ids.shape[0])
+    return 0
+
+
+def _offset(record, ports) -> int:
+    from .transitions import draft_offset
+
+    return draft_offset(ports, record.config)
+
+
+def check_transition(source, result, ports) -> None:
+    """Validate ``result`` alone, then what it must keep of ``source``."""
+    check_record(result, ports)
+    if isinstance(result, Compacted) and isinstance(source, Accepted):
+        _check_compaction(source, result)
+
+
+def check_record(record, ports) -> None:
+    if isinstance(record, (Compacted, Ready)):
+        _check_committed(record, ports)
+    if isinstance(record, Drafted):
+        _check_drafted(record, ports)
+    if isinstance(record, Verified):
+        _check_accept(record.config, record.tree, record.accept_index, record.accept_len)
+        _check_greedy_path(record)
+    if isinstance(record, Accepted):
+        _check_accepted(record)
+    if isinstance(record, (Drafted, Verified, Accepted)):
+        _check_reserved(record, ports)
+
+
+def _check_committed(record, ports) -> None:
+    pool, cfg = ports.kv_pool, record.config
+    offset = _offset(record, ports)
+    for i, request in enumerate(record.requests):
+        held = pool.pages_held(request.request_id)
+        if request.finish_reason is not None:
+            continue
+        L = int(record.seq_lens[i])
+        require(
+            L == len(request.prompt) + len(request.output) - 1,
+            8,
+            f"request {request.request_id}: L={L} but prompt + output - root = "
+            f"{len(request.prompt) + len(request.output) - 1}",
+        )
+        require(int(record.root_tokens[i]) == request.output[-1], 10,
+                f"request {request.request_id}: root token is not the last committed token")
+        least = math.ceil((L + offset) / pool.page_size)
+        most = math.ceil((L + cfg.reserve_len("aligned" if offset else "shifted")) / pool.page_size)
+        require(least <= held <= max(least, most), 8,
+                f"request {request.request_id}: holds {held} pages, expected between {least} and {most}")
+    for request in getattr(record, "retired", ()):
+        require(pool.pages_held(request.request_id) == 0, 8,
+                f"retired request {request.request_id} still holds pages")
+    if isinstance(record, Compacted):
+        _check_extend_rows(record, offset)
+        if record.last_correct_step_indices is not None:
+            lcsi, n = record.last_correct_step_indices, cfg.num_draft_tokens
+            require(bool(((lcsi >= 0) & (lcsi < n)).all()), 12, f"last_correct_step_indices {lcsi.tolist()} not in [0, {n})")
+            if cfg.is_chain and record.accept_len is not None:
+                require(torch.equal(lcsi, record.accept_len - 1), 12,
+                        "a chain's last_correct_step_indices must equal accept_len - 1")
+
+
+def _check_extend_rows(record: Compacted, offset: int) -> None:
+    ext = record.extend
+    for i, request in enumerate(record.requests):
+        rows = ext.row_request == i
+        positions = ext.positions[rows]
+        if positions.numel() == 0:
+            continue
+        end = int(record.seq_lens[i]) + offset
+        expected = torch.arange(end - positions.numel(), end, device=positions.device)
+        require(torch.equal(positions, expected), 2,
+                f"request {request.request_id}: draft extend positions {positions.tolist()} should end at {end - 1}")
+
+
+def _check_drafted(record: Drafted, ports) -> None:
+    cfg, tree = record.config, record.tree
+    bs, n = tree.tokens.shape
+    require(n == cfg.num_draft_tokens, 4, f"tree has {n} rows, config N={cfg.num_draft_tokens}")
+    idx = torch.arange(n, device=tree.parents.device)
+    require(bool((tree.parents[:, 0] == -1).all()), 4, "row 0 must be the root (parent -1)")
+    require(bool((tree.parents[:, 1:] >= 0).all()), 4, "only row 0 may lack a parent")
+    require(bool((tree.parents[:, 1:] < idx[1:]).all()), 4, "a parent must precede its child")
+    require(torch.equal(tree.depths, tree_depths(tree.parents)), 4, "depths disagree with parents")
+    require(int(tree.depths.max()) <= cfg.num_steps, 4, f"a node deeper than S={cfg.num_steps}")
+    if cfg.is_chain:
+        require(torch.equal(tree.parents, (idx - 1).expand(bs, n)), 4, "K == 1 must draft a chain")
+    mask = ancestor_mask(tree.parents)
+    require(torch.equal(unpack_mask(pack_mask(mask), n), mask), 4, "the packed tree mask differs from the full mask")
+    offset = _offset(record, ports)
+    steps = record.draft_positions.shape[1]
+    if steps:
+        expected = record.seq_lens[:, None] + offset + torch.arange(steps, device=record.seq_lens.device)
+        require(torch.equal(record.draft_positions, expected), 2,
+                f"draft forward j must run at L + j + {offset}: got {record.draft_positions.tolist()}, "
+                f"expected {expected.tolist()}")
+
+
+def _check_reserved(record, ports) -> None:
+    """Invariants 3 and 8: every slot distinct and inside its request's pages; pages as reserved."""
+    pool, cfg = ports.kv_pool, record.config
+    page_size = pool.page_size
+    page_table = pool.page_table(tuple(r.request_id for r in record.requests))
+    for i, request in enumerate(record.requests):
+        pages = set(page_table[i][page_table[i] >= 0].tolist())
+        slots = [record.verify_slots[i]]
+        if isinstance(record, Drafted):
+            slots.append(record.draft_slots[i].reshape(-1))
+        for kind, s in zip(("verify", "draft"), slots):
+            values = s.tolist()
+            require(len(set(values)) == len(values), 3, f"request {request.request_id}: {kind} slots repeat: {values}")
+            outside = [v for v in values if v // page_size not in pages]
+            require(not outside, 3, f"request {request.request_id}: {kind} slots {outside} outside its pages")
+        pairing = "aligned" if _offset(record, ports) else "shifted"
+        want = math.ceil((int(record.seq_lens[i]) + cfg.reserve_len(pairing)) / page_size)
+        held = pool.pages_held(request.request_id)
+        require(held == want, 8, f"request {request.request_id}: holds {held} pages during the cycle, expected {want}")
+
+
+def _check_accept(cfg, tree, accept_index: torch.Tensor, accept_len: torch.Tensor) -> None:
+    bs, n = tree.tokens.shape
+    width = cfg.accept_width
+    require(tuple(accept_index.shape) == (bs, width), 5, f"accept_index shape {tuple(accept_index.shape)} != ({bs}, {width})")
+    require(bool(((accept_len >= 1) & (accept_len <= min(width, n))).all()), 5,
+            f"accept_len {accept_len.tolist()} outside [1, {min(width, n)}]")
+    for b in range(bs):
+        m = int(accept_len[b])
+        row = accept_index[b].tolist()
+        require(row[0] == b * n, 5, f"request {b}: accept_index[0]={row[0]} is not its root {b * n}")
+        require(all(v == -1 for v in row[m:]), 5, f"request {b}: entries after accept_len must be -1: {row}")
+        path = [v - b * n for v in row[:m]]
+        require(all(0 <= v < n for v in path), 5, f"request {b}: accept_index leaves its block: {row}")
+        require(all(x < y for x, y in zip(path, path[1:])), 5, f"request {b}: accept_index not increasing: {row}")
+        parents = tree.parents[b].tolist()
+        require(all(parents[y] == x for x, y in zip(path, path[1:])), 5,
+                f"request {b}: accepted rows {path} are not a parent-to-child chain")
+
+
+def _check_greedy_path(record: Verified) -> None:
+    bs, n = record.tree.tokens.shape
+    predict = record.rows.predict.view(bs, n)
+    for b in range(bs):
+        path = [v - b * n for v in record.accept_index[b].tolist()[: int(record.accept_len[b])]]
+        for parent, child in zip(path, path[1:]):
+            require(int(record.tree.tokens[b, child]) == int(predict[b, parent]), 10,
+                    f"request {b}: accepted row {child} does not match the target's prediction at row {parent}")
+
+
+def _check_accepted(record: Accepted) -> None:
+    cfg, bs = record.config, len(record.requests)
+    width = cfg.accept_width
+    require(record.accept_index.shape[1] == width, 6, f"accept width {record.accept_index.shape[1]} != S + 1 = {width}")
+    predict = record.accepted_rows.predict
+    require(tuple(predict.shape) == (bs, width), 6, f"accepted predict shape {tuple(predict.shape)} != ({bs}, {width})")
+    expected = predict.reshape(-1)[torch.arange(bs, device=predict.device) * width + record.accept_len - 1]
+    require(torch.equal(record.bonus, expected), 6, "the bonus is not accepted_rows.predict read at stride S + 1")
+    for field in attrs.fields(RowOutputs):
+        value = getattr(record.accepted_rows, field.name)
+        if value is not None:
+            require(tuple(value.shape[:2]) == (bs, width), 9, f"per-row field {field.name} was not compacted")
+
+
+def _check_compaction(source: Accepted, result: Compacted) -> None:
+    cfg, bs = source.config, len(source.requests)
+    require(torch.equal(result.seq_lens, source.seq_lens + source.accept_len), 7, "L must grow by accept_len")
+    if result.kv_moves is not None:
+        src, dst = result.kv_moves
+        require(src.numel() == dst.numel() <= bs * cfg.accept_width, 7,
+                f"{src.numel()} KV moves exceed bs * (S + 1) = {bs * cfg.accept_width}")
+        for b in range(bs):
+            own = set(source.verify_slots[b].tolist())
+            m = int(source.accept_len[b])
+            path = [v - b * cfg.num_draft_tokens for v in source.accept_index[b].tolist()[:m]]
+            for d, row in enumerate(path):
+                if row != d:
+                    s, t = int(source.verify_slots[b, row]), int(source.verify_slots[b, d])
+                    hit = ((src == s) & (dst == t)).any()
+                    require(bool(hit), 7, f"request {b}: accepted row {row} was not moved to L + {d}")
+        for s in src.tolist():
+            require(any(s in set(source.verify_slots[b].tolist()) for b in range(bs)), 7, f"move reads slot {s} outside verify slots")
+    for field in attrs.fields(RowOutputs):
+        before = getattr(source.accepted_rows, field.name)
+        require(before is None or before.shape[:2] == (bs, cfg.accept_width), 9, f"{field.name} not compacted")
+
+
+def check_ready(record: Ready) -> None:
+    bs = len(record.requests)
+    if record.topk_index is not None:
+        require(tuple(record.topk_index.shape) == (bs, record.config.topk), 1, "topk_index must be [bs, K]")

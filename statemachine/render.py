@@ -1,0 +1,36 @@
+"""Render the transition table as Markdown and as a Mermaid ``stateDiagram-v2``.
+
+The docs site calls these at build time; nothing in the docs is hand-copied from the table.
+"""
+
+from __future__ import annotations
+
+from .table import TABLE, Transition
+
+
+def _label(row: Transition) -> str:
+    return row.event + (f" [{row.guard_name}]" if row.guard_name else "")
+
+
+def to_mermaid(table: tuple[Transition, ...] = TABLE) -> str:
+    """A Mermaid state diagram: one edge per row, labelled ``event [guard]``."""
+    lines = ["stateDiagram-v2", "    [*] --> Admitted"]
+    for row in table:
+        lines.append(f"    {row.source.__name__} --> {row.target.__name__}: {_label(row)}")
+    lines.append("    Compacted --> [*]: retire (last request)")
+    return "\n".join(lines) + "\n"
+
+
+def to_markdown(table: tuple[Transition, ...] = TABLE) -> str:
+    """The table as Markdown: source, event, guard, target, backend ops, what it does."""
+    out = [
+        "| source | event | guard | target | backend ops | what it does |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in table:
+        ops = ", ".join(f"`{op}`" for op in row.ops) or "-"
+        guard = f"`{row.guard_name}`" if row.guard_name else "-"
+        out.append(
+            f"| `{row.source.__name__}` | `{row.event}` | {guard} | `{row.target.__name__}` | {ops} | {row.doc} |"
+        )
+    return "\n".join(out) + "\n"

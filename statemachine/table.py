@@ -1,0 +1,72 @@
+"""Everything that moves a batch through the speculative cycle lives in this table.
+
+One row per transition: the record type it reads, the event, the guard that enables it, the record
+type it returns, the backend ops it calls, and the function that runs it. Read it top to bottom; the
+docs' state diagram and transition table are rendered from it (`speccycle.statemachine.render`).
+For each record type and event, the guards of its rows are exclusive, so at most one row applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from ..core.records import Accepted, Admitted, Compacted, Drafted, Ready, Verified
+from . import transitions as t
+
+Guard = Callable[[object, object], bool]
+
+
+def always(record, ports) -> bool:
+    return True
+
+
+@attrs.frozen
+class Transition:
+    source: type
+    event: str
+    target: type
+    run: Callable = attrs.field(repr=False)
+    ops: tuple[str, ...] = ()
+    guard: Guard = always
+    doc: str = ""
+
+    @property
+    def guard_name(self) -> str:
+        return "" if self.guard is always else self.guard.__name__
+
+
+TABLE: tuple[Transition, ...] = (
+    Transition(Admitted, "prefill", Compacted, t.prefill,
+               ops=("slots_for_positions", "greedy_predict"),
+               doc="Target extend over the prompts, first token, draft-extend rows shifted by one."),
+    Transition(Compacted, "retire", Compacted, t.retire, guard=t.any_finished,
+               doc="Finished requests leave the batch; every page they held is freed once."),
+    Transition(Compacted, "extend", Ready, t.draft_extend, guard=t.extend_ready,
+               ops=("slots_for_positions", "select_topk"),
+               doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K."),
+    Transition(Compacted, "extend", Ready, t.skip_extend, guard=t.lookup_ready,
+               doc="A lookup draft keeps no draft cache."),
+    Transition(Ready, "draft", Drafted, t.draft_tree, guard=t.forward_draft,
+               ops=("slots_for_positions", "select_topk", "expand_frontier", "rerank_tree"),
+               doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1."),
+    Transition(Ready, "draft", Drafted, t.lookup_tree, guard=t.lookup_draft,
+               ops=("slots_for_positions",),
+               doc="Reserve the cycle's slots; the lookup draft proposes the tree from the history."),
+    Transition(Drafted, "verify", Verified, t.verify,
+               ops=("tree_mask", "greedy_predict", "verify_greedy"),
+               doc="One target forward over [root, drafts] at L + depth with the tree mask; greedy walk."),
+    Transition(Verified, "accept", Accepted, t.accept,
+               ops=("gather_accepted", "fill_bonus"),
+               doc="Gather the accepted path, cut it at stops, read the bonus at stride S + 1."),
+    Transition(Accepted, "compact", Compacted, t.compact,
+               ops=("plan_kv_move", "move_kv", "last_correct_step_indices"),
+               doc="Move the accepted path's KV to [L, L + accept_len); commit; pick recurrent state."),
+)
+
+STATES: tuple[type, ...] = (Admitted, Ready, Drafted, Verified, Accepted, Compacted)
+
+
+def rows_from(source: type, event: str | None = None) -> tuple[Transition, ...]:
+    return tuple(r for r in TABLE if r.source is source and (event is None or r.event == event))

@@ -1,0 +1,512 @@
+"""What each row of the transition table does: ``run(record, ports, backend) -> record``.
+
+Each function reads its input record and the ports, calls the backend ops its table row names, and
+returns a new record; records are never mutated. The only mutable state is behind the ports (model
+KV and the pool's pages).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ..core.config import SpecConfig
+from ..core.ports import ForwardBatch, KVPool, KVPoolExhausted, Ports
+from ..core.records import (
+    Accepted,
+    Admitted,
+    Compacted,
+    Drafted,
+    DraftTree,
+    ExtendRows,
+    FinishReason,
+    Ready,
+    Request,
+    RowOutputs,
+    Verified,
+)
+from ..core.tree import chain_tree, draft_position, draft_scratch_positions, tree_depths
+
+
+class CycleError(RuntimeError):
+    """A request cannot go on (bad input or a model that returned garbage)."""
+
+
+def draft_offset(ports: Ports, config: SpecConfig) -> int:
+    """Draft cache positions past ``L`` a family keeps: 1 for an aligned forward draft (the root)."""
+    return config.draft_scratch_offset(getattr(ports.draft, "pairing", "shifted")) if is_forward(ports) else 0
+
+
+def is_forward(ports: Ports) -> bool:
+    return getattr(ports.draft, "kind", "forward") == "forward"
+
+
+def reserve(pool: KVPool, request_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+    """Grow each request's pages to cover ``num_tokens``, all or nothing.
+
+    Raises `KVPoolExhausted` before touching the pool when the pages do not fit, so an engine can
+    retract or defer requests and call again with nothing to undo.
+    """
+    needed = 0
+    for rid, tokens in zip(request_ids, num_tokens):
+        needed += max(0, math.ceil(tokens / pool.page_size) - pool.pages_held(rid))
+    if needed > pool.num_free_pages:
+        raise KVPoolExhausted(
+            f"the cycle needs {needed} more KV pages and the pool has {pool.num_free_pages} free: "
+            "retract or defer requests, or give the pool more pages"
+        )
+    for rid, tokens in zip(request_ids, num_tokens):
+        pool.allocate(rid, int(tokens))
+
+
+def _batch(
+    ports: Ports,
+    request_ids: tuple[int, ...],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    row_request: torch.Tensor,
+    out_slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extra_slots: torch.Tensor | None,
+    page_table: torch.Tensor,
+    logits_rows: torch.Tensor | None = None,
+) -> ForwardBatch:
+    if extra_slots is None:
+        extra_slots = torch.empty((input_ids.shape[0], 0), dtype=torch.long, device=input_ids.device)
+    return ForwardBatch(
+        input_ids=input_ids,
+        positions=positions,
+        row_request=row_request,
+        out_slots=out_slots,
+        prefix_lens=prefix_lens,
+        extra_slots=extra_slots,
+        page_table=page_table,
+        page_size=ports.kv_pool.page_size,
+        request_ids=request_ids,
+        logits_rows=logits_rows,
+    )
+
+
+def _row_slots(backend, page_table, row_request, positions, page_size) -> torch.Tensor:
+    """Slot of each ragged row through its request's page table. Shapes: ``[T]`` -> ``[T]``."""
+    rows = page_table[row_request]
+    return backend.slots_for_positions(rows, positions[:, None], page_size)[:, 0]
+
+
+def _check_logits(logits: torch.Tensor, row_request: torch.Tensor, bs: int) -> list[bool]:
+    """Per request: every logit finite. A NaN would otherwise become a bogus tree or token."""
+    bad = torch.zeros(bs, dtype=torch.bool, device=logits.device)
+    bad.index_put_((row_request,), ~torch.isfinite(logits).all(-1), accumulate=True)
+    return bad.tolist()
+
+
+def cut_at_stops(request: Request, committed: list[int]) -> tuple[int, FinishReason | None]:
+    """How many of ``committed`` to keep: stop at a stop token or at ``max_new_tokens``, inclusive."""
+    room = request.sampling.max_new_tokens - len(request.output)
+    stops = request.sampling.stop_token_ids
+    for i, token in enumerate(committed):
+        if token in stops:
+            return i + 1, "stop"
+        if i + 1 >= room:
+            return i + 1, "length"
+    return len(committed), None
+
+
+def validate_request(request: Request, vocab_size: int) -> None:
+    if len(request.prompt) == 0:
+        raise CycleError(f"request {request.request_id}: the prompt is empty; give at least one token")
+    bad = [t for t in request.prompt if not (0 <= t < vocab_size)]
+    if bad:
+        raise CycleError(
+            f"request {request.request_id}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
+    if not request.sampling.greedy:
+        raise CycleError(
+            f"request {request.request_id}: temperature={request.sampling.temperature}; this cycle verifies "
+            "greedily, pass temperature=0"
+        )
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
+    """Target extend over the prompts; the first token; the draft extend's rows (shifted by one)."""
+    cfg, target = rec.config, ports.target
+    for request in rec.requests:
+        validate_request(request, target.vocab_size)
+    ids = tuple(r.request_id for r in rec.requests)
+    offset = draft_offset(ports, cfg)
+    lens = [len(r.prompt) for r in rec.requests]
+    reserve(ports.kv_pool, ids, [n + offset for n in lens])
+    device = _device(ports)
+    prompt_lens = torch.tensor(lens, dtype=torch.long, device=device)
+    input_ids = torch.tensor([t for r in rec.requests for t in r.prompt], dtype=torch.long, device=device)
+    row_request = torch.repeat_interleave(torch.arange(len(lens), device=device), prompt_lens)
+    starts = torch.cumsum(prompt_lens, 0) - prompt_lens
+    positions = torch.arange(input_ids.shape[0], device=device) - starts[row_request]
+    page_table = ports.kv_pool.page_table(ids)
+    out_slots = _row_slots(backend, page_table, row_request, positions, ports.kv_pool.page_size)
+    last_rows = starts + prompt_lens - 1
+    batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
+    out = target.forward(batch)
+    first = backend.greedy_predict(out.logits)  # [bs]
+    bad = _check_logits(out.logits, torch.arange(len(lens), device=device), len(lens))
+
+    requests = []
+    for request, token, is_bad in zip(rec.requests, first.tolist(), bad):
+        if is_bad:
+            requests.append(_errored(request, "the target returned non-finite logits for the prompt"))
+            continue
+        keep, reason = cut_at_stops(request, [token])
+        requests.append(attrs.evolve(request, output=(token,), finish_reason=reason))
+
+    # Draft extend rows: shifted drafts see t[p + 1] at p, aligned drafts t[p] (root included).
+    if offset == 0:
+        next_ids = torch.cat([input_ids[1:], first[-1:]])
+        next_ids[last_rows] = first
+        extend = ExtendRows(input_ids=next_ids, positions=positions, row_request=row_request, hidden=out.hidden)
+    else:
+        extend = _aligned_prompt_rows(rec.requests, first, device)
+    return Compacted(
+        config=cfg,
+        requests=tuple(requests),
+        seq_lens=prompt_lens,
+        root_tokens=first,
+        extend=extend,
+    )
+
+
+def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, device) -> ExtendRows:
+    tokens = [list(r.prompt) + [t] for r, t in zip(requests, first.tolist())]
+    lens = torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device)
+    row_request = torch.repeat_interleave(torch.arange(len(tokens), device=device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    positions = torch.arange(int(lens.sum()), device=device) - starts[row_request]
+    flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=device)
+    return ExtendRows(input_ids=flat, positions=positions, row_request=row_request, hidden=None)
+
+
+def _errored(request: Request, message: str) -> Request:
+    return attrs.evolve(request, finish_reason="error", error=f"request {request.request_id}: {message}")
+
+
+def _device(ports: Ports) -> torch.device:
+    return torch.device(getattr(ports.target, "device", "cpu"))
+
+
+# ---- retire ------------------------------------------------------------------------------------
+def any_finished(rec: Compacted, ports: Ports) -> bool:
+    return any(r.finish_reason is not None for r in rec.requests)
+
+
+def none_finished(rec: Compacted, ports: Ports) -> bool:
+    return not any_finished(rec, ports)
+
+
+def retire(rec: Compacted, ports: Ports, backend) -> Compacted:
+    """Finished requests leave the batch; every page they held is freed, once."""
+    keep = [r.finish_reason is None for r in rec.requests]
+    for request, kept in zip(rec.requests, keep):
+        if not kept:
+            ports.kv_pool.free(request.request_id)
+            ports.recurrent.free(request_id=request.request_id)
+    device = rec.seq_lens.device
+    keep_t = torch.tensor(keep, dtype=torch.bool, device=device)
+    new_index = torch.cumsum(keep_t.long(), 0) - 1
+    row_keep = keep_t[rec.extend.row_request]
+    ext = rec.extend
+    extend = ExtendRows(
+        input_ids=ext.input_ids[row_keep],
+        positions=ext.positions[row_keep],
+        row_request=new_index[ext.row_request[row_keep]],
+        hidden=None if ext.hidden is None else ext.hidden[row_keep],
+    )
+    return attrs.evolve(
+        rec,
+        requests=tuple(r for r, k in zip(rec.requests, keep) if k),
+        seq_lens=rec.seq_lens[keep_t],
+        root_tokens=rec.root_tokens[keep_t],
+        extend=extend,
+        accept_len=None if rec.accept_len is None else rec.accept_len[keep_t],
+        last_correct_step_indices=None
+        if rec.last_correct_step_indices is None
+        else rec.last_correct_step_indices[keep_t],
+        retired=tuple(r for r, k in zip(rec.requests, keep) if not k),
+    )
+
+
+# ---- draft extend ------------------------------------------------------------------------------
+def forward_draft(rec, ports: Ports) -> bool:
+    return is_forward(ports)
+
+
+def lookup_draft(rec, ports: Ports) -> bool:
+    return not is_forward(ports)
+
+
+def extend_ready(rec: Compacted, ports: Ports) -> bool:
+    return none_finished(rec, ports) and forward_draft(rec, ports)
+
+
+def lookup_ready(rec: Compacted, ports: Ports) -> bool:
+    return none_finished(rec, ports) and lookup_draft(rec, ports)
+
+
+def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
+    """The draft runs over the newly committed tokens; its last row per request gives depth 1."""
+    cfg, bs = rec.config, len(rec.requests)
+    ids = tuple(r.request_id for r in rec.requests)
+    if bs == 0:
+        return _ready(rec, None, None, None)
+    ext = rec.extend
+    page_table = ports.kv_pool.page_table(ids)
+    out_slots = _row_slots(backend, page_table, ext.row_request, ext.positions, ports.kv_pool.page_size)
+    counts = torch.bincount(ext.row_request, minlength=bs)
+    last_rows = torch.cumsum(counts, 0) - 1
+    batch = _batch(
+        ports, ids, ext.input_ids, ext.positions, ext.row_request, out_slots, ext.positions + 1, None,
+        page_table, last_rows,
+    )
+    out = ports.draft.extend(batch, ext.hidden)
+    topk_p, topk_index = backend.select_topk(out.logits, cfg.topk)
+    hidden = None if out.hidden is None else out.hidden[last_rows]
+    return _ready(rec, topk_p, topk_index, hidden)
+
+
+def skip_extend(rec: Compacted, ports: Ports, backend) -> Ready:
+    """Lookup drafts keep no draft cache: nothing to extend."""
+    return _ready(rec, None, None, None)
+
+
+def _ready(rec: Compacted, topk_p, topk_index, hidden) -> Ready:
+    return Ready(
+        config=rec.config,
+        requests=rec.requests,
+        seq_lens=rec.seq_lens,
+        root_tokens=rec.root_tokens,
+        topk_p=topk_p,
+        topk_index=topk_index,
+        draft_hidden=hidden,
+        retired=rec.retired,
+    )
+
+
+# ---- draft -------------------------------------------------------------------------------------
+def _reserve_cycle(rec: Ready, ports: Ports, backend) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    cfg = rec.config
+    ids = tuple(r.request_id for r in rec.requests)
+    pairing = getattr(ports.draft, "pairing", "shifted") if is_forward(ports) else "shifted"
+    reserve(ports.kv_pool, ids, (rec.seq_lens + cfg.reserve_len(pairing)).tolist())
+    page_table = ports.kv_pool.page_table(ids)
+    rows = torch.arange(cfg.num_draft_tokens, device=rec.seq_lens.device)
+    verify_slots = backend.slots_for_positions(page_table, rec.seq_lens[:, None] + rows, ports.kv_pool.page_size)
+    return ids, page_table, verify_slots
+
+
+def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
+    """``S - 1`` draft forwards over the frontier, EAGLE-2 rescoring, global rerank to ``N - 1``."""
+    cfg, bs = rec.config, len(rec.requests)
+    S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
+    ids, page_table, verify_slots = _reserve_cycle(rec, ports, backend)
+    L, device = rec.seq_lens, rec.seq_lens.device
+    offset = draft_offset(ports, cfg)
+    scratch = draft_scratch_positions(L, S, K, offset)  # [bs, S-1, K]
+    draft_slots = backend.slots_for_positions(page_table, scratch, P)
+    row_request = torch.arange(bs, device=device).repeat_interleave(K)
+
+    frontier_scores, frontier_tokens = rec.topk_p, rec.topk_index  # [bs, K]
+    parent_hidden = None
+    if rec.draft_hidden is not None:
+        parent_hidden = rec.draft_hidden[:, None, :].expand(bs, K, rec.draft_hidden.shape[-1])
+    cand_tokens, cand_scores, cand_parents = [frontier_tokens], [frontier_scores], [torch.full_like(frontier_tokens, -1)]
+    frontier_cand = torch.arange(K, device=device).expand(bs, K)
+    path_slots = torch.empty((bs, K, 0), dtype=torch.long, device=device)
+    positions_per_step = []
+    for j in range(S - 1):
+        own = draft_slots[:, j, :]  # [bs, K]
+        positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
+        positions_per_step.append(positions)
+        extra = torch.cat([path_slots, own[:, :, None]], dim=2).reshape(bs * K, j + 1)
+        batch = _batch(
+            ports, ids, frontier_tokens.reshape(-1), positions.repeat_interleave(K), row_request,
+            own.reshape(-1), (L + offset).repeat_interleave(K), extra, page_table,
+        )
+        out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
+        child_p, child_ids = backend.select_topk(out.logits, K)  # [bs*K, K]
+        child_p, child_ids = child_p.view(bs, K, K), child_ids.view(bs, K, K)
+        cum, keep, frontier_scores, frontier_tokens = backend.expand_frontier(frontier_scores, child_p, child_ids, K)
+        level_base = K + j * K * K
+        cand_tokens.append(child_ids.reshape(bs, K * K))
+        cand_scores.append(cum)
+        cand_parents.append(frontier_cand.repeat_interleave(K, dim=1))
+        parent_k = keep // K  # [bs, K]: which frontier node each new frontier node hangs under
+        frontier_cand = level_base + keep
+        if out.hidden is not None:
+            hidden = out.hidden.view(bs, K, -1)
+            parent_hidden = hidden.gather(1, parent_k[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)
+        path_slots = path_slots.gather(1, parent_k[:, :, None].expand(-1, -1, path_slots.shape[2]))
+
+    if K == 1:
+        tokens, parents = chain_tree(rec.root_tokens, torch.cat(cand_tokens, dim=1))
+        scores = None
+    else:
+        tokens, parents, scores = backend.rerank_tree(
+            rec.root_tokens, torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), N
+        )
+    draft_positions = (
+        torch.stack(positions_per_step, 1) if positions_per_step else torch.empty((bs, 0), dtype=torch.long)
+    )
+    return Drafted(
+        config=cfg,
+        requests=rec.requests,
+        seq_lens=L,
+        tree=DraftTree(tokens=tokens, parents=parents, depths=tree_depths(parents), scores=scores),
+        verify_slots=verify_slots,
+        draft_slots=draft_slots,
+        draft_positions=draft_positions,
+    )
+
+
+def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
+    """A lookup draft proposes the ``N - 1`` nodes from each request's token history."""
+    cfg, bs = rec.config, len(rec.requests)
+    ids, _, verify_slots = _reserve_cycle(rec, ports, backend)
+    device = rec.seq_lens.device
+    histories = [r.tokens for r in rec.requests]
+    tokens, parents = ports.draft.propose(ids, histories, cfg.num_steps, cfg.num_draft_tokens - 1, cfg.topk)
+    tokens = torch.cat([rec.root_tokens[:, None], tokens.to(device)], dim=1)
+    parents = torch.cat([torch.full((bs, 1), -1, dtype=torch.long, device=device), parents.to(device)], dim=1)
+    return Drafted(
+        config=cfg,
+        requests=rec.requests,
+        seq_lens=rec.seq_lens,
+        tree=DraftTree(tokens=tokens, parents=parents, depths=tree_depths(parents)),
+        verify_slots=verify_slots,
+        draft_slots=torch.empty((bs, 0, cfg.topk), dtype=torch.long, device=device),
+        draft_positions=torch.empty((bs, 0), dtype=torch.long, device=device),
+    )
+
+
+# ---- verify ------------------------------------------------------------------------------------
+def verify(rec: Drafted, ports: Ports, backend) -> Verified:
+    """One target forward over ``[root, drafts]`` at ``L + depth`` with the tree mask; greedy walk."""
+    cfg, bs = rec.config, len(rec.requests)
+    N = cfg.num_draft_tokens
+    ids = tuple(r.request_id for r in rec.requests)
+    L, device = rec.seq_lens, rec.seq_lens.device
+    mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
+    extra = torch.where(mask, rec.verify_slots[:, None, :], -1).reshape(bs * N, N)
+    row_request = torch.arange(bs, device=device).repeat_interleave(N)
+    batch = _batch(
+        ports, ids, rec.tree.tokens.reshape(-1), (L[:, None] + rec.tree.depths).reshape(-1), row_request,
+        rec.verify_slots.reshape(-1), L.repeat_interleave(N), extra, ports.kv_pool.page_table(ids),
+    )
+    out = ports.target.forward(batch)
+    predict = backend.greedy_predict(out.logits)  # [bs * N]
+    accept_index, accept_len = backend.verify_greedy(rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width)
+    bad = _check_logits(out.logits, row_request, bs)
+    requests = tuple(
+        _errored(r, "the target returned non-finite logits during verify") if b else r
+        for r, b in zip(rec.requests, bad)
+    )
+    return Verified(
+        config=cfg,
+        requests=requests,
+        seq_lens=L,
+        tree=rec.tree,
+        verify_slots=rec.verify_slots,
+        rows=RowOutputs(predict=predict, hidden=out.hidden),
+        accept_index=accept_index,
+        accept_len=accept_len,
+    )
+
+
+# ---- accept ------------------------------------------------------------------------------------
+def gather_rows(rows: RowOutputs, accept_index: torch.Tensor, backend) -> RowOutputs:
+    """Every per-row field of `RowOutputs`, gathered along the accepted path by one mechanism."""
+    gathered = {}
+    for field in attrs.fields(RowOutputs):
+        value = getattr(rows, field.name)
+        gathered[field.name] = None if value is None else backend.gather_accepted(value, accept_index)
+    return RowOutputs(**gathered)
+
+
+def accept(rec: Verified, ports: Ports, backend) -> Accepted:
+    """Gather the accepted path, cut it at stops, read the bonus at stride ``S + 1``."""
+    cfg = rec.config
+    accepted_rows = gather_rows(rec.rows, rec.accept_index, backend)
+    accept_len = rec.accept_len
+    lens, reasons = [], []
+    committed_all = accepted_rows.predict.tolist()
+    for request, committed, n in zip(rec.requests, committed_all, accept_len.tolist()):
+        if request.finish_reason == "error":
+            lens.append(1)
+            reasons.append("error")
+            continue
+        keep, reason = cut_at_stops(request, committed[:n])
+        lens.append(keep)
+        reasons.append(reason)
+    accept_len = torch.tensor(lens, dtype=torch.long, device=accept_len.device)
+    bonus = backend.fill_bonus(accepted_rows.predict, accept_len, cfg.accept_width)
+    return Accepted(
+        config=cfg,
+        requests=rec.requests,
+        seq_lens=rec.seq_lens,
+        tree=rec.tree,
+        verify_slots=rec.verify_slots,
+        accept_index=rec.accept_index,
+        accept_len=accept_len,
+        accepted_rows=accepted_rows,
+        bonus=bonus,
+        finish_reasons=tuple(reasons),
+    )
+
+
+# ---- compact -----------------------------------------------------------------------------------
+def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
+    """Move the accepted path's KV to ``[L, L + accept_len)``, commit, pick recurrent state."""
+    cfg, bs = rec.config, len(rec.requests)
+    L, device = rec.seq_lens, rec.seq_lens.device
+    if cfg.is_chain:
+        moves = None  # a chain's accepted row d already sits at L + d
+    else:
+        src, dst = backend.plan_kv_move(rec.accept_index, rec.accept_len, rec.verify_slots)
+        backend.move_kv(ports.kv_pool.target_buffers(), src, dst)
+        moves = (src, dst)
+    last_correct = backend.last_correct_step_indices(rec.accept_index, rec.accept_len, cfg.num_draft_tokens)
+    ids = tuple(r.request_id for r in rec.requests)
+    ports.recurrent.commit(request_ids=ids, last_correct_step_indices=last_correct)
+
+    committed = rec.accepted_rows.predict.tolist()
+    requests = []
+    for request, tokens, n, reason in zip(rec.requests, committed, rec.accept_len.tolist(), rec.finish_reasons):
+        if request.finish_reason == "error":
+            requests.append(request)
+            continue
+        requests.append(attrs.evolve(request, output=request.output + tuple(tokens[:n]), finish_reason=reason))
+
+    # Draft extend rows: the committed tokens at L + offset + i (shifted: with the target features).
+    offset = draft_offset(ports, cfg)
+    width = cfg.accept_width
+    valid = torch.arange(width, device=device)[None, :] < rec.accept_len[:, None]  # [bs, S+1]
+    positions = L[:, None] + offset + torch.arange(width, device=device)[None, :]
+    hidden = rec.accepted_rows.hidden
+    extend = ExtendRows(
+        input_ids=rec.accepted_rows.predict[valid],
+        positions=positions[valid],
+        row_request=torch.arange(bs, device=device)[:, None].expand(bs, width)[valid],
+        hidden=None if hidden is None or offset == 1 else hidden[valid],
+    )
+    return Compacted(
+        config=cfg,
+        requests=tuple(requests),
+        seq_lens=L + rec.accept_len,
+        root_tokens=rec.bonus,
+        extend=extend,
+        kv_moves=moves,
+        accept_len=rec.accept_len,
+        last_correct_step_indices=last_correct,
+    )
