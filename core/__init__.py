@@ -26,7 +26,25 @@ from .records import (
 )
 
 __all__ = [
-    "SpecConfig", "SamplingParams", "ForwardBatch", "ModelOutput", "TargetModel", "DraftModel",
-    "LookupDraft", "KVPool", "KVPoolExhausted", "RecurrentStatePool", "Ports", "Admitted", "Compacted",
-    "Ready", "Drafted", "Verified", "Accepted", "DraftTree", "ExtendRows", "Request", "RowOutputs",
+    "SpecConfig",
+    "SamplingParams",
+    "ForwardBatch",
+    "ModelOutput",
+    "TargetModel",
+    "DraftModel",
+    "LookupDraft",
+    "KVPool",
+    "KVPoolExhausted",
+    "RecurrentStatePool",
+    "Ports",
+    "Admitted",
+    "Compacted",
+    "Ready",
+    "Drafted",
+    "Verified",
+    "Accepted",
+    "DraftTree",
+    "ExtendRows",
+    "Request",
+    "RowOutputs",
 ]

@@ -119,8 +119,9 @@ class LookupDraft(Protocol):
         """Return ``tokens [bs, num_nodes]`` and ``parents [bs, num_nodes]``.
 
         Node ``i`` is verify row ``i + 1``; ``parents[b, i]`` is a verify row index ``< i + 1`` (0 is
-        the root); no node deeper than ``num_steps``; with ``topk == 1`` a chain (``parents[b, i] == i``). Rows a draft has no guess for still need a
-        token: repeat a plausible one, the verify rejects it at no cost to correctness.
+        the root); no node deeper than ``num_steps``; with ``topk == 1`` a chain (``parents[b, i] == i``).
+        Rows a draft has no guess for still need a token: repeat a plausible one, the verify rejects it
+        at no cost to correctness.
         """
         ...
 

@@ -6,6 +6,14 @@ from .table import TABLE, Transition
 from .transitions import CycleError
 
 __all__ = [
-    "TABLE", "Transition", "step", "run_cycle", "generate", "select", "TraceEvent",
-    "InvariantViolation", "NoTransition", "CycleError",
+    "TABLE",
+    "Transition",
+    "step",
+    "run_cycle",
+    "generate",
+    "select",
+    "TraceEvent",
+    "InvariantViolation",
+    "NoTransition",
+    "CycleError",
 ]

@@ -92,23 +92,33 @@ def _check_committed(record, ports) -> None:
             f"request {request.request_id}: L={L} but prompt + output - root = "
             f"{len(request.prompt) + len(request.output) - 1}",
         )
-        require(int(record.root_tokens[i]) == request.output[-1], 10,
-                f"request {request.request_id}: root token is not the last committed token")
+        require(
+            int(record.root_tokens[i]) == request.output[-1],
+            10,
+            f"request {request.request_id}: root token is not the last committed token",
+        )
         least = math.ceil((L + offset) / pool.page_size)
         most = math.ceil((L + cfg.reserve_len("aligned" if offset else "shifted")) / pool.page_size)
-        require(least <= held <= max(least, most), 8,
-                f"request {request.request_id}: holds {held} pages, expected between {least} and {most}")
+        require(
+            least <= held <= max(least, most),
+            8,
+            f"request {request.request_id}: holds {held} pages, expected between {least} and {most}",
+        )
     for request in getattr(record, "retired", ()):
-        require(pool.pages_held(request.request_id) == 0, 8,
-                f"retired request {request.request_id} still holds pages")
+        require(pool.pages_held(request.request_id) == 0, 8, f"retired request {request.request_id} still holds pages")
     if isinstance(record, Compacted):
         _check_extend_rows(record, offset)
         if record.last_correct_step_indices is not None:
             lcsi, n = record.last_correct_step_indices, cfg.num_draft_tokens
-            require(bool(((lcsi >= 0) & (lcsi < n)).all()), 12, f"last_correct_step_indices {lcsi.tolist()} not in [0, {n})")
+            require(
+                bool(((lcsi >= 0) & (lcsi < n)).all()), 12, f"last_correct_step_indices {lcsi.tolist()} not in [0, {n})"
+            )
             if cfg.is_chain and record.accept_len is not None:
-                require(torch.equal(lcsi, record.accept_len - 1), 12,
-                        "a chain's last_correct_step_indices must equal accept_len - 1")
+                require(
+                    torch.equal(lcsi, record.accept_len - 1),
+                    12,
+                    "a chain's last_correct_step_indices must equal accept_len - 1",
+                )
 
 
 def _check_extend_rows(record: Compacted, offset: int) -> None:
@@ -120,8 +130,11 @@ def _check_extend_rows(record: Compacted, offset: int) -> None:
             continue
         end = int(record.seq_lens[i]) + offset
         expected = torch.arange(end - positions.numel(), end, device=positions.device)
-        require(torch.equal(positions, expected), 2,
-                f"request {request.request_id}: draft extend positions {positions.tolist()} should end at {end - 1}")
+        require(
+            torch.equal(positions, expected),
+            2,
+            f"request {request.request_id}: draft extend positions {positions.tolist()} should end at {end - 1}",
+        )
 
 
 def _check_drafted(record: Drafted, ports) -> None:
@@ -142,9 +155,12 @@ def _check_drafted(record: Drafted, ports) -> None:
     steps = record.draft_positions.shape[1]
     if steps:
         expected = record.seq_lens[:, None] + offset + torch.arange(steps, device=record.seq_lens.device)
-        require(torch.equal(record.draft_positions, expected), 2,
-                f"draft forward j must run at L + j + {offset}: got {record.draft_positions.tolist()}, "
-                f"expected {expected.tolist()}")
+        require(
+            torch.equal(record.draft_positions, expected),
+            2,
+            f"draft forward j must run at L + j + {offset}: got {record.draft_positions.tolist()}, "
+            f"expected {expected.tolist()}",
+        )
 
 
 def _check_reserved(record, ports) -> None:
@@ -171,9 +187,16 @@ def _check_reserved(record, ports) -> None:
 def _check_accept(cfg, tree, accept_index: torch.Tensor, accept_len: torch.Tensor) -> None:
     bs, n = tree.tokens.shape
     width = cfg.accept_width
-    require(tuple(accept_index.shape) == (bs, width), 5, f"accept_index shape {tuple(accept_index.shape)} != ({bs}, {width})")
-    require(bool(((accept_len >= 1) & (accept_len <= min(width, n))).all()), 5,
-            f"accept_len {accept_len.tolist()} outside [1, {min(width, n)}]")
+    require(
+        tuple(accept_index.shape) == (bs, width),
+        5,
+        f"accept_index shape {tuple(accept_index.shape)} != ({bs}, {width})",
+    )
+    require(
+        bool(((accept_len >= 1) & (accept_len <= min(width, n))).all()),
+        5,
+        f"accept_len {accept_len.tolist()} outside [1, {min(width, n)}]",
+    )
     for b in range(bs):
         m = int(accept_len[b])
         row = accept_index[b].tolist()
@@ -183,8 +206,11 @@ def _check_accept(cfg, tree, accept_index: torch.Tensor, accept_len: torch.Tenso
         require(all(0 <= v < n for v in path), 5, f"request {b}: accept_index leaves its block: {row}")
         require(all(x < y for x, y in zip(path, path[1:])), 5, f"request {b}: accept_index not increasing: {row}")
         parents = tree.parents[b].tolist()
-        require(all(parents[y] == x for x, y in zip(path, path[1:])), 5,
-                f"request {b}: accepted rows {path} are not a parent-to-child chain")
+        require(
+            all(parents[y] == x for x, y in zip(path, path[1:])),
+            5,
+            f"request {b}: accepted rows {path} are not a parent-to-child chain",
+        )
 
 
 def _check_greedy_path(record: Verified) -> None:
@@ -193,8 +219,11 @@ def _check_greedy_path(record: Verified) -> None:
     for b in range(bs):
         path = [v - b * n for v in record.accept_index[b].tolist()[: int(record.accept_len[b])]]
         for parent, child in zip(path, path[1:]):
-            require(int(record.tree.tokens[b, child]) == int(predict[b, parent]), 10,
-                    f"request {b}: accepted row {child} does not match the target's prediction at row {parent}")
+            require(
+                int(record.tree.tokens[b, child]) == int(predict[b, parent]),
+                10,
+                f"request {b}: accepted row {child} does not match the target's prediction at row {parent}",
+            )
 
 
 def _check_accepted(record: Accepted) -> None:
@@ -216,10 +245,19 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
     require(torch.equal(result.seq_lens, source.seq_lens + source.accept_len), 7, "L must grow by accept_len")
     if result.kv_moves is not None:
         src, dst = result.kv_moves
-        require(src.numel() == dst.numel() <= bs * cfg.accept_width, 7,
-                f"{src.numel()} KV moves exceed bs * (S + 1) = {bs * cfg.accept_width}")
+        require(
+            src.numel() == dst.numel() <= bs * cfg.accept_width,
+            7,
+            f"{src.numel()} KV moves exceed bs * (S + 1) = {bs * cfg.accept_width}",
+        )
+        owner = {int(slot): b for b in range(bs) for slot in source.verify_slots[b]}
+        for s, t in zip(src.tolist(), dst.tolist()):
+            require(
+                s in owner and owner[s] == owner.get(t),
+                7,
+                f"the move {s} -> {t} leaves one request's verify slots",
+            )
         for b in range(bs):
-            own = set(source.verify_slots[b].tolist())
             m = int(source.accept_len[b])
             path = [v - b * cfg.num_draft_tokens for v in source.accept_index[b].tolist()[:m]]
             for d, row in enumerate(path):
@@ -227,14 +265,7 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
                     s, t = int(source.verify_slots[b, row]), int(source.verify_slots[b, d])
                     hit = ((src == s) & (dst == t)).any()
                     require(bool(hit), 7, f"request {b}: accepted row {row} was not moved to L + {d}")
-        for s in src.tolist():
-            require(any(s in set(source.verify_slots[b].tolist()) for b in range(bs)), 7, f"move reads slot {s} outside verify slots")
     for field in attrs.fields(RowOutputs):
         before = getattr(source.accepted_rows, field.name)
         require(before is None or before.shape[:2] == (bs, cfg.accept_width), 9, f"{field.name} not compacted")
 
-
-def check_ready(record: Ready) -> None:
-    bs = len(record.requests)
-    if record.topk_index is not None:
-        require(tuple(record.topk_index.shape) == (bs, record.config.topk), 1, "topk_index must be [bs, K]")

@@ -66,8 +66,16 @@ def step(
     if checked:
         checks.check_transition(record, result, ports)
     if trace is not None:
-        trace(TraceEvent(row.event, row.source.__name__, row.target.__name__, duration,
-                         len(record.requests), checks.row_count(result)))
+        trace(
+            TraceEvent(
+                row.event,
+                row.source.__name__,
+                row.target.__name__,
+                duration,
+                len(record.requests),
+                checks.row_count(result),
+            )
+        )
     return result
 
 

@@ -266,8 +266,16 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     counts = torch.bincount(ext.row_request, minlength=bs)
     last_rows = torch.cumsum(counts, 0) - 1
     batch = _batch(
-        ports, ids, ext.input_ids, ext.positions, ext.row_request, out_slots, ext.positions + 1, None,
-        page_table, last_rows,
+        ports,
+        ids,
+        ext.input_ids,
+        ext.positions,
+        ext.row_request,
+        out_slots,
+        ext.positions + 1,
+        None,
+        page_table,
+        last_rows,
     )
     out = ports.draft.extend(batch, ext.hidden)
     topk_p, topk_index = backend.select_topk(out.logits, cfg.topk)
@@ -320,7 +328,11 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     parent_hidden = None
     if rec.draft_hidden is not None:
         parent_hidden = rec.draft_hidden[:, None, :].expand(bs, K, rec.draft_hidden.shape[-1])
-    cand_tokens, cand_scores, cand_parents = [frontier_tokens], [frontier_scores], [torch.full_like(frontier_tokens, -1)]
+    cand_tokens, cand_scores, cand_parents = (
+        [frontier_tokens],
+        [frontier_scores],
+        [torch.full_like(frontier_tokens, -1)],
+    )
     frontier_cand = torch.arange(K, device=device).expand(bs, K)
     path_slots = torch.empty((bs, K, 0), dtype=torch.long, device=device)
     positions_per_step = []
@@ -330,8 +342,15 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         positions_per_step.append(positions)
         extra = torch.cat([path_slots, own[:, :, None]], dim=2).reshape(bs * K, j + 1)
         batch = _batch(
-            ports, ids, frontier_tokens.reshape(-1), positions.repeat_interleave(K), row_request,
-            own.reshape(-1), (L + offset).repeat_interleave(K), extra, page_table,
+            ports,
+            ids,
+            frontier_tokens.reshape(-1),
+            positions.repeat_interleave(K),
+            row_request,
+            own.reshape(-1),
+            (L + offset).repeat_interleave(K),
+            extra,
+            page_table,
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
         child_p, child_ids = backend.select_topk(out.logits, K)  # [bs*K, K]
@@ -401,12 +420,21 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     extra = torch.where(mask, rec.verify_slots[:, None, :], -1).reshape(bs * N, N)
     row_request = torch.arange(bs, device=device).repeat_interleave(N)
     batch = _batch(
-        ports, ids, rec.tree.tokens.reshape(-1), (L[:, None] + rec.tree.depths).reshape(-1), row_request,
-        rec.verify_slots.reshape(-1), L.repeat_interleave(N), extra, ports.kv_pool.page_table(ids),
+        ports,
+        ids,
+        rec.tree.tokens.reshape(-1),
+        (L[:, None] + rec.tree.depths).reshape(-1),
+        row_request,
+        rec.verify_slots.reshape(-1),
+        L.repeat_interleave(N),
+        extra,
+        ports.kv_pool.page_table(ids),
     )
     out = ports.target.forward(batch)
     predict = backend.greedy_predict(out.logits)  # [bs * N]
-    accept_index, accept_len = backend.verify_greedy(rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width)
+    accept_index, accept_len = backend.verify_greedy(
+        rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
+    )
     bad = _check_logits(out.logits, row_request, bs)
     requests = tuple(
         _errored(r, "the target returned non-finite logits during verify") if b else r

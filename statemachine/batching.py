@@ -1,0 +1,38 @@
+"""Join and split `Ready` batches between cycles (continuous batching at the record level)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.records import Ready
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    if a is None and b is None:
+        return None
+    if a is None or b is None:
+        raise ValueError(f"cannot merge batches: {what} is set in one and not the other (same draft for both?)")
+    return torch.cat([a, b])
+
+
+def merge_ready(a: Ready, b: Ready) -> Ready:
+    """One `Ready` batch holding the requests of ``a`` then ``b``. Both must share the config."""
+    if a.config != b.config:
+        raise ValueError(f"cannot merge batches with different configs: {a.config} and {b.config}")
+    if not a.requests:
+        return b
+    if not b.requests:
+        return a
+    clash = {r.request_id for r in a.requests} & {r.request_id for r in b.requests}
+    if clash:
+        raise ValueError(f"request ids {sorted(clash)} are in both batches")
+    return Ready(
+        config=a.config,
+        requests=a.requests + b.requests,
+        seq_lens=torch.cat([a.seq_lens, b.seq_lens]),
+        root_tokens=torch.cat([a.root_tokens, b.root_tokens]),
+        topk_p=_cat(a.topk_p, b.topk_p, "topk_p"),
+        topk_index=_cat(a.topk_index, b.topk_index, "topk_index"),
+        draft_hidden=_cat(a.draft_hidden, b.draft_hidden, "draft_hidden"),
+        retired=a.retired + b.retired,
+    )

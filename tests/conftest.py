@@ -1,0 +1,22 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+# CI: bounded and derandomized, so the suite is fast and a failure replays. `thorough`: many more.
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    stateful_step_count=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=500,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", max_examples=10, stateful_step_count=8, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,129 @@
+"""One named test per historical bug class behind DESIGN.md's invariants (see shared/seeds/)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from speccycle.backends.torch import TorchBackend
+from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
+from speccycle.statemachine import InvariantViolation, step, transitions
+from speccycle.statemachine.checks import check_transition
+from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
+
+backend = TorchBackend()
+
+
+def _machine(config: SpecConfig, pairing: str = "shifted", agreement: float = 0.8):
+    pool = FingerprintPool(num_pages=512, page_size=config.page_size)
+    target = HashedNgramTarget(pool, vocab_size=32, n=3)
+    draft = NoisyDraft(target, agreement, pairing)
+    return Ports(target=target, draft=draft, kv_pool=pool), target, draft
+
+
+def _ready(ports, config, prompts=((1, 2, 3, 4, 5), (7, 8, 9))):
+    requests = tuple(Request(i, p, SamplingParams(max_new_tokens=40)) for i, p in enumerate(prompts))
+    record = Admitted(config=config, requests=requests)
+    while type(record).__name__ != "Ready":
+        record = step(record, ports, backend, checked=True)
+    return record
+
+
+def test_draft_forward_j_runs_at_L_plus_j_not_L_plus_j_plus_1():
+    """SGLang PR 25015: the position was advanced before the forward, so forward 0 ran at L + 1."""
+    config = SpecConfig(num_steps=4, topk=2, num_draft_tokens=7)
+    ports, _, draft = _machine(config)
+    ready = _ready(ports, config)
+    drafted = step(ready, ports, backend, checked=True)
+    for j, positions in enumerate(draft.step_positions):
+        expected = ready.seq_lens.repeat_interleave(config.topk) + j
+        assert torch.equal(positions, expected), f"draft forward {j} ran at {positions.tolist()}"
+    # The same record with positions advanced before the forward is rejected by checked mode...
+    shifted = attrs.evolve(drafted, draft_positions=drafted.draft_positions + 1)
+    with pytest.raises(InvariantViolation, match="invariant 2"):
+        check_transition(ready, shifted, ports)
+
+
+def test_advancing_the_position_before_the_forward_is_caught(monkeypatch):
+    """...and a runner with the PR 25015 bug fails: the EAGLE draft sees its parent at the wrong position."""
+    config = SpecConfig(num_steps=3, topk=1)
+    ports, _, _ = _machine(config)
+    ready = _ready(ports, config)
+    monkeypatch.setattr(transitions, "draft_position", lambda L, depth, offset: L + depth + offset)
+    with pytest.raises(AssertionError, match="parent must sit one position before"):
+        step(ready, ports, backend, checked=True)
+
+
+def test_bonus_is_read_at_stride_S_plus_1_not_N():
+    """SGLang PR 26866: the bonus token was read at stride N (num_draft_tokens), past the row."""
+    config = SpecConfig(num_steps=2, topk=3, num_draft_tokens=7)  # N = 7 > S + 1 = 3
+    accept_tokens = torch.tensor([[10, 11, 12], [20, 21, 22]])  # [bs, S + 1]
+    accept_len = torch.tensor([2, 3])
+    assert backend.fill_bonus(accept_tokens, accept_len, config.accept_width).tolist() == [11, 22]
+    with pytest.raises(ValueError, match="expected bs \\* stride"):
+        backend.fill_bonus(accept_tokens, accept_len, config.num_draft_tokens)
+    # In a real cycle, a bonus read at stride N is a checked-mode failure.
+    ports, _, _ = _machine(config)
+    record = _ready(ports, config)
+    while type(record).__name__ != "Accepted":
+        previous, record = record, step(record, ports, backend, checked=True)
+    flat = record.accepted_rows.predict.reshape(-1)
+    wide = torch.cat([flat, flat.new_zeros(len(record.requests) * config.num_draft_tokens)])
+    wrong = wide[torch.arange(len(record.requests)) * config.num_draft_tokens + record.accept_len - 1]
+    if not torch.equal(wrong, record.bonus):
+        with pytest.raises(InvariantViolation, match="invariant 6"):
+            check_transition(previous, attrs.evolve(record, bonus=wrong), ports)
+
+
+def test_kv_move_is_sized_by_accept_width_not_bs_times_N():
+    """SGLang PR 26866: the KV move was sized bs * N and read out of bounds."""
+    bs, n, width = 3, 9, 4  # S = 3, N = 9
+    verify_slots = torch.arange(bs * n).view(bs, n) + 100
+    # Each request accepted the path 0 -> 2 -> 5 -> 8 (rows already in the tree's depth order).
+    rows = torch.tensor([0, 2, 5, 8])
+    accept_index = rows[None, :] + (torch.arange(bs) * n)[:, None]
+    accept_len = torch.tensor([4, 2, 1])
+    src, dst = backend.plan_kv_move(accept_index, accept_len, verify_slots)
+    assert src.numel() <= bs * width
+    assert src.tolist() == [102, 105, 108, 111] and dst.tolist() == [101, 102, 103, 110]
+    buf = torch.arange(200)[:, None].repeat(1, 2)
+    backend.move_kv([buf], src, dst)  # gather first: row 5 -> 2 while row 2 -> 1
+    assert buf[101:104, 0].tolist() == [102, 105, 108] and buf[110, 0] == 111
+    # A Compacted record claiming bs * N moves is rejected.
+    config = SpecConfig(num_steps=3, topk=3, num_draft_tokens=9)
+    ports, _, _ = _machine(config)
+    record = _ready(ports, config, prompts=((1, 2, 3),) * 1)
+    while type(record).__name__ != "Accepted":
+        record = step(record, ports, backend, checked=True)
+    compacted = step(record, ports, backend, checked=True)
+    oversized = torch.zeros(len(record.requests) * config.num_draft_tokens + 1, dtype=torch.long)
+    with pytest.raises(InvariantViolation, match="invariant 7"):
+        check_transition(record, attrs.evolve(compacted, kv_moves=(oversized, oversized)), ports)
+
+
+def test_draft_leaves_positions_and_seq_lens_as_it_found_them():
+    """SGLang PR 25015: a captured draft loop advanced positions in place and left them advanced."""
+    config = SpecConfig(num_steps=5, topk=1)
+    ports, _, draft = _machine(config)
+    ready = _ready(ports, config)
+    seq_lens_before = ready.seq_lens.clone()
+    step(ready, ports, backend, checked=True)
+    assert torch.equal(ready.seq_lens, seq_lens_before)
+    for given, at_call in draft.step_inputs:
+        assert torch.equal(given, at_call), "a positions tensor handed to the draft was changed afterwards"
+
+
+def test_argmax_fast_path_picks_the_true_maximum_where_low_precision_softmax_ties():
+    """SGLang PR 26235/26397: argmax and softmax + max picked different tokens in low precision.
+
+    Two logits that differ in bf16 round to one probability after a bf16 softmax; max then returns
+    the lower index. The K == 1 fast path takes argmax of the logits, which is exact in any dtype.
+    """
+    logits = torch.zeros((1, 64), dtype=torch.bfloat16)
+    logits[0, 3] = 0.25
+    logits[0, 40] = 0.251953125  # the true maximum, one bf16 ulp above
+    low_precision = torch.softmax(logits, dim=-1)
+    assert low_precision[0, 3] == low_precision[0, 40], "the bf16 softmax is expected to tie here"
+    assert int(low_precision.argmax()) == 3  # softmax + max picks the wrong token
+    _, ids = backend.select_topk(logits, 1)
+    assert int(ids[0, 0]) == 40 == int(logits.float().argmax())

@@ -1,0 +1,166 @@
+"""Invariants 1, 4, 5, 7 and 12 as properties of the pure tree math and the reference ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from speccycle.backends.torch import TorchBackend
+from speccycle.core import SpecConfig
+from speccycle.core.config import max_tree_nodes
+from speccycle.core.tree import (
+    ancestor_mask,
+    expand_frontier,
+    pack_mask,
+    rerank_tree,
+    retrieve_links,
+    tree_depths,
+    unpack_mask,
+)
+
+backend = TorchBackend()
+
+
+@st.composite
+def trees(draw, max_n=20, max_bs=3):
+    """Random trees: ``parents[b, i] < i``, root at 0. Returns parents ``[bs, N]``."""
+    bs = draw(st.integers(1, max_bs))
+    n = draw(st.integers(1, max_n))
+    rows = []
+    for _ in range(bs):
+        rows.append([-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _ancestors(parents: list[int], i: int) -> set[int]:
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+# ---- invariant 1: config ------------------------------------------------------------------------
+@given(st.integers(-2, 10), st.integers(-1, 6), st.integers(-1, 200))
+def test_invariant_1_config_validation(steps, topk, n):
+    valid = steps >= 1 and topk >= 1 and (n == steps + 1 if topk == 1 else 2 <= n <= 1 + max_tree_nodes(steps, topk))
+    if valid:
+        config = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n)
+        assert config.accept_width == steps + 1
+    else:
+        with pytest.raises(ValueError) as err:
+            SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n)
+        assert any(name in str(err.value) for name in ("num_steps (S)", "topk (K)", "num_draft_tokens (N)"))
+        assert "allowed" in str(err.value) or "must equal" in str(err.value)
+
+
+# ---- invariant 4: tree --------------------------------------------------------------------------
+@given(trees())
+def test_invariant_4_tree_mask_is_prefix_ancestors_and_self(parents):
+    mask = ancestor_mask(parents)
+    for b, row in enumerate(parents.tolist()):
+        for i in range(len(row)):
+            assert set(torch.nonzero(mask[b, i]).flatten().tolist()) == _ancestors(row, i)
+    assert torch.equal(unpack_mask(pack_mask(mask), parents.shape[1]), mask)
+    depths = tree_depths(parents)
+    assert torch.equal(depths, mask.sum(-1) - 1)
+
+
+@given(trees())
+def test_invariant_4_retrieve_links_rebuild_the_parents(parents):
+    first_child, next_sibling = retrieve_links(parents)
+    for b in range(parents.shape[0]):
+        rebuilt = [-1] * parents.shape[1]
+        for p in range(parents.shape[1]):
+            c = int(first_child[b, p])
+            while c >= 0:
+                rebuilt[c] = p
+                c = int(next_sibling[b, c])
+        assert rebuilt == parents[b].tolist()
+
+
+@given(st.integers(1, 5), st.integers(2, 4), st.integers(0, 10_000), st.data())
+def test_invariant_4_eagle2_selection_keeps_parents_before_children(steps, topk, seed, data):
+    gen = torch.Generator().manual_seed(seed)
+    bs = 2
+    scores = torch.softmax(torch.randn(bs, topk, generator=gen), -1).topk(topk).values
+    cand_scores, cand_tokens, cand_parents = (
+        [scores],
+        [torch.randint(0, 50, (bs, topk), generator=gen)],
+        [torch.full((bs, topk), -1)],
+    )
+    frontier_cand = torch.arange(topk).expand(bs, topk)
+    for j in range(steps - 1):
+        child_p = torch.softmax(torch.randn(bs, topk, 50, generator=gen), -1).topk(topk)
+        cum, keep, scores, _ = expand_frontier(scores, child_p.values, child_p.indices, topk)
+        assert torch.equal(scores, cum.sort(-1, descending=True).values[:, :topk])
+        cand_scores.append(cum)
+        cand_tokens.append(child_p.indices.reshape(bs, -1))
+        cand_parents.append(frontier_cand.repeat_interleave(topk, dim=1))
+        frontier_cand = topk + j * topk * topk + keep
+    n = data.draw(st.integers(2, 1 + max_tree_nodes(steps, topk)))
+    tokens, parents, kept_scores = rerank_tree(
+        torch.tensor([7, 8]), torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), n
+    )
+    assert tokens.shape == parents.shape == (bs, n)
+    assert (parents[:, 0] == -1).all() and (parents[:, 1:] < torch.arange(1, n)).all() and (parents[:, 1:] >= 0).all()
+    # A child's cumulative score never exceeds its parent's.
+    assert (kept_scores[:, 1:] <= kept_scores.gather(1, parents[:, 1:].clamp(min=0)) + 1e-7).all()
+    assert int(tree_depths(parents).max()) <= steps
+
+
+# ---- invariant 5: accept ------------------------------------------------------------------------
+def _walk(tokens: list[int], parents: list[int], predict: list[int], width: int) -> list[int]:
+    """The textbook greedy walk: from the root, follow the first child whose token is predicted."""
+    path, cur = [0], 0
+    while len(path) < width:
+        nxt = [c for c in range(len(tokens)) if parents[c] == cur and tokens[c] == predict[cur]]
+        if not nxt:
+            break
+        cur = nxt[0]
+        path.append(cur)
+    return path
+
+
+@given(trees(max_n=16), st.integers(1, 6), st.integers(0, 10_000))
+def test_invariant_5_greedy_verify_matches_the_walk(parents, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bs, n = parents.shape
+    depths = tree_depths(parents)
+    if int(depths.max()) > steps:
+        steps = int(depths.max())
+    tokens = torch.randint(0, 3, (bs, n), generator=gen)  # a small vocabulary: repeats and matches
+    predict = torch.randint(0, 3, (bs, n), generator=gen)
+    width = steps + 1
+    accept_index, accept_len = backend.verify_greedy(tokens, parents, predict, width)
+    assert accept_index.shape == (bs, width)
+    for b in range(bs):
+        path = _walk(tokens[b].tolist(), parents[b].tolist(), predict[b].tolist(), width)
+        assert int(accept_len[b]) == len(path)
+        assert accept_index[b].tolist() == [p + b * n for p in path] + [-1] * (width - len(path))
+    last = backend.last_correct_step_indices(accept_index, accept_len, n)  # invariant 12
+    assert ((last >= 0) & (last < n)).all()
+
+
+# ---- invariant 7: KV moves ----------------------------------------------------------------------
+@given(trees(max_n=12), st.integers(0, 10_000))
+def test_invariant_7_kv_move_puts_the_accepted_path_at_L(parents, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bs, n = parents.shape
+    width = int(tree_depths(parents).max()) + 1
+    tokens = torch.randint(0, 2, (bs, n), generator=gen)
+    predict = torch.randint(0, 2, (bs, n), generator=gen)
+    accept_index, accept_len = backend.verify_greedy(tokens, parents, predict, width)
+    verify_slots = torch.randperm(bs * n * 2, generator=gen)[: bs * n].view(bs, n)
+    kv = torch.arange(bs * n * 2)[:, None] * 10
+    src, dst = backend.plan_kv_move(accept_index, accept_len, verify_slots)
+    assert src.numel() <= bs * width
+    own = {int(s): b for b in range(bs) for s in verify_slots[b]}
+    assert all(own[int(s)] == own[int(d)] for s, d in zip(src, dst)), "a move crossed requests"
+    before = kv.clone()
+    backend.move_kv([kv], src, dst)
+    for b in range(bs):
+        for d in range(int(accept_len[b])):
+            row = int(accept_index[b, d]) - b * n
+            assert int(kv[verify_slots[b, d], 0]) == int(before[verify_slots[b, row], 0])

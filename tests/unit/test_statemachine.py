@@ -1,0 +1,138 @@
+"""The table is honest (rows call the ops they name), renders, and the runner fails clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speccycle.backends.torch import TorchBackend
+from speccycle.core import Admitted, KVPoolExhausted, Ports, Request, SamplingParams, SpecConfig
+from speccycle.statemachine import TABLE, CycleError, NoTransition, TraceEvent, generate, run_cycle, select, step
+from speccycle.statemachine.render import to_markdown, to_mermaid
+from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
+
+
+class RecordingBackend(TorchBackend):
+    """Records the name of every backend op a transition calls."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if callable(attr) and not name.startswith("_") and name in dir(TorchBackend):
+            object.__getattribute__(self, "calls").append(name)
+        return attr
+
+
+def _ports(config, family="shifted", pages=256, nan_requests=()):
+    pool = FingerprintPool(num_pages=pages, page_size=config.page_size)
+    target = HashedNgramTarget(pool, vocab_size=32, n=3, nan_requests=nan_requests)
+    draft = TreeLookupDraft(target) if family == "lookup" else NoisyDraft(target, 0.7, family)
+    return Ports(target=target, draft=draft, kv_pool=pool)
+
+
+def _requests(n=2, max_new=12):
+    return tuple(Request(i, tuple(range(1 + i, 6 + 2 * i)), SamplingParams(max_new_tokens=max_new)) for i in range(n))
+
+
+@pytest.mark.parametrize("family", ["shifted", "lookup"])
+def test_each_transition_calls_only_the_ops_its_row_names(family):
+    config = SpecConfig(num_steps=3, topk=2, num_draft_tokens=5, page_size=2)
+    ports = _ports(config, family)
+    backend = RecordingBackend()
+    record = Admitted(config=config, requests=_requests(2, max_new=8))
+    seen = set()
+    for _ in range(40):
+        if not record.requests:
+            break
+        row = select(record, ports)
+        backend.calls.clear()
+        record = step(record, ports, backend, checked=True)
+        assert set(backend.calls) <= set(row.ops), f"{row.event} called {set(backend.calls) - set(row.ops)}"
+        seen.add((row.event, row.guard_name))
+    assert {e for e, _ in seen} >= {"prefill", "extend", "draft", "verify", "accept", "compact", "retire"}
+
+
+def test_renderings_name_every_row():
+    mermaid, markdown = to_mermaid(), to_markdown()
+    assert mermaid.startswith("stateDiagram-v2")
+    for row in TABLE:
+        assert f"{row.source.__name__} --> {row.target.__name__}: {row.event}" in mermaid
+        assert f"| `{row.source.__name__}` | `{row.event}` |" in markdown
+
+
+def test_trace_events_cover_a_cycle():
+    config = SpecConfig(num_steps=2, topk=1)
+    ports = _ports(config)
+    events: list[TraceEvent] = []
+    generate(_requests(1, 4), config, ports, trace=events.append)
+    assert [e.event for e in events][:4] == ["prefill", "extend", "draft", "verify"]
+    assert all(e.duration_s >= 0 for e in events)
+    assert any(e.event == "verify" and e.rows == config.num_draft_tokens for e in events)
+
+
+def test_no_row_applies_is_a_clear_error():
+    with pytest.raises(NoTransition, match="no row applies to Admitted on 'verify'"):
+        step(Admitted(config=SpecConfig(), requests=()), _ports(SpecConfig()), event="verify")
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (Request(0, ()), "prompt is empty"),
+        (Request(0, (1, 99)), "outside the vocabulary"),
+        (Request(0, (1, 2), SamplingParams(temperature=0.7)), "verifies greedily"),
+    ],
+)
+def test_bad_requests_are_refused_with_what_to_do(request_, message):
+    config = SpecConfig()
+    ports = _ports(config)
+    with pytest.raises(CycleError, match=message):
+        step(Admitted(config=config, requests=(request_,)), ports)
+    assert ports.kv_pool.num_free_pages == ports.kv_pool.num_pages
+
+
+def test_pool_exhaustion_raises_before_touching_the_pool_and_loses_nothing():
+    config = SpecConfig(num_steps=4, topk=1)
+    ports = _ports(config, pages=14)
+    ready = run_cycle(Admitted(config=config, requests=_requests(2, 30)), ports)
+    free_before = ports.kv_pool.num_free_pages
+    held_before = [ports.kv_pool.pages_held(r.request_id) for r in ready.requests]
+    with pytest.raises(KVPoolExhausted, match="retract or defer"):
+        for _ in range(20):
+            ready = run_cycle(ready, ports, checked=True)
+            free_before = ports.kv_pool.num_free_pages
+            held_before = [ports.kv_pool.pages_held(r.request_id) for r in ready.requests]
+    # Nothing was allocated by the failed reservation; the Ready record is still valid to retry.
+    assert ports.kv_pool.num_free_pages == free_before
+    assert [ports.kv_pool.pages_held(r.request_id) for r in ready.requests] == held_before
+    # With pages back (an engine retracts another request), the same record goes on, losslessly.
+    ports.kv_pool._free.extend(range(ports.kv_pool.num_pages, ports.kv_pool.num_pages + 64))
+    ports.kv_pool.num_pages += 64
+    ports.kv_pool.target = torch.cat([ports.kv_pool.target, torch.full((64 * config.page_size, 2), -1)])
+    ports.kv_pool.draft = torch.cat([ports.kv_pool.draft, torch.full((64 * config.page_size, 2), -1)])
+    done = {}
+    while ready.requests:
+        ready = run_cycle(ready, ports, checked=True)
+        done.update({r.request_id: r for r in ready.retired})
+    for request in _requests(2, 30):
+        assert list(done[request.request_id].output) == ports.target.greedy(request.prompt, 30)
+
+
+def test_nan_logits_stop_that_request_with_an_error_and_keep_the_others():
+    config = SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)
+    ports = _ports(config, nan_requests=(1,))
+    done = generate(_requests(3, 10), config, ports, checked=True)
+    assert done[1].finish_reason == "error" and "non-finite logits" in done[1].error
+    target = ports.target
+    for request in (done[0], done[2]):
+        assert list(request.output) == target.greedy(request.prompt, 10)
+    assert ports.kv_pool.num_free_pages == ports.kv_pool.num_pages
+
+
+def test_records_are_frozen():
+    config = SpecConfig()
+    record = Admitted(config=config, requests=_requests(1))
+    with pytest.raises(AttributeError):
+        record.requests = ()  # type: ignore[misc]
+    assert torch.is_tensor(run_cycle(record, _ports(config)).seq_lens)
