@@ -1,6 +1,7 @@
 """The cycle as a Hypothesis state machine, against a small pure-Python model of the KV pool.
 
-Random configs (S 1..8, K 1..4, N within bounds, P in {1, 2, 4, 16}), three draft families, ragged
+Random configs (S 1..8, K 1..4, N within bounds, P in {1, 2, 4, 16}), four draft families (EAGLE-shifted,
+aligned, random-tree lookup, n-gram prompt lookup), ragged
 prompts, requests joining between cycles and finishing at different times (stop tokens, length).
 The machine runs in checked mode, so every DESIGN invariant is validated at every boundary; the
 rules below add what needs the whole run: losslessness (10), KV conservation (8) against the model,
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
+from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.statemachine import run_cycle
 from speccycle.statemachine.batching import merge_ready
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
@@ -36,7 +38,7 @@ def configs(draw) -> SpecConfig:
 class CycleMachine(RuleBasedStateMachine):
     @initialize(
         config=configs(),
-        family=st.sampled_from(["shifted", "aligned", "lookup"]),
+        family=st.sampled_from(["shifted", "aligned", "lookup", "ngram"]),
         agreement=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
     )
     def setup(self, config: SpecConfig, family: str, agreement: float) -> None:

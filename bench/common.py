@@ -1,0 +1,45 @@
+"""Shared pieces of the benchmarks: where results go and what every result records."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str = "cpu") -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def write_result(name: str, payload: dict, device: str = "cpu") -> Path:
+    """Write ``bench/results/<name>-<date>.json`` with device, date, commit and torch version."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    record = {
+        "benchmark": name,
+        "device": device_name(device),
+        "date": now.isoformat(timespec="seconds"),
+        "commit": commit(),
+        "torch": torch.__version__,
+        **payload,
+    }
+    path = RESULTS / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
