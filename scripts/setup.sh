@@ -5,7 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 # torch first and pinned: a CPU build where one is available; the project accepts torch>=2.6.
 .venv/bin/python -m pip install -q "torch==2.13.0" 2>/dev/null || .venv/bin/python -m pip install -q "torch>=2.6"
 .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
