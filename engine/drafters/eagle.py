@@ -1,0 +1,251 @@
+"""EAGLE draft heads: one decoder layer over the target's features, ``shifted`` pairing.
+
+* EAGLE-1: ``x = fc([embed(t[p+1]), f[p]])`` (``fc: 2H -> H``), one Llama decoder layer, then the
+  target's own final norm and LM head.
+* EAGLE-3: the target's features are three layers concatenated (``3H``), projected by ``fc: 3H -> H``;
+  the layer's attention reads ``[norm(embed), norm(hidden)]`` (``2H``); the head has its own norm and a
+  reduced-vocabulary LM head whose ids map to the target's through ``draft_to_target``.
+
+In both, a draft step feeds a node's parent's layer output as its hidden state (EAGLE's feature
+prediction), so ``hidden`` of the output is the layer output ``[T, H]``.
+
+Weights live in one safetensors file; its metadata key ``speccycle.eagle`` holds the `EagleConfig`
+as JSON. `EagleHead.random` builds one with random weights for tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...core.ports import ForwardBatch, ModelOutput
+from ..attention import paged_attention, plan_attention, write_kv
+from ..errors import ModelLoadError
+from ..kv_pool import PagedKVPool
+from ..llama import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
+
+METADATA_KEY = "speccycle.eagle"
+
+
+@attrs.frozen
+class EagleConfig:
+    version: int  # 1 or 3
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    feature_layers: tuple[int, ...] = attrs.field(converter=tuple)  # target residual streams fed to the head
+    draft_vocab_size: int | None = None  # EAGLE-3 only
+
+    def __attrs_post_init__(self) -> None:
+        if self.version not in (1, 3):
+            raise ValueError(f"EAGLE version {self.version} is not supported: choose 1 or 3")
+        if self.version == 1 and len(self.feature_layers) != 1:
+            raise ValueError("EAGLE-1 reads one feature layer (the target's final-norm input)")
+        if self.version == 3 and (len(self.feature_layers) != 3 or not self.draft_vocab_size):
+            raise ValueError("EAGLE-3 reads three feature layers and needs draft_vocab_size")
+
+    @classmethod
+    def for_target(cls, target_config, version: int = 1, draft_vocab_size: int | None = None) -> EagleConfig:
+        n = target_config.num_layers
+        layers = (n,) if version == 1 else (2, n // 2, n - 3)  # low, middle, high, as EAGLE-3 picks them
+        return cls(
+            version=version,
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_heads=target_config.num_heads,
+            num_kv_heads=target_config.num_kv_heads,
+            head_dim=target_config.head_dim,
+            rope_theta=target_config.rope_theta,
+            rms_norm_eps=target_config.rms_norm_eps,
+            feature_layers=layers,
+            draft_vocab_size=draft_vocab_size if version == 3 else None,
+        )
+
+
+def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+    attn_in = 2 * h if c.version == 3 else h
+    shapes = {
+        "fc.weight": (h, 3 * h) if c.version == 3 else (h, 2 * h),
+        "layer.q_proj.weight": (c.num_heads * d, attn_in),
+        "layer.k_proj.weight": (c.num_kv_heads * d, attn_in),
+        "layer.v_proj.weight": (c.num_kv_heads * d, attn_in),
+        "layer.o_proj.weight": (h, c.num_heads * d),
+        "layer.post_attention_layernorm.weight": (h,),
+        "layer.gate_proj.weight": (i, h),
+        "layer.up_proj.weight": (i, h),
+        "layer.down_proj.weight": (h, i),
+    }
+    if c.version == 1:
+        shapes["layer.input_layernorm.weight"] = (h,)
+    else:
+        shapes.update({
+            "layer.embed_norm.weight": (h,),
+            "layer.hidden_norm.weight": (h,),
+            "norm.weight": (h,),
+            "lm_head.weight": (c.draft_vocab_size, h),
+            "draft_to_target": (c.draft_vocab_size,),
+        })
+    return shapes
+
+
+class EagleHead(nn.Module):
+    """The head's weights and its one decoder layer; attention over a paged KV cache of one layer."""
+
+    def __init__(self, config: EagleConfig, weights: dict[str, torch.Tensor], dtype=torch.float32, device="cpu"):
+        super().__init__()
+        expected = _shapes(config)
+        missing = sorted(set(expected) - set(weights))
+        wrong = [f"{k}: {tuple(weights[k].shape)} != {v}" for k, v in expected.items() if k in weights and tuple(weights[k].shape) != v]
+        if missing or wrong:
+            raise ModelLoadError(f"EAGLE-{config.version} head weights do not fit its config: missing {missing}, shapes {wrong}")
+        self.config, self.dtype = config, dtype
+        w = {k: v.to(device=device, dtype=torch.long if k == "draft_to_target" else dtype) for k, v in weights.items()}
+        self.fc = nn.Parameter(w["fc.weight"], requires_grad=False)
+        self.qkv = nn.Parameter(torch.cat([w[f"layer.{n}_proj.weight"] for n in "qkv"]), requires_grad=False)
+        self.o = nn.Parameter(w["layer.o_proj.weight"], requires_grad=False)
+        self.gate_up = nn.Parameter(torch.cat([w["layer.gate_proj.weight"], w["layer.up_proj.weight"]]), requires_grad=False)
+        self.down = nn.Parameter(w["layer.down_proj.weight"], requires_grad=False)
+        eps = config.rms_norm_eps
+        self.post_norm = RMSNorm(w["layer.post_attention_layernorm.weight"], eps)
+        if config.version == 1:
+            self.input_norm = RMSNorm(w["layer.input_layernorm.weight"], eps)
+        else:
+            self.embed_norm = RMSNorm(w["layer.embed_norm.weight"], eps)
+            self.hidden_norm = RMSNorm(w["layer.hidden_norm.weight"], eps)
+            self.norm = RMSNorm(w["norm.weight"], eps)
+            self.lm_head = nn.Parameter(w["lm_head.weight"], requires_grad=False)
+            self.register_buffer("draft_to_target", w["draft_to_target"])
+
+    @classmethod
+    def random(cls, config: EagleConfig, seed: int = 0, dtype=torch.float32, device="cpu", target_vocab: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        weights = {}
+        for name, shape in _shapes(config).items():
+            if name == "draft_to_target":
+                weights[name] = torch.randperm(target_vocab, generator=gen)[: shape[0]].sort().values
+            elif name.endswith("norm.weight"):
+                weights[name] = torch.ones(shape)
+            else:
+                weights[name] = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+        return cls(config, weights, dtype, device)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The weights under their file names (inverse of the constructor's packing)."""
+        c, d = self.config, self.config.head_dim
+        q, k, v = self.qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+        gate, up = self.gate_up.chunk(2)
+        out = {
+            "fc.weight": self.fc, "layer.q_proj.weight": q, "layer.k_proj.weight": k, "layer.v_proj.weight": v,
+            "layer.o_proj.weight": self.o, "layer.post_attention_layernorm.weight": self.post_norm.weight,
+            "layer.gate_proj.weight": gate, "layer.up_proj.weight": up, "layer.down_proj.weight": self.down,
+        }
+        if c.version == 1:
+            out["layer.input_layernorm.weight"] = self.input_norm.weight
+        else:
+            out.update({
+                "layer.embed_norm.weight": self.embed_norm.weight, "layer.hidden_norm.weight": self.hidden_norm.weight,
+                "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head, "draft_to_target": self.draft_to_target,
+            })
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.state(), str(path), metadata={METADATA_KEY: json.dumps(attrs.asdict(self.config))})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, dtype=torch.float32, device="cpu") -> EagleHead:
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"no EAGLE head at {path}: pass the path of its .safetensors file")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = (f.metadata() or {}).get(METADATA_KEY)
+                weights = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise ModelLoadError(f"{path} is not a readable safetensors file: {err}") from err
+        if meta is None:
+            raise ModelLoadError(f"{path} has no '{METADATA_KEY}' metadata: it was not saved by EagleHead.save")
+        return cls(EagleConfig(**json.loads(meta)), weights, dtype, device)
+
+    def layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
+        """The decoder layer. Shapes: ``x [T, H]`` (projected feature), ``embed [T, H]`` -> ``[T, H]``."""
+        c, rows = self.config, x.shape[0]
+        attn_in = torch.cat([self.embed_norm(embed), self.hidden_norm(x)], -1) if c.version == 3 else self.input_norm(x)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = F.linear(attn_in, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        cos, sin = rope_cos_sin(batch.positions, c.head_dim, c.rope_theta, self.dtype)
+        q = apply_rope(q.view(rows, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(rows, c.num_kv_heads, c.head_dim), cos, sin)
+        plan = plan_attention(batch)
+        write_kv(plan, kv[0], kv[1], k, v.reshape(rows, c.num_kv_heads, c.head_dim))
+        h = x + F.linear(paged_attention(plan, q, kv[0], kv[1]).reshape(rows, q_size), self.o)
+        gate, up = F.linear(self.post_norm(h), self.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down)
+
+
+class EagleDraft:
+    """`DraftModel` over an `EagleHead` and the target's `LlamaModel` (embedding; EAGLE-1: norm and head).
+
+    The target must be built with ``feature_layers == head.config.feature_layers``.
+    """
+
+    kind = "forward"
+    pairing = "shifted"
+
+    def __init__(self, head: EagleHead, target_model: LlamaModel, pool: PagedKVPool, cache_name: str = "draft"):
+        tc, hc = target_model.config, head.config
+        if hc.hidden_size != tc.hidden_size:
+            raise ModelLoadError(f"EAGLE head hidden size {hc.hidden_size} != target's {tc.hidden_size}: not its head")
+        if hc.version == 3 and int(head.draft_to_target.max()) >= tc.vocab_size:
+            raise ModelLoadError(
+                f"the EAGLE-3 head maps to token id {int(head.draft_to_target.max())}, past the target's "
+                f"vocabulary of {tc.vocab_size}: the draft and target vocabularies do not match"
+            )
+        if target_model.feature_layers is not None and tuple(target_model.feature_layers) != hc.feature_layers:
+            raise ValueError(f"the target returns features {target_model.feature_layers}, the head reads {hc.feature_layers}")
+        self.head, self.target_model = head, target_model
+        self.vocab_size = tc.vocab_size
+        self.kv = pool.add_cache(cache_name, 1, hc.num_kv_heads, hc.head_dim, head.dtype)[0]
+
+    def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
+        embed = F.embedding(batch.input_ids, self.target_model.embed_weight)
+        if self.head.config.version == 1:
+            x = F.linear(torch.cat([embed, x], -1), self.head.fc)
+        out = self.head.layer(x, embed, batch, self.kv)  # [T, H]
+        rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
+        if self.head.config.version == 1:
+            logits = self.target_model.logits(rows)
+        else:
+            small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd]
+            logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
+            logits[:, self.head.draft_to_target] = small
+        return ModelOutput(logits=logits, hidden=out)
+
+    @torch.inference_mode()
+    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+        if target_hidden is None:
+            raise ValueError("an EAGLE draft extend needs the target's features")
+        x = target_hidden.to(self.head.dtype)
+        if self.head.config.version == 3:
+            x = F.linear(x, self.head.fc)  # [T, 3H] -> [T, H]
+        return self._run(batch, x)
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
+        if parent_hidden is None:
+            raise ValueError("an EAGLE draft step needs its parent's hidden state")
+        return self._run(batch, parent_hidden)

