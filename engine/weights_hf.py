@@ -1,0 +1,169 @@
+"""Load (and save) a Llama model in Hugging Face layout: ``config.json`` plus ``*.safetensors``.
+
+The tensor names are Hugging Face's own, the same names `weights_gguf.load_gguf` produces, so both
+loaders feed `LlamaModel` the same dict. `save_hf` writes a directory that `load_hf` and
+`transformers.AutoModelForCausalLM.from_pretrained` both read (useful to export a GGUF model).
+
+    config, weights = load_hf("path/to/SmolLM2-135M-Instruct", dtype=torch.float32)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+from .weights_gguf import LlamaConfig, check_weights, expected_shapes
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    scaling = raw.get("rope_scaling") or {}
+    parameters = raw.get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
+    rope_type = scaling.get("rope_type", scaling.get("type")) or parameters.get("rope_type", "default")
+    if rope_type not in ("default", None):
+        raise ModelLoadError(f"{source}: RoPE scaling {rope_type!r} is not supported; supported: default (none)")
+    return float(raw.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> LlamaConfig:
+    """A `LlamaConfig` from the dict of a Hugging Face ``config.json``."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ModelLoadError(f"{source}: {flag}=true is not supported (the engine's Llama has no biases)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported; supported: silu")
+    rope_theta = _rope_theta(raw, source)
+    try:
+        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        return LlamaConfig(
+            architecture=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=rope_theta,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+    except KeyError as error:
+        raise ModelLoadError(f"{source}: config.json has no {error.args[0]!r}, which a Llama model needs") from error
+    except (TypeError, ValueError) as error:
+        raise ModelLoadError(f"{source}: inconsistent config.json: {error}") from error
+
+
+def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` dict transformers reads back as the same `LlamaConfig`."""
+    c = config
+    eos: Any = list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else c.eos_token_id
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": c.architecture,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rope_theta": c.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({error})") from error
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{directory} has no *.safetensors files; the engine reads safetensors weights (convert "
+            f"pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def load_hf(
+    directory: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Load a Hugging Face Llama directory: its config and weights in ``dtype`` on ``device``."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import safe_open
+    except ImportError as error:
+        raise ModelLoadError("loading a Hugging Face directory needs `safetensors`: pip install safetensors") from error
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ModelLoadError(f"{directory} is not a directory; pass a directory with config.json and *.safetensors")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{directory} has no config.json; it is not a Hugging Face model directory")
+    try:
+        config = config_from_hf(json.loads(config_path.read_text()), str(config_path))
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{config_path} is not valid JSON ({error})") from error
+
+    wanted = expected_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(directory):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue
+                    if name not in wanted:
+                        raise ModelLoadError(
+                            f"{file}: tensor {name!r} is not part of a plain Llama model (biases and extra "
+                            f"modules are not supported)"
+                        )
+                    weights[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"{file} is not a readable safetensors file ({error})") from error
+    check_weights(config, weights, str(directory))
+    return config, weights
+
+
+def save_hf(directory: str | os.PathLike, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (tied LM head left out, as transformers does)."""
+    from safetensors.torch import save_file
+
+    check_weights(config, weights, "save_hf weights")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    tensors = {name: weights[name].detach().cpu().contiguous() for name in expected_shapes(config)}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

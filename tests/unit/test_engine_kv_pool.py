@@ -1,0 +1,139 @@
+"""PagedKVPool: page accounting, page tables, slots, caches, and the errors it raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speccycle.core.ports import KVPool, KVPoolExhausted
+from speccycle.engine.errors import KVPoolError
+from speccycle.engine.kv_pool import PagedKVPool, slots_from_page_table
+
+
+def test_pool_is_a_kvpool():
+    assert isinstance(PagedKVPool(num_pages=4, page_size=2), KVPool)
+
+
+def test_allocate_rounds_up_to_pages_and_never_shrinks():
+    pool = PagedKVPool(num_pages=8, page_size=4)
+    pool.allocate(request_id=1, num_tokens=5)  # ceil(5 / 4) = 2 pages
+    assert pool.pages_held(1) == 2 and pool.num_free_pages == 6
+    pool.allocate(1, 8)  # still 2 pages
+    assert pool.pages_held(1) == 2
+    pool.allocate(1, 3)  # asking for less keeps what it has
+    assert pool.pages_held(1) == 2
+    pool.allocate(1, 9)
+    assert pool.pages_held(1) == 3 and pool.num_free_pages == 5
+    pool.allocate(2, 0)  # a request with no pages yet is known
+    assert pool.has_request(2) and pool.pages_held(2) == 0
+
+
+def test_release_keeps_the_pages_covering_keep_tokens():
+    pool = PagedKVPool(num_pages=8, page_size=4)
+    pool.allocate(1, 16)
+    first_two = pool.pages(1)[:2]
+    pool.release(1, keep_tokens=5)
+    assert pool.pages(1) == first_two and pool.num_free_pages == 6
+    pool.release(1, keep_tokens=0)
+    assert pool.pages_held(1) == 0 and pool.has_request(1)
+    pool.free(1)
+    assert pool.num_free_pages == 8 and not pool.has_request(1)
+
+
+def test_page_table_is_padded_with_minus_one():
+    pool = PagedKVPool(num_pages=8, page_size=2)
+    pool.allocate(10, 3)  # pages 0, 1
+    pool.allocate(20, 6)  # pages 2, 3, 4
+    table = pool.page_table([20, 10, 30])
+    assert table.dtype == torch.int64
+    assert table.tolist() == [[2, 3, 4], [0, 1, -1], [-1, -1, -1]]
+
+
+def test_slots_follow_the_page_table():
+    pool = PagedKVPool(num_pages=8, page_size=4)
+    pool.allocate(1, 4)  # page 0
+    pool.allocate(2, 4)  # page 1
+    pool.allocate(1, 8)  # page 2: request 1's pages are not contiguous
+    slots = pool.slots_for([1], torch.arange(8)[None])[0]
+    assert slots.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    with pytest.raises(KVPoolError, match="outside the pages"):
+        pool.slots_for([1], torch.tensor([[8]]))
+    table = torch.tensor([[3, -1]])
+    with pytest.raises(KVPoolError, match="past the pages"):
+        slots_from_page_table(table, torch.tensor([[4]]), 4)
+
+
+def test_exhaustion_names_needed_and_free_pages_and_takes_nothing():
+    pool = PagedKVPool(num_pages=4, page_size=2)
+    pool.allocate(1, 4)
+    with pytest.raises(KVPoolExhausted, match=r"needs 3 more KV pages .* has 2 free"):
+        pool.allocate(2, 6)
+    assert pool.num_free_pages == 2 and pool.pages_held(2) == 0
+
+
+def test_double_free_and_unknown_requests_raise():
+    pool = PagedKVPool(num_pages=4, page_size=2)
+    pool.allocate(1, 2)
+    pool.free(1)
+    with pytest.raises(KVPoolError, match="already freed"):
+        pool.free(1)
+    with pytest.raises(KVPoolError, match="never allocated"):
+        pool.free(99)
+    with pytest.raises(KVPoolError, match="never allocated"):
+        pool.release(99, 0)
+    pool.allocate(1, 2)  # a freed id may come back
+    pool.free(1)
+
+
+def test_conservation_over_random_operations():
+    generator = torch.Generator().manual_seed(0)
+    pool = PagedKVPool(num_pages=32, page_size=3)
+    held: dict[int, int] = {}
+    for _ in range(300):
+        rid = int(torch.randint(0, 6, (1,), generator=generator))
+        op = int(torch.randint(0, 3, (1,), generator=generator))
+        tokens = int(torch.randint(0, 40, (1,), generator=generator))
+        try:
+            if op == 0:
+                pool.allocate(rid, tokens)
+                held[rid] = max(held.get(rid, 0), -(-tokens // 3))
+            elif op == 1 and rid in held:
+                pool.release(rid, tokens)
+                held[rid] = min(held[rid], -(-tokens // 3))
+            elif op == 2 and rid in held:
+                pool.free(rid)
+                del held[rid]
+        except KVPoolExhausted:
+            pass
+        assert {r: pool.pages_held(r) for r in held} == held
+        assert pool.num_free_pages + sum(held.values()) == 32
+        owned = [p for r in held for p in pool.pages(r)]
+        assert len(owned) == len(set(owned))  # no page handed out twice
+
+
+def test_caches_are_slot_major_and_target_buffers_move_every_layer():
+    pool = PagedKVPool(num_pages=4, page_size=2)
+    target = pool.add_cache("target", num_layers=3, num_kv_heads=2, head_dim=5)
+    draft = pool.add_cache("draft", num_layers=1, num_kv_heads=2, head_dim=5)
+    assert len(target) == 3 and len(draft) == 1
+    k0, v0 = target[0]
+    assert k0.shape == (8, 2, 5) and k0.is_contiguous()
+    for layer, (k, v) in enumerate(target):
+        k[3] = layer + 1
+        v[3] = -(layer + 1)
+    (buffer,) = pool.target_buffers()
+    assert buffer.shape == (8, 6, 2, 5)
+    buffer[torch.tensor([6])] = buffer[torch.tensor([3])]  # what backend.move_kv does
+    for layer, (k, v) in enumerate(target):
+        assert torch.all(k[6] == layer + 1) and torch.all(v[6] == -(layer + 1))
+    assert torch.all(draft[0][0] == 0)  # other caches untouched
+    with pytest.raises(KVPoolError, match="already has a cache"):
+        pool.add_cache("target", 1, 1, 1)
+    with pytest.raises(KVPoolError, match="no cache named"):
+        pool.cache("nope")
+
+
+def test_bad_sizes_raise():
+    with pytest.raises(KVPoolError, match="must both be >= 1"):
+        PagedKVPool(num_pages=0, page_size=16)
+    with pytest.raises(KVPoolError, match=">= 0"):
+        PagedKVPool(num_pages=2, page_size=1).allocate(1, -1)
