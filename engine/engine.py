@@ -71,7 +71,9 @@ class Engine:
 
         self.model, self.pool, self.spec, self.tokenizer = target_model, pool, spec, tokenizer
         c = target_model.config
-        self.target = LlamaTarget(target_model, pool.add_cache("target", c.num_layers, c.num_kv_heads, c.head_dim, target_model.dtype))
+        self.target = LlamaTarget(
+            target_model, pool.add_cache("target", c.num_layers, c.num_kv_heads, c.head_dim, target_model.dtype)
+        )
         self.target.device = target_model.device
         self.draft = draft(self) if callable(draft) else draft
         self.backend = get_backend(target_model.device)
@@ -164,14 +166,19 @@ class Engine:
         """Speculative greedy decoding of a batch. ``on_tokens(index, new_tokens)`` streams output."""
         if self.draft is None:
             outputs = self.generate_autoregressive(prompts, max_new_tokens)
-            reqs = [Request(i, tuple(p), SamplingParams(max_new_tokens=max_new_tokens), tuple(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
+            reqs = [
+                Request(i, tuple(p), SamplingParams(max_new_tokens=max_new_tokens), tuple(o))
+                for i, (p, o) in enumerate(zip(prompts, outputs))
+            ]
             return reqs, GenerationStats(committed=sum(map(len, outputs)))
         for prompt in prompts:
             self._validate(prompt)
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
         ids = [next(self._ids) for _ in prompts]
         index = {rid: i for i, rid in enumerate(ids)}
-        record = Admitted(config=self.spec, requests=tuple(Request(rid, tuple(p), params) for rid, p in zip(ids, prompts)))
+        record = Admitted(
+            config=self.spec, requests=tuple(Request(rid, tuple(p), params) for rid, p in zip(ids, prompts))
+        )
         ports = Ports(target=self.target, draft=self.draft, kv_pool=self.pool)
         done: dict[int, Request] = {}
         sent = {rid: 0 for rid in ids}
@@ -190,7 +197,7 @@ class Engine:
                     committed += sum(lens)
                 for request in record.requests + record.retired:
                     if on_tokens and len(request.output) > sent.get(request.request_id, 0):
-                        on_tokens(index[request.request_id], list(request.output[sent[request.request_id]:]))
+                        on_tokens(index[request.request_id], list(request.output[sent[request.request_id] :]))
                         sent[request.request_id] = len(request.output)
                 done.update({r.request_id: r for r in record.retired})
                 if not record.requests and len(done) == len(ids):
@@ -209,7 +216,9 @@ class Engine:
         first = next(self._ids)
         for _ in range(len(prompts) - 1):
             next(self._ids)
-        return greedy_decode(self.target, self.pool, prompts, max_new_tokens, self.stop_token_ids, first_request_id=first)
+        return greedy_decode(
+            self.target, self.pool, prompts, max_new_tokens, self.stop_token_ids, first_request_id=first
+        )
 
 
 def _tokenizer(path: Path):

@@ -89,13 +89,15 @@ def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
     if c.version == 1:
         shapes["layer.input_layernorm.weight"] = (h,)
     else:
-        shapes.update({
-            "layer.embed_norm.weight": (h,),
-            "layer.hidden_norm.weight": (h,),
-            "norm.weight": (h,),
-            "lm_head.weight": (c.draft_vocab_size, h),
-            "draft_to_target": (c.draft_vocab_size,),
-        })
+        shapes.update(
+            {
+                "layer.embed_norm.weight": (h,),
+                "layer.hidden_norm.weight": (h,),
+                "norm.weight": (h,),
+                "lm_head.weight": (c.draft_vocab_size, h),
+                "draft_to_target": (c.draft_vocab_size,),
+            }
+        )
     return shapes
 
 
@@ -106,15 +108,23 @@ class EagleHead(nn.Module):
         super().__init__()
         expected = _shapes(config)
         missing = sorted(set(expected) - set(weights))
-        wrong = [f"{k}: {tuple(weights[k].shape)} != {v}" for k, v in expected.items() if k in weights and tuple(weights[k].shape) != v]
+        wrong = [
+            f"{k}: {tuple(weights[k].shape)} != {v}"
+            for k, v in expected.items()
+            if k in weights and tuple(weights[k].shape) != v
+        ]
         if missing or wrong:
-            raise ModelLoadError(f"EAGLE-{config.version} head weights do not fit its config: missing {missing}, shapes {wrong}")
+            raise ModelLoadError(
+                f"EAGLE-{config.version} head weights do not fit its config: missing {missing}, shapes {wrong}"
+            )
         self.config, self.dtype = config, dtype
         w = {k: v.to(device=device, dtype=torch.long if k == "draft_to_target" else dtype) for k, v in weights.items()}
         self.fc = nn.Parameter(w["fc.weight"], requires_grad=False)
         self.qkv = nn.Parameter(torch.cat([w[f"layer.{n}_proj.weight"] for n in "qkv"]), requires_grad=False)
         self.o = nn.Parameter(w["layer.o_proj.weight"], requires_grad=False)
-        self.gate_up = nn.Parameter(torch.cat([w["layer.gate_proj.weight"], w["layer.up_proj.weight"]]), requires_grad=False)
+        self.gate_up = nn.Parameter(
+            torch.cat([w["layer.gate_proj.weight"], w["layer.up_proj.weight"]]), requires_grad=False
+        )
         self.down = nn.Parameter(w["layer.down_proj.weight"], requires_grad=False)
         eps = config.rms_norm_eps
         self.post_norm = RMSNorm(w["layer.post_attention_layernorm.weight"], eps)
@@ -146,17 +156,28 @@ class EagleHead(nn.Module):
         q, k, v = self.qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
         gate, up = self.gate_up.chunk(2)
         out = {
-            "fc.weight": self.fc, "layer.q_proj.weight": q, "layer.k_proj.weight": k, "layer.v_proj.weight": v,
-            "layer.o_proj.weight": self.o, "layer.post_attention_layernorm.weight": self.post_norm.weight,
-            "layer.gate_proj.weight": gate, "layer.up_proj.weight": up, "layer.down_proj.weight": self.down,
+            "fc.weight": self.fc,
+            "layer.q_proj.weight": q,
+            "layer.k_proj.weight": k,
+            "layer.v_proj.weight": v,
+            "layer.o_proj.weight": self.o,
+            "layer.post_attention_layernorm.weight": self.post_norm.weight,
+            "layer.gate_proj.weight": gate,
+            "layer.up_proj.weight": up,
+            "layer.down_proj.weight": self.down,
         }
         if c.version == 1:
             out["layer.input_layernorm.weight"] = self.input_norm.weight
         else:
-            out.update({
-                "layer.embed_norm.weight": self.embed_norm.weight, "layer.hidden_norm.weight": self.hidden_norm.weight,
-                "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head, "draft_to_target": self.draft_to_target,
-            })
+            out.update(
+                {
+                    "layer.embed_norm.weight": self.embed_norm.weight,
+                    "layer.hidden_norm.weight": self.hidden_norm.weight,
+                    "norm.weight": self.norm.weight,
+                    "lm_head.weight": self.lm_head,
+                    "draft_to_target": self.draft_to_target,
+                }
+            )
         return {k: v.detach().contiguous() for k, v in out.items()}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -216,7 +237,9 @@ class EagleDraft:
                 f"vocabulary of {tc.vocab_size}: the draft and target vocabularies do not match"
             )
         if target_model.feature_layers is not None and tuple(target_model.feature_layers) != hc.feature_layers:
-            raise ValueError(f"the target returns features {target_model.feature_layers}, the head reads {hc.feature_layers}")
+            raise ValueError(
+                f"the target returns features {target_model.feature_layers}, the head reads {hc.feature_layers}"
+            )
         self.head, self.target_model = head, target_model
         self.vocab_size = tc.vocab_size
         self.kv = pool.add_cache(cache_name, 1, hc.num_kv_heads, hc.head_dim, head.dtype)[0]

@@ -21,7 +21,12 @@ class NgramDraft:
     def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
-        self.vocab_size, self.max_ngram, self.min_ngram, self.max_matches = vocab_size, max_ngram, min_ngram, max_matches
+        self.vocab_size, self.max_ngram, self.min_ngram, self.max_matches = (
+            vocab_size,
+            max_ngram,
+            min_ngram,
+            max_matches,
+        )
 
     def continuations(self, history: Sequence[int], length: int, limit: int) -> list[list[int]]:
         """Up to ``limit`` continuations of ``length`` tokens or fewer, best first."""

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from speccycle.core import SpecConfig
 from speccycle.engine.drafters.eagle import EagleDraft
 from speccycle.engine.drafters.layerskip import LlamaDraft
@@ -92,7 +91,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("draft, spec", CASES, ids=[f"{d}-S{s.num_steps}K{s.topk}N{s.num_draft_tokens}P{s.page_size}" for d, s in CASES])
+@pytest.mark.parametrize(
+    "draft, spec", CASES, ids=[f"{d}-S{s.num_steps}K{s.topk}N{s.num_draft_tokens}P{s.page_size}" for d, s in CASES]
+)
 def test_speculative_equals_autoregressive(smollm2, prompts, autoregressive, draft, spec):
     engine = _engine(smollm2, spec, draft)
     results, stats = engine.generate(prompts, NEW_TOKENS, checked=True)  # one ragged batch

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
-from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.statemachine import run_cycle
 from speccycle.statemachine.batching import merge_ready
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
