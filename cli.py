@@ -125,7 +125,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     print(
         f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, "
-        f"{len(results[0].output) / stats.seconds:.1f} tok/s, "
+        f"{len(results[0].output) / max(stats.seconds, 1e-9):.1f} tok/s, "
         f"tau {stats.tau:.2f}, draft {args.draft}]",
         file=sys.stderr,
     )

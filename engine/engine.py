@@ -165,12 +165,14 @@ class Engine:
     ) -> tuple[list[Request], GenerationStats]:
         """Speculative greedy decoding of a batch. ``on_tokens(index, new_tokens)`` streams output."""
         if self.draft is None:
+            start = time.perf_counter()
             outputs = self.generate_autoregressive(prompts, max_new_tokens)
-            reqs = [
-                Request(i, tuple(p), SamplingParams(max_new_tokens=max_new_tokens), tuple(o))
-                for i, (p, o) in enumerate(zip(prompts, outputs))
-            ]
-            return reqs, GenerationStats(committed=sum(map(len, outputs)))
+            params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
+            reqs = [Request(i, tuple(p), params, tuple(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
+            for i, out in enumerate(outputs):
+                if on_tokens:
+                    on_tokens(i, list(out))
+            return reqs, GenerationStats(seconds=time.perf_counter() - start)
         for prompt in prompts:
             self._validate(prompt)
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
