@@ -267,6 +267,7 @@ class StreamDecoder:
 def _compile_template(source: str) -> Any:
     try:
         import jinja2
+        import jinja2.ext  # not imported by `import jinja2` itself
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as error:
         raise TokenizerError("chat templates need the `jinja2` package: pip install jinja2") from error

@@ -77,6 +77,11 @@ def default_model_path() -> Path:
     """
     import importlib.util
 
+    override = os.environ.get("SPECCYCLE_DEFAULT_MODEL")
+    if override:  # e.g. a machine with no PyPI access that was handed the file
+        if not Path(override).is_file():
+            raise ModelLoadError(f"SPECCYCLE_DEFAULT_MODEL={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
