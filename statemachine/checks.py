@@ -268,4 +268,3 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
     for field in attrs.fields(RowOutputs):
         before = getattr(source.accepted_rows, field.name)
         require(before is None or before.shape[:2] == (bs, cfg.accept_width), 9, f"{field.name} not compacted")
-

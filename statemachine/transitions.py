@@ -132,10 +132,36 @@ def validate_request(request: Request, vocab_size: int) -> None:
 
 # ---- prefill -----------------------------------------------------------------------------------
 def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
-    """Target extend over the prompts; the first token; the draft extend's rows (shifted by one)."""
-    cfg, target = rec.config, ports.target
+    """Target extend over the prompts; the first token; the draft extend's rows (shifted by one).
+
+    A request that fails validation (empty prompt, ids outside the vocabulary, unsupported sampling)
+    finishes at once with ``finish_reason="error"`` and its reason; the others go on.
+    """
+    valid, refused = [], []
     for request in rec.requests:
-        validate_request(request, target.vocab_size)
+        try:
+            validate_request(request, ports.target.vocab_size)
+            valid.append(request)
+        except CycleError as err:
+            refused.append(attrs.evolve(request, finish_reason="error", error=str(err)))
+    if not valid:
+        zeros = torch.zeros(len(refused), dtype=torch.long, device=_device(ports))
+        extend = ExtendRows(input_ids=zeros[:0], positions=zeros[:0], row_request=zeros[:0], hidden=None)
+        return Compacted(config=rec.config, requests=tuple(refused), seq_lens=zeros, root_tokens=zeros, extend=extend)
+    done = _prefill_valid(attrs.evolve(rec, requests=tuple(valid)), ports, backend)
+    if not refused:
+        return done
+    pad = torch.zeros(len(refused), dtype=torch.long, device=done.seq_lens.device)
+    return attrs.evolve(
+        done,
+        requests=done.requests + tuple(refused),
+        seq_lens=torch.cat([done.seq_lens, pad]),
+        root_tokens=torch.cat([done.root_tokens, pad]),
+    )
+
+
+def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
+    cfg, target = rec.config, ports.target
     ids = tuple(r.request_id for r in rec.requests)
     offset = draft_offset(ports, cfg)
     lens = [len(r.prompt) for r in rec.requests]
@@ -209,8 +235,9 @@ def retire(rec: Compacted, ports: Ports, backend) -> Compacted:
     """Finished requests leave the batch; every page they held is freed, once."""
     keep = [r.finish_reason is None for r in rec.requests]
     for request, kept in zip(rec.requests, keep):
-        if not kept:
+        if not kept and ports.kv_pool.pages_held(request.request_id):  # refused requests never held pages
             ports.kv_pool.free(request.request_id)
+        if not kept:
             ports.recurrent.free(request_id=request.request_id)
     device = rec.seq_lens.device
     keep_t = torch.tensor(keep, dtype=torch.bool, device=device)

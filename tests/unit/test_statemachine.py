@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from speccycle.backends.torch import TorchBackend
 from speccycle.core import Admitted, KVPoolExhausted, Ports, Request, SamplingParams, SpecConfig
-from speccycle.statemachine import TABLE, CycleError, NoTransition, TraceEvent, generate, run_cycle, select, step
+from speccycle.statemachine import TABLE, NoTransition, TraceEvent, generate, run_cycle, select, step
 from speccycle.statemachine.render import to_markdown, to_mermaid
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
 
@@ -84,12 +85,16 @@ def test_no_row_applies_is_a_clear_error():
         (Request(0, (1, 2), SamplingParams(temperature=0.7)), "verifies greedily"),
     ],
 )
-def test_bad_requests_are_refused_with_what_to_do(request_, message):
+def test_bad_requests_are_refused_with_what_to_do_and_the_others_go_on(request_, message):
     config = SpecConfig()
     ports = _ports(config)
-    with pytest.raises(CycleError, match=message):
-        step(Admitted(config=config, requests=(request_,)), ports)
+    good = Request(5, (1, 2, 3), SamplingParams(max_new_tokens=6))
+    done = generate([good, attrs.evolve(request_, request_id=9)], config, ports, checked=True)
+    assert done[1].finish_reason == "error" and message in done[1].error
+    assert list(done[0].output) == ports.target.greedy(good.prompt, 6)
     assert ports.kv_pool.num_free_pages == ports.kv_pool.num_pages
+    alone = generate([attrs.evolve(request_, request_id=10)], config, ports, checked=True)
+    assert alone[0].finish_reason == "error"
 
 
 def test_pool_exhaustion_raises_before_touching_the_pool_and_loses_nothing():
