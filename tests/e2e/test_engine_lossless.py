@@ -142,3 +142,26 @@ def test_dev_prompts_are_present_for_benchmarks():
         pytest.skip("shared/data is not beside this checkout")
     first = json.loads(DEV_PROMPTS.read_text().splitlines()[0])
     assert "turns" in first and "category" in first
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, smollm2):
+    import attrs
+
+    from speccycle.engine.errors import ModelLoadError
+    from speccycle.engine.llama import random_llama_weights
+    from speccycle.engine.weights_hf import save_hf
+
+    config, _, _ = smollm2
+    small = attrs.evolve(
+        config,
+        vocab_size=1000,
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
+    save_hf(tmp_path, small, random_llama_weights(small, seed=0))
+    with pytest.raises(ModelLoadError, match="vocabulary of 1000 tokens and the target 49152"):
+        Engine.load(draft="model", draft_model=tmp_path, spec=SpecConfig(num_steps=2), kv_tokens=1024)
