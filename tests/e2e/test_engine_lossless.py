@@ -146,7 +146,6 @@ def test_dev_prompts_are_present_for_benchmarks():
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, smollm2):
     import attrs
-
     from speccycle.engine.errors import ModelLoadError
     from speccycle.engine.llama import random_llama_weights
     from speccycle.engine.weights_hf import save_hf
