@@ -36,12 +36,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     prompts = load_prompts(args.prompts, args.limit)
-    record = {"device": device_label(args.device), "dtype": "float32", "prompts": len(prompts),
+    record = {"device": device_label(args.device), "dtype": args.dtype, "prompts": len(prompts),
               "new_tokens": args.max_new_tokens, "configs": []}
-    head = eagle_head_for(load_gguf_config(default_model_path()), version=1, seed=1).to(args.device)
+    head = eagle_head_for(load_gguf_config(default_model_path()), version=1, seed=1)
+    head = head.to(args.device, getattr(torch, args.dtype))
+    head.dtype = getattr(torch, args.dtype)
     from speccycle.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(default_model_path())
@@ -51,7 +54,7 @@ def main() -> None:
     ar = None
     for draft, spec in CASES:
         start = time.time()
-        engine = Engine.load(draft=draft, spec=spec, device=args.device, dtype=torch.float32, kv_tokens=kv_tokens,
+        engine = Engine.load(draft=draft, spec=spec, device=args.device, dtype=getattr(torch, args.dtype), kv_tokens=kv_tokens,
                              layerskip_layers=8, eagle_head=head if draft == "eagle" else None)
         ids = [engine.chat_prompt(p["text"]) for p in prompts]
         if ar is None:
