@@ -116,7 +116,7 @@ class LookupDraft(Protocol):
         num_nodes: int,
         topk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``tokens [bs, num_nodes]`` and ``parents [bs, num_nodes]``.
+        """Return ``tokens [bs, n]`` and ``parents [bs, n]``, ``n <= num_nodes`` (fewer: cheaper verify).
 
         Node ``i`` is verify row ``i + 1``; ``parents[b, i]`` is a verify row index ``< i + 1`` (0 is
         the root); no node deeper than ``num_steps``; with ``topk == 1`` a chain (``parents[b, i] == i``).

@@ -140,7 +140,12 @@ def _check_extend_rows(record: Compacted, offset: int) -> None:
 def _check_drafted(record: Drafted, ports) -> None:
     cfg, tree = record.config, record.tree
     bs, n = tree.tokens.shape
-    require(n == cfg.num_draft_tokens, 4, f"tree has {n} rows, config N={cfg.num_draft_tokens}")
+    lookup = getattr(ports.draft, "kind", "forward") == "lookup"
+    require(
+        n == cfg.num_draft_tokens or (lookup and 1 <= n <= cfg.num_draft_tokens),
+        4,
+        f"tree has {n} rows, config N={cfg.num_draft_tokens}",
+    )
     idx = torch.arange(n, device=tree.parents.device)
     require(bool((tree.parents[:, 0] == -1).all()), 4, "row 0 must be the root (parent -1)")
     require(bool((tree.parents[:, 1:] >= 0).all()), 4, "only row 0 may lack a parent")
@@ -259,7 +264,7 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
             )
         for b in range(bs):
             m = int(source.accept_len[b])
-            path = [v - b * cfg.num_draft_tokens for v in source.accept_index[b].tolist()[:m]]
+            path = [v - b * source.tree.tokens.shape[1] for v in source.accept_index[b].tolist()[:m]]
             for d, row in enumerate(path):
                 if row != d:
                     s, t = int(source.verify_slots[b, row]), int(source.verify_slots[b, d])

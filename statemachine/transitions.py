@@ -425,12 +425,22 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
 
 
 def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
-    """A lookup draft proposes the ``N - 1`` nodes from each request's token history."""
+    """A lookup draft proposes up to ``N - 1`` nodes from each request's token history.
+
+    It may propose fewer (the same number for the whole batch): with no match, the verify is one row
+    per request, as costly as a plain decode step, instead of ``N`` rows of padding.
+    """
     cfg, bs = rec.config, len(rec.requests)
     ids, _, verify_slots = _reserve_cycle(rec, ports, backend)
     device = rec.seq_lens.device
     histories = [r.tokens for r in rec.requests]
     tokens, parents = ports.draft.propose(ids, histories, cfg.num_steps, cfg.num_draft_tokens - 1, cfg.topk)
+    if tokens.shape != parents.shape or tokens.shape[0] != bs or tokens.shape[1] > cfg.num_draft_tokens - 1:
+        raise CycleError(
+            f"the lookup draft proposed tokens {tuple(tokens.shape)} / parents {tuple(parents.shape)}; "
+            f"expected the same shape [bs={bs}, n <= N - 1 = {cfg.num_draft_tokens - 1}]"
+        )
+    verify_slots = verify_slots[:, : tokens.shape[1] + 1]
     tokens = torch.cat([rec.root_tokens[:, None], tokens.to(device)], dim=1)
     parents = torch.cat([torch.full((bs, 1), -1, dtype=torch.long, device=device), parents.to(device)], dim=1)
     return Drafted(
@@ -448,7 +458,7 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
 def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     """One target forward over ``[root, drafts]`` at ``L + depth`` with the tree mask; greedy walk."""
     cfg, bs = rec.config, len(rec.requests)
-    N = cfg.num_draft_tokens
+    N = rec.tree.tokens.shape[1]  # cfg.num_draft_tokens, or fewer when a lookup draft had less to offer
     ids = tuple(r.request_id for r in rec.requests)
     L, device = rec.seq_lens, rec.seq_lens.device
     if cfg.is_chain:  # row i sees rows 0..i
@@ -542,7 +552,7 @@ def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
         src, dst = backend.plan_kv_move(rec.accept_index, rec.accept_len, rec.verify_slots)
         backend.move_kv(ports.kv_pool.target_buffers(), src, dst)
         moves = (src, dst)
-    last_correct = backend.last_correct_step_indices(rec.accept_index, rec.accept_len, cfg.num_draft_tokens)
+    last_correct = backend.last_correct_step_indices(rec.accept_index, rec.accept_len, rec.tree.tokens.shape[1])
     ids = tuple(r.request_id for r in rec.requests)
     ports.recurrent.commit(request_ids=ids, last_correct_step_indices=last_correct)
 

@@ -160,6 +160,9 @@ class TreeLookupDraft:
         self.vocab_size = target.vocab_size
 
     def propose(self, request_ids, histories, num_steps: int, num_nodes: int, topk: int):
+        # Sometimes fewer nodes than allowed (the same count for the whole batch), as lookups do.
+        rng = random.Random(hash((self.seed, tuple(request_ids), sum(map(len, histories)))))
+        num_nodes = num_nodes if rng.random() < 0.6 else rng.randint(0, num_nodes)
         tokens = torch.zeros((len(request_ids), num_nodes), dtype=torch.long)
         parents = torch.zeros((len(request_ids), num_nodes), dtype=torch.long)
         for b, (rid, history) in enumerate(zip(request_ids, histories)):

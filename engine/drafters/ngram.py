@@ -46,19 +46,18 @@ class NgramDraft:
         return found
 
     def propose(self, request_ids, histories, num_steps: int, num_nodes: int, topk: int):
-        bs = len(histories)
-        tokens = torch.zeros((bs, num_nodes), dtype=torch.long)
-        parents = torch.zeros((bs, num_nodes), dtype=torch.long)
-        for b, history in enumerate(histories):
-            limit = 1 if topk == 1 else self.max_matches
-            conts = self.continuations(history, num_steps, limit)
-            node_tokens, node_parents = _trie(conts, num_nodes, topk)
-            pad = history[-1]
-            while len(node_tokens) < num_nodes:  # no guess left: repeat the last token, cheaply rejected
+        """Up to ``num_nodes`` nodes per request; only as many as the batch's best match found."""
+        limit = 1 if topk == 1 else self.max_matches
+        tries = [_trie(self.continuations(history, num_steps, limit), num_nodes, topk) for history in histories]
+        width = max((len(t) for t, _ in tries), default=0)
+        tokens = torch.zeros((len(histories), width), dtype=torch.long)
+        parents = torch.zeros((len(histories), width), dtype=torch.long)
+        for b, ((node_tokens, node_parents), history) in enumerate(zip(tries, histories)):
+            while len(node_tokens) < width:  # a shorter guess than the batch's: pad, cheaply rejected
                 node_parents.append(len(node_tokens) if topk == 1 else 0)
-                node_tokens.append(pad)
-            tokens[b] = torch.tensor(node_tokens[:num_nodes])
-            parents[b] = torch.tensor(node_parents[:num_nodes])
+                node_tokens.append(history[-1])
+            tokens[b] = torch.tensor(node_tokens, dtype=torch.long)
+            parents[b] = torch.tensor(node_parents, dtype=torch.long)
         return tokens, parents
 
 
