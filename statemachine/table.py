@@ -82,7 +82,7 @@ TABLE: tuple[Transition, ...] = (
         t.lookup_tree,
         guard=t.lookup_draft,
         ops=("slots_for_positions",),
-        doc="Reserve the cycle's slots; the lookup draft proposes the tree from the history.",
+        doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify).",
     ),
     Transition(
         Drafted,
