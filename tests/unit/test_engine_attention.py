@@ -32,15 +32,6 @@ TINY = LlamaConfig(
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads slow small ops 50x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def weights():
     return random_llama_weights(TINY, seed=0, scale=0.3)

@@ -11,34 +11,16 @@ import os
 import pytest
 import torch
 from speccycle.core.ports import ForwardBatch
-from speccycle.engine.errors import ModelLoadError
 from speccycle.engine.greedy import extend_batch, greedy_decode
 from speccycle.engine.kv_pool import PagedKVPool
 from speccycle.engine.target import LlamaTarget
 from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import default_model_path, load_gguf
+from speccycle.engine.weights_gguf import load_gguf
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: decode is memory-bound, and on a busy 2-core box two spinning threads stall."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    try:
-        return default_model_path()
-    except ModelLoadError as error:
-        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from speccycle.engine.errors import ModelLoadError, TokenizerError
+from speccycle.engine.errors import TokenizerError
 from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import default_model_path
 
 SPEC_BENCH = Path("/work/shared/data/spec_bench_dev.jsonl")
 TRICKY = [
@@ -42,14 +41,6 @@ def spec_bench_prompts() -> list[str]:
         if path.is_file():
             return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
     pytest.skip("spec_bench_dev.jsonl not found")
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    try:
-        return default_model_path()
-    except ModelLoadError as error:
-        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")
