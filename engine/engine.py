@@ -162,8 +162,13 @@ class Engine:
         max_new_tokens: int = 128,
         on_tokens: Callable[[int, list[int]], None] | None = None,
         checked: bool = False,
+        on_step: Callable[[object], None] | None = None,
     ) -> tuple[list[Request], GenerationStats]:
-        """Speculative greedy decoding of a batch. ``on_tokens(index, new_tokens)`` streams output."""
+        """Speculative greedy decoding of a batch. ``on_tokens(index, new_tokens)`` streams output.
+
+        ``on_step(record)`` sees the record after every transition (tensor parallelism checks there
+        that every rank committed the same tokens).
+        """
         if self.draft is None:
             start = time.perf_counter()
             outputs = self.generate_autoregressive(prompts, max_new_tokens)
@@ -190,6 +195,8 @@ class Engine:
         try:
             while True:
                 record = step(record, ports, self.backend, checked=checked)
+                if on_step is not None:
+                    on_step(record)
                 if not isinstance(record, Compacted):
                     continue
                 if record.accept_len is not None:
