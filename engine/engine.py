@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from ..backends.registry import get_backend
-from ..core import Admitted, Compacted, Ports, Request, SamplingParams, SpecConfig
+from ..core import Accepted, Admitted, Compacted, Ports, Request, SamplingParams, SpecConfig
 from ..statemachine import step
 from .drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from .drafters.layerskip import LlamaDraft
@@ -107,7 +107,14 @@ class Engine:
         head = None
         if draft == "eagle":
             if eagle_head is None:
-                raise ValueError("--draft eagle needs an EAGLE head: pass eagle_head (a .safetensors path)")
+                from .drafters.eagle_heads import shipped_eagle_head
+
+                eagle_head = shipped_eagle_head(path)
+            if eagle_head is None:
+                raise ValueError(
+                    f"--draft eagle needs an EAGLE head and speccycle ships none for {path.name}: pass eagle_head "
+                    f"(a .safetensors path; train one with `speccycle train-draft`)"
+                )
             head = eagle_head if isinstance(eagle_head, EagleHead) else EagleHead.load(eagle_head, dtype, device)
             feature_layers = head.config.feature_layers if head.config.version == 3 else None
         target_model = LlamaModel(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
@@ -194,12 +201,12 @@ class Engine:
         start = time.perf_counter()
         try:
             while True:
-                record = step(record, ports, self.backend, checked=checked)
+                previous, record = record, step(record, ports, self.backend, checked=checked)
                 if on_step is not None:
                     on_step(record)
                 if not isinstance(record, Compacted):
                     continue
-                if record.accept_len is not None:
+                if isinstance(previous, Accepted):  # a retire re-emits accept_len: count each verify once
                     lens = record.accept_len.tolist()
                     histogram.update(lens)
                     verifies += len(lens)
