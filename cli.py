@@ -1,4 +1,5 @@
-"""The ``speccycle`` command: ``demo`` (the cycle on test models), ``generate`` and ``bench`` (real models)."""
+"""The ``speccycle`` command: ``demo`` (the cycle on test models), ``generate`` and ``bench`` (real models),
+``train-draft`` (EAGLE heads by self-distillation)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true")
     _engine_args(bench)
     bench.set_defaults(func=_bench, max_new_tokens=64)
+
+    from .train import pipeline
+
+    train = sub.add_parser(
+        "train-draft",
+        help="train EAGLE draft heads by self-distillation (stages generate / train / eval)",
+        description=pipeline.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pipeline.add_arguments(train)
+    train.set_defaults(func=pipeline.run)
     return parser
 
 

@@ -1,0 +1,336 @@
+"""Train EAGLE draft heads for a Llama-family target by self-distillation (``speccycle train-draft``).
+
+Stages (``--stage``):
+
+* ``generate``: the target answers training prompts (chat template, greedy by default), batched on
+  the GPU with transformers (or the engine); token ids only -> ``OUT/data.npz`` (a few MB).
+* ``train``: EAGLE-1 and/or EAGLE-3 heads (``--versions 1,3``); target features are recomputed per
+  batch by a frozen target forward, never stored -> ``OUT/eagle1.safetensors``, ``OUT/eagle3.safetensors``
+  (bfloat16, the engine's `EagleHead` format, training record in the file's metadata).
+* ``eval``: tau per Spec-Bench category and acceptance per draft position, chains and trees, with the
+  engine -> ``OUT/eval.json``, ``OUT/eval.png`` and ``bench/results/train_draft_eval-*.json``.
+* ``all``: the three in a row. ``plot``: redraw ``eval.png`` from ``--eval-json``.
+
+Every stage prints progress with timings (flushed, also appended to ``OUT/pipeline.log``) and writes
+its output periodically, so a run cut short keeps what it did; ``--resume`` carries on from it.
+Never pass Spec-Bench prompts as training prompts: they are the evaluation set (refused).
+
+Time on one H100 (bf16): generate: not yet measured; train: not yet measured; eval: not yet measured.
+
+    python -m speccycle.train.pipeline --stage all --prompts train_prompts.jsonl.gz \\
+        --eval-prompts spec_bench_dev.jsonl --out out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+STAGES = ("generate", "train", "eval", "all", "plot")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", choices=STAGES, default="all")
+    p.add_argument("--out", required=True, help="output folder (data.npz, eagle*.safetensors, eval.json, log)")
+    p.add_argument("--model", default=None, help="target: GGUF file or HF directory (default: embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None, help="GGUF file whose tokenizer to use (default: the model's)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--work-dir", default="/tmp/speccycle-train", help="scratch: HF export, full checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from what OUT (and --work-dir) already hold")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("generate")
+    g.add_argument("--prompts", default=None, help="training prompts JSONL ({'prompt': ...}), .gz accepted")
+    g.add_argument("--num-prompts", type=int, default=None, help="use at most this many (shuffled) prompts")
+    g.add_argument("--max-prompt-tokens", type=int, default=384, help="longer chat-templated prompts are skipped")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--gen-batch", type=int, default=512)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers (what greedy verify sees)")
+    g.add_argument("--generator", choices=["hf", "engine"], default="hf")
+    g.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long, keep the rest")
+    g.add_argument("--data", default=None, help="generated data file (default: OUT/data.npz)")
+    t = p.add_argument_group("train")
+    t.add_argument("--versions", default="1,3", help="EAGLE versions to train, e.g. 1 or 1,3")
+    t.add_argument("--steps", type=int, default=3000, help="optimizer steps per head (upper bound)")
+    t.add_argument("--train-minutes", type=float, default=None, help="time budget per head (lowers --steps)")
+    t.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per batch (B x T)")
+    t.add_argument("--max-len", type=int, default=640, help="sequences are cut to this many tokens")
+    t.add_argument("--ttt-steps", type=int, default=6, help="draft steps unrolled in training (>= the S you run)")
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--draft-vocab", type=int, default=3072, help="EAGLE-3 draft vocabulary size")
+    t.add_argument("--v3-intermediate", type=int, default=384, help="EAGLE-3 MLP width (keeps the head < 10 MB)")
+    t.add_argument("--v1-intermediate", type=int, default=None, help="EAGLE-1 MLP width (default: the target's)")
+    t.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
+    e = p.add_argument_group("eval")
+    e.add_argument("--eval-prompts", default=None, help="Spec-Bench JSONL (e.g. spec_bench_dev.jsonl)")
+    e.add_argument("--eval-limit", type=int, default=None)
+    e.add_argument("--eval-new-tokens", type=int, default=128)
+    e.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32")
+    e.add_argument("--heads", default=None, help="comma-separated head files (default: OUT/eagle{v}.safetensors)")
+    e.add_argument("--chains", default="3,4,5,6", help="chain depths S")
+    e.add_argument("--trees", default="4x2x8,5x4x16,6x4x32,6x8x64", help="trees SxKxN")
+    e.add_argument("--no-lossless-check", action="store_true", help="skip the autoregressive reference run")
+    e.add_argument("--eval-json", default=None, help="for --stage plot: the eval.json to draw")
+
+
+class Log:
+    """Print (flushed) and append to ``OUT/pipeline.log``, so a killed run still shows where it was."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "pipeline.log"
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        line = f"[{time.perf_counter() - self.start:7.1f}s] {message}"
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+def _device(args) -> str:
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tokenizer(args, model_path: Path):
+    from ..engine.tokenizer import Tokenizer
+    from ..engine.weights_gguf import default_model_path
+
+    source = args.tokenizer or (model_path if model_path.suffix == ".gguf" else default_model_path())
+    return Tokenizer.from_gguf(source)
+
+
+def _data_path(args) -> Path:
+    return Path(args.data) if args.data else Path(args.out) / "data.npz"
+
+
+def stage_generate(args, log: Log) -> None:
+    import torch
+
+    from ..engine.engine import load_model
+    from .data import (
+        EngineGenerator,
+        HFGenerator,
+        SelfDistilledData,
+        encode_prompts,
+        generate_responses,
+        load_train_prompts,
+    )
+
+    if not args.prompts:
+        raise ValueError("the generate stage needs --prompts (a training prompts JSONL, not Spec-Bench)")
+    device = _device(args)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    start = time.perf_counter()
+    config, weights, model_path = load_model(args.model, torch.float32)
+    tokenizer = _tokenizer(args, model_path)
+    prompts = load_train_prompts(args.prompts)
+    encoded = encode_prompts(tokenizer, prompts, args.max_prompt_tokens, args.num_prompts, args.seed)
+    too_big = max((max(ids) for _, ids in encoded), default=0)
+    if too_big >= config.vocab_size:
+        raise ValueError(f"the tokenizer produced id {too_big}, past the model's vocabulary of {config.vocab_size}")
+    log(
+        f"[generate] {len(prompts)} prompts read, {len(encoded)} kept (<= {args.max_prompt_tokens} tokens), "
+        f"{sum(len(i) for _, i in encoded)} prompt tokens; model {model_path.name} on {device} "
+        f"({time.perf_counter() - start:.1f}s)"
+    )
+    stop_ids = tuple(config.eos_token_ids) or (tokenizer.eos_token_id,)
+    if args.generator == "hf":
+        from ..engine.weights_hf import save_hf
+
+        hf_dir = model_path if model_path.is_dir() else save_hf(Path(args.work_dir) / "hf-model", config, weights)
+        generator = HFGenerator(hf_dir, device, dtype, stop_ids)
+    else:
+        generator = EngineGenerator(config, weights, device, dtype, stop_ids)
+    del weights
+    path = _data_path(args)
+    done = SelfDistilledData.load(path) if args.resume and path.is_file() else None
+    if done is not None:
+        log(f"[generate] resuming: {len(done)} sequences already in {path}")
+    meta = {
+        "prompts_file": Path(args.prompts).name,
+        "model": model_path.name,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "generator": args.generator,
+        "seed": args.seed,
+    }
+    data = generate_responses(
+        generator,
+        encoded,
+        config.vocab_size,
+        args.gen_batch,
+        args.max_new_tokens,
+        args.temperature,
+        done=done,
+        time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None,
+        on_save=lambda d: d.save(path),
+        save_every_s=args.save_every,
+        meta=meta,
+        log=log,
+    )
+    log(
+        f"[generate] done: {len(data)} sequences, {int(data.lengths.sum())} tokens ({data.response_tokens} "
+        f"generated), {path.stat().st_size / 2**20:.1f} MiB at {path}, {time.perf_counter() - start:.0f}s"
+    )
+
+
+def _versions(args) -> list[int]:
+    versions = [int(v) for v in args.versions.split(",") if v.strip()]
+    if not versions or any(v not in (1, 3) for v in versions):
+        raise ValueError(f"--versions {args.versions!r}: choose from 1 and 3, e.g. 1,3")
+    return versions
+
+
+def stage_train(args, log: Log) -> None:
+    import torch
+
+    from ..engine.engine import load_model
+    from ..engine.llama import LlamaModel
+    from .data import SelfDistilledData
+    from .trainer import TrainConfig, train_head
+
+    device = _device(args)
+    data = SelfDistilledData.load(_data_path(args))
+    config, weights, model_path = load_model(args.model, torch.float32)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    target = LlamaModel(config, weights, dtype=dtype, device=device)
+    del weights
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    for version in _versions(args):
+        start = time.perf_counter()
+        cfg = TrainConfig(
+            version=version,
+            ttt_steps=args.ttt_steps,
+            draft_vocab_size=args.draft_vocab,
+            intermediate_size=args.v3_intermediate if version == 3 else args.v1_intermediate,
+            batch_tokens=args.batch_tokens,
+            max_len=args.max_len,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            steps=args.steps,
+            time_budget_s=args.train_minutes * 60 if args.train_minutes else None,
+            seed=args.seed,
+            save_every_s=args.save_every,
+        )
+        info = {
+            "command": "speccycle train-draft " + " ".join(sys.argv[1:]),
+            "data": {**data.meta, "sequences": len(data), "tokens": int(data.lengths.sum())},
+            "target": model_path.name,
+        }
+        train_head(
+            cfg,
+            data,
+            target,
+            Path(args.out) / f"eagle{version}.safetensors",
+            checkpoint_path=work / f"eagle{version}-ckpt.pt",
+            resume=args.resume,
+            info=info,
+            log=log,
+        )
+        log(f"[train] EAGLE-{version} done in {time.perf_counter() - start:.0f}s")
+
+
+def _trees(text: str) -> list[tuple[int, int, int]]:
+    trees = []
+    for item in filter(None, text.split(",")):
+        try:
+            s, k, n = (int(x) for x in item.lower().split("x"))
+        except ValueError as err:
+            raise ValueError(f"--trees item {item!r}: write SxKxN, e.g. 6x4x32") from err
+        trees.append((s, k, n))
+    return trees
+
+
+def stage_eval(args, log: Log) -> None:
+    import torch
+
+    from ..engine.bench import load_prompts
+    from .evaluate import eval_configs, evaluate_heads, plot
+
+    if not args.eval_prompts:
+        raise ValueError("the eval stage needs --eval-prompts (e.g. spec_bench_dev.jsonl)")
+    out = Path(args.out)
+    if args.heads:
+        heads = {Path(h).stem: Path(h) for h in args.heads.split(",")}
+    else:
+        heads = {f"eagle{v}": out / f"eagle{v}.safetensors" for v in _versions(args)}
+    missing = [str(p) for p in heads.values() if not p.is_file()]
+    if missing:
+        raise ValueError(f"no head at {', '.join(missing)}: train first or pass --heads")
+    device = _device(args)
+    prompts = load_prompts(args.eval_prompts, args.eval_limit)
+    configs = eval_configs([int(s) for s in args.chains.split(",") if s], _trees(args.trees))
+    start = time.perf_counter()
+    result = evaluate_heads(
+        heads,
+        prompts,
+        args.model,
+        device,
+        getattr(torch, args.eval_dtype),
+        args.eval_new_tokens,
+        configs,
+        log=log,
+        check_lossless=not args.no_lossless_check,
+    )
+    result["prompts_file"] = Path(args.eval_prompts).name
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        from ..bench.common import write_result
+
+        log(f"[eval] wrote {write_result('train_draft_eval', result, device)}")
+    except ImportError:  # installed without the bench folder: OUT/eval.json is the record
+        pass
+    png = plot(result, out / "eval.png")
+    log(
+        f"[eval] done in {time.perf_counter() - start:.0f}s: best head {result.get('best')}; {out / 'eval.json'}, {png}"
+    )
+
+
+def stage_plot(args, log: Log) -> None:
+    from .evaluate import plot
+
+    if not args.eval_json:
+        raise ValueError("--stage plot needs --eval-json (an eval.json of the eval stage)")
+    result = json.loads(Path(args.eval_json).read_text())
+    png = plot(result, Path(args.out) / "eval.png")
+    log(f"[plot] {png or 'matplotlib is not installed: no plot'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out)
+    stages = ("generate", "train", "eval") if args.stage == "all" else (args.stage,)
+    funcs = {"generate": stage_generate, "train": stage_train, "eval": stage_eval, "plot": stage_plot}
+    for stage in stages:
+        start = time.perf_counter()
+        log(f"[{stage}] start")
+        funcs[stage](args, log)
+        log(f"[{stage}] finished in {time.perf_counter() - start:.0f}s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m speccycle.train.pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as err:
+        print(f"train-draft: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
