@@ -2,6 +2,7 @@
 
 from .config import SamplingParams, SpecConfig
 from .ports import (
+    BlockDraft,
     DraftModel,
     ForwardBatch,
     KVPool,
@@ -33,6 +34,7 @@ __all__ = [
     "TargetModel",
     "DraftModel",
     "LookupDraft",
+    "BlockDraft",
     "KVPool",
     "KVPoolExhausted",
     "RecurrentStatePool",

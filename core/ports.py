@@ -126,6 +126,31 @@ class LookupDraft(Protocol):
         ...
 
 
+@runtime_checkable
+class BlockDraft(Protocol):
+    """A draft that proposes a whole block from one non-causal forward (DFlash), chain only.
+
+    ``extend`` writes the draft's context from the target's features of the committed tokens (rows
+    paired like a ``shifted`` draft: position ``p`` with the target's feature ``f[p]``); it produces no
+    candidates. ``propose`` runs the block: ``block_size`` rows per request at positions ``L + i``, row
+    0 the root, rows ``1..B-1`` the token ``mask_token_id``; every row attends the context ``[0, L)``
+    and all rows of its block. Row ``i``'s logits are the draft's guess for the token at ``L + i``.
+    """
+
+    kind: Literal["block"]
+    vocab_size: int
+    block_size: int  # B: verify rows per request, root included (N == B, S == B - 1)
+    mask_token_id: int
+
+    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor) -> None:
+        """``target_hidden [T, F]``: the target's features at each row's position."""
+        ...
+
+    def propose(self, batch: ForwardBatch) -> ModelOutput:
+        """Logits ``[R, V]`` of ``batch.logits_rows`` (the masked rows)."""
+        ...
+
+
 class KVPoolExhausted(RuntimeError):
     """The pool has too few free pages for a reservation. Engines retract or defer requests."""
 
@@ -188,6 +213,6 @@ class Ports:
     """Everything mutable the cycle touches, handed to `step` as one value."""
 
     target: TargetModel
-    draft: DraftModel | LookupDraft
+    draft: DraftModel | LookupDraft | BlockDraft
     kv_pool: KVPool
     recurrent: RecurrentStatePool = attrs.field(factory=NoRecurrentState)

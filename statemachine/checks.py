@@ -72,6 +72,8 @@ def check_record(record, ports) -> None:
     if isinstance(record, Verified):
         _check_accept(record.config, record.tree, record.accept_index, record.accept_len)
         _check_greedy_path(record)
+        if getattr(ports.draft, "kind", "forward") == "block":
+            _check_block(record, ports.draft.block_size)
     if isinstance(record, Accepted):
         _check_accepted(record)
     if isinstance(record, (Drafted, Verified, Accepted)):
@@ -119,6 +121,21 @@ def _check_committed(record, ports) -> None:
                     12,
                     "a chain's last_correct_step_indices must equal accept_len - 1",
                 )
+        _check_recurrent(record, ports)
+
+
+def _check_recurrent(record: Compacted, ports) -> None:
+    """A recurrent pool that reports its state lengths holds exactly the committed tokens, no verify rows."""
+    state_lens = getattr(ports.recurrent, "state_lens", None)
+    if state_lens is None:
+        return
+    live = [(i, r.request_id) for i, r in enumerate(record.requests) if r.finish_reason is None]
+    lens = state_lens([rid for _, rid in live])
+    for (i, rid), held in zip(live, lens):
+        L = int(record.seq_lens[i])
+        require(held == L, 12, f"request {rid}: the recurrent state holds {held} tokens, L={L}")
+        pending = ports.recurrent.pending_rows(request_id=rid) if hasattr(ports.recurrent, "pending_rows") else 0
+        require(pending == 0, 12, f"request {rid}: {pending} verify rows were left uncommitted")
 
 
 def _check_extend_rows(record: Compacted, offset: int) -> None:
@@ -216,6 +233,29 @@ def _check_accept(cfg, tree, accept_index: torch.Tensor, accept_len: torch.Tenso
             5,
             f"request {b}: accepted rows {path} are not a parent-to-child chain",
         )
+
+
+def _check_block(record: Verified, block_size: int) -> None:
+    """Invariant 13: a block's accepted run is its agreeing prefix, ``cumprod(cand[1:] == target[:-1]).sum()``."""
+    bs, n = record.tree.tokens.shape
+    require(n == block_size, 13, f"a block draft of B={block_size} verified {n} rows")
+    target = record.rows.predict.view(bs, n)
+    candidates = record.tree.tokens
+    correct_len = torch.cumprod((candidates[:, 1:] == target[:, :-1]).long(), dim=1).sum(dim=1)
+    require(
+        bool(((correct_len >= 0) & (correct_len <= block_size - 1)).all()),
+        13,
+        f"correct_len {correct_len.tolist()} outside [0, B - 1 = {block_size - 1}]",
+    )
+    require(
+        torch.equal(record.accept_len, correct_len + 1),
+        13,
+        f"accept_len {record.accept_len.tolist()} != correct_len + 1 = {(correct_len + 1).tolist()}",
+    )
+    depth = torch.arange(record.accept_index.shape[1], device=correct_len.device)[None, :]
+    flat = torch.arange(bs, device=depth.device)[:, None] * n + depth
+    expected = torch.where(depth <= correct_len[:, None], flat, -1)
+    require(torch.equal(record.accept_index, expected), 13, "a block's accepted rows must be rows 0..correct_len")
 
 
 def _check_greedy_path(record: Verified) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import attrs
 
 from ..core.records import Accepted, Admitted, Compacted, Drafted, Ready, Verified
+from . import block as blk
 from . import transitions as t
 
 Guard = Callable[[object, object], bool]
@@ -67,6 +68,15 @@ TABLE: tuple[Transition, ...] = (
         Compacted, "extend", Ready, t.skip_extend, guard=t.lookup_ready, doc="A lookup draft keeps no draft cache."
     ),
     Transition(
+        Compacted,
+        "extend",
+        Ready,
+        blk.block_extend,
+        guard=t.block_ready,
+        ops=("slots_for_positions",),
+        doc="A block draft (DFlash) writes its context from the target's features of the committed tokens.",
+    ),
+    Transition(
         Ready,
         "draft",
         Drafted,
@@ -85,12 +95,31 @@ TABLE: tuple[Transition, ...] = (
         doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify).",
     ),
     Transition(
+        Ready,
+        "draft",
+        Drafted,
+        blk.draft_block,
+        guard=t.block_draft,
+        ops=("slots_for_positions", "greedy_predict"),
+        doc="Reserve the cycle's slots; one non-causal draft forward over [root, mask x (B - 1)] at L + i.",
+    ),
+    Transition(
         Drafted,
         "verify",
         Verified,
         t.verify,
+        guard=t.not_block_draft,
         ops=("tree_mask", "greedy_predict", "verify_greedy"),
         doc="One target forward over [root, drafts] at L + depth with the tree mask; greedy walk.",
+    ),
+    Transition(
+        Drafted,
+        "verify",
+        Verified,
+        blk.verify_block,
+        guard=t.block_draft,
+        ops=("greedy_predict", "verify_block"),
+        doc="One target forward over the block as a chain; correct_len = cumprod(cand[1:] == target[:-1]).sum().",
     ),
     Transition(
         Verified,

@@ -270,7 +270,16 @@ def forward_draft(rec, ports: Ports) -> bool:
 
 
 def lookup_draft(rec, ports: Ports) -> bool:
-    return not is_forward(ports)
+    return getattr(ports.draft, "kind", "forward") == "lookup"
+
+
+def block_draft(rec, ports: Ports) -> bool:
+    """A block draft (DFlash): one draft forward proposes the whole chain (`statemachine.block`)."""
+    return getattr(ports.draft, "kind", "forward") == "block"
+
+
+def not_block_draft(rec, ports: Ports) -> bool:
+    return not block_draft(rec, ports)
 
 
 def extend_ready(rec: Compacted, ports: Ports) -> bool:
@@ -279,6 +288,10 @@ def extend_ready(rec: Compacted, ports: Ports) -> bool:
 
 def lookup_ready(rec: Compacted, ports: Ports) -> bool:
     return none_finished(rec, ports) and lookup_draft(rec, ports)
+
+
+def block_ready(rec: Compacted, ports: Ports) -> bool:
+    return none_finished(rec, ports) and block_draft(rec, ports)
 
 
 def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:

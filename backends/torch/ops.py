@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ...core import tree
+from . import block
 
 
 class TorchBackend:
@@ -91,6 +92,13 @@ class TorchBackend:
         accept_index = torch.full((bs, accept_width), -1, dtype=torch.long, device=tokens.device)
         accept_index[:, :width] = torch.where(keep, flat, -1)
         return accept_index, accept_len
+
+    def verify_block(self, candidates: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block drafts (DFlash): ``correct_len = cumprod(candidates[:, 1:] == target[:, :-1]).sum()``, ``bonus``.
+
+        See `speccycle.backends.torch.block.verify_block`. Shapes: ``[bs, B]`` each -> ``[bs]``, ``[bs]``.
+        """
+        return block.verify_block(candidates, target)
 
     # ---- accept ------------------------------------------------------------------------------
     def gather_accepted(self, rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:
