@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import attrs
 
@@ -84,6 +85,14 @@ class SpecConfig:
         return math.ceil(num_tokens / self.page_size)
 
 
+def _int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @attrs.frozen
 class SamplingParams:
     """Per-request decoding parameters. ``temperature == 0`` is greedy."""
@@ -94,16 +103,27 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # on the decoded output text; the rule: statemachine/stops.py
 
     def __attrs_post_init__(self) -> None:
-        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature={self.temperature} is out of range: allowed a finite value >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} is out of range: allowed an int >= 0 (0 disables it)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p={self.top_p} is out of range: allowed (0, 1]")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} is out of range: allowed an int >= 1")
+        if not _real(self.temperature) or not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature!r} is out of range: allowed a finite value >= 0")
+        if not _int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} is out of range: allowed an int >= 0 (0 disables it)")
+        if not _real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r} is out of range: allowed (0, 1]")
+        if self.seed is not None and not _int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} is out of range: allowed an int >= 1")
+        ids, texts = self.stop_token_ids, self.stop_strings
+        if not isinstance(ids, (tuple, list)) or not all(_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids={ids!r} must be a tuple of token ids (ints >= 0)")
+        if not isinstance(texts, (tuple, list)) or not all(isinstance(s, str) and s for s in texts):
+            raise ValueError(f"stop_strings={texts!r} must be a tuple of non-empty strings (not one bare string)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "stop_strings", tuple(texts))
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
 
     @property
     def greedy(self) -> bool:
