@@ -151,6 +151,13 @@ class BlockDraft(Protocol):
         ...
 
 
+@runtime_checkable
+class Detokenizer(Protocol):
+    """What stop strings need of a tokenizer: the bytes each token id decodes to (statemachine/stops.py)."""
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
 class KVPoolExhausted(RuntimeError):
     """The pool has too few free pages for a reservation. Engines retract or defer requests."""
 
@@ -216,3 +223,4 @@ class Ports:
     draft: DraftModel | LookupDraft | BlockDraft
     kv_pool: KVPool
     recurrent: RecurrentStatePool = attrs.field(factory=NoRecurrentState)
+    detokenizer: Detokenizer | None = None  # needed only by requests with stop strings

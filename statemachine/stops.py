@@ -20,17 +20,9 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
+from ..core.ports import Detokenizer
 from ..core.records import FinishReason, Request
-
-
-@runtime_checkable
-class Detokenizer(Protocol):
-    """What stop strings need of a tokenizer: the bytes each token id decodes to."""
-
-    def token_bytes(self, token_id: int) -> bytes: ...
-
 
 # Bytes of earlier output decoded again to rebuild the text just before a run: enough for the
 # longest stop string (4 bytes a character at most) plus a character cut at the window's start.
@@ -93,9 +85,7 @@ class _StopStringMatcher:
         return False
 
 
-def stop_text_reference(
-    output: Sequence[int], stop_strings: Sequence[str], detokenizer: Detokenizer
-) -> int | None:
+def stop_text_reference(output: Sequence[int], stop_strings: Sequence[str], detokenizer: Detokenizer) -> int | None:
     """Index of the first output token that completes a stop string, by decoding every prefix afresh.
 
     Quadratic, for tests: the plain statement of the rule that `cut_at_stops` implements incrementally.

@@ -8,6 +8,7 @@ KV and the pool's pages).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import attrs
@@ -22,13 +23,13 @@ from ..core.records import (
     Drafted,
     DraftTree,
     ExtendRows,
-    FinishReason,
     Ready,
     Request,
     RowOutputs,
     Verified,
 )
 from ..core.tree import chain_tree, draft_position, draft_scratch_positions, tree_depths
+from .stops import cut_at_stops
 
 
 class CycleError(RuntimeError):
@@ -103,21 +104,16 @@ def _check_logits(logits: torch.Tensor, row_request: torch.Tensor, bs: int) -> l
     return bad.tolist()
 
 
-def cut_at_stops(request: Request, committed: list[int]) -> tuple[int, FinishReason | None]:
-    """How many of ``committed`` to keep: stop at a stop token or at ``max_new_tokens``, inclusive."""
-    room = request.sampling.max_new_tokens - len(request.output)
-    stops = request.sampling.stop_token_ids
-    for i, token in enumerate(committed):
-        if token in stops:
-            return i + 1, "stop"
-        if i + 1 >= room:
-            return i + 1, "length"
-    return len(committed), None
-
-
-def validate_request(request: Request, vocab_size: int) -> None:
+def validate_request(request: Request, vocab_size: int, detokenizer=None) -> None:
     if len(request.prompt) == 0:
         raise CycleError(f"request {request.request_id}: the prompt is empty; give at least one token")
+    not_ids = [t for t in request.prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    if not_ids:
+        raise CycleError(f"request {request.request_id}: the prompt holds {not_ids[:5]!r}, not int token ids")
+    if request.sampling.stop_strings and detokenizer is None:
+        raise CycleError(
+            f"request {request.request_id}: stop strings need a tokenizer; give the engine one (Ports.detokenizer)"
+        )
     bad = [t for t in request.prompt if not (0 <= t < vocab_size)]
     if bad:
         raise CycleError(
@@ -134,13 +130,16 @@ def validate_request(request: Request, vocab_size: int) -> None:
 def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     """Target extend over the prompts; the first token; the draft extend's rows (shifted by one).
 
+    A request that already has output (one an engine retracted to free KV) is extended over prompt
+    and output, and its next token appended: recomputing its KV resumes it where it stopped.
+
     A request that fails validation (empty prompt, ids outside the vocabulary, unsupported sampling)
     finishes at once with ``finish_reason="error"`` and its reason; the others go on.
     """
     valid, refused = [], []
     for request in rec.requests:
         try:
-            validate_request(request, ports.target.vocab_size)
+            validate_request(request, ports.target.vocab_size, ports.detokenizer)
             valid.append(request)
         except CycleError as err:
             refused.append(attrs.evolve(request, finish_reason="error", error=str(err)))
@@ -164,11 +163,11 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     cfg, target = rec.config, ports.target
     ids = tuple(r.request_id for r in rec.requests)
     offset = draft_offset(ports, cfg)
-    lens = [len(r.prompt) for r in rec.requests]
+    lens = [len(r.tokens) for r in rec.requests]  # prompt + output: a resumed request recomputes both
     reserve(ports.kv_pool, ids, [n + offset for n in lens])
     device = _device(ports)
     prompt_lens = torch.tensor(lens, dtype=torch.long, device=device)
-    input_ids = torch.tensor([t for r in rec.requests for t in r.prompt], dtype=torch.long, device=device)
+    input_ids = torch.tensor([t for r in rec.requests for t in r.tokens], dtype=torch.long, device=device)
     row_request = torch.repeat_interleave(torch.arange(len(lens), device=device), prompt_lens)
     starts = torch.cumsum(prompt_lens, 0) - prompt_lens
     positions = torch.arange(input_ids.shape[0], device=device) - starts[row_request]
@@ -185,8 +184,8 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
         if is_bad:
             requests.append(_errored(request, "the target returned non-finite logits for the prompt"))
             continue
-        keep, reason = cut_at_stops(request, [token])
-        requests.append(attrs.evolve(request, output=(token,), finish_reason=reason))
+        keep, reason = cut_at_stops(request, [token], ports.detokenizer)
+        requests.append(attrs.evolve(request, output=request.output + (token,), finish_reason=reason))
 
     # Draft extend rows: shifted drafts see t[p + 1] at p, aligned drafts t[p] (root included).
     if offset == 0:
@@ -205,7 +204,7 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
 
 
 def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, device) -> ExtendRows:
-    tokens = [list(r.prompt) + [t] for r, t in zip(requests, first.tolist())]
+    tokens = [list(r.tokens) + [t] for r, t in zip(requests, first.tolist())]
     lens = torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device)
     row_request = torch.repeat_interleave(torch.arange(len(tokens), device=device), lens)
     starts = torch.cumsum(lens, 0) - lens
@@ -453,6 +452,15 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
             f"the lookup draft proposed tokens {tuple(tokens.shape)} / parents {tuple(parents.shape)}; "
             f"expected the same shape [bs={bs}, n <= N - 1 = {cfg.num_draft_tokens - 1}]"
         )
+    rows = torch.arange(1, tokens.shape[1] + 1, device=parents.device)
+    if tokens.numel() and not (
+        bool(((tokens >= 0) & (tokens < ports.target.vocab_size)).all())
+        and bool(((parents >= 0) & (parents < rows)).all())
+    ):
+        raise CycleError(
+            f"the lookup draft proposed token ids outside [0, {ports.target.vocab_size}) or a parent that does "
+            "not precede its node: a draft must share the target's vocabulary and list parents first"
+        )
     verify_slots = verify_slots[:, : tokens.shape[1] + 1]
     tokens = torch.cat([rec.root_tokens[:, None], tokens.to(device)], dim=1)
     parents = torch.cat([torch.full((bs, 1), -1, dtype=torch.long, device=device), parents.to(device)], dim=1)
@@ -535,7 +543,7 @@ def accept(rec: Verified, ports: Ports, backend) -> Accepted:
             lens.append(1)
             reasons.append("error")
             continue
-        keep, reason = cut_at_stops(request, committed[:n])
+        keep, reason = cut_at_stops(request, committed[:n], ports.detokenizer)
         lens.append(keep)
         reasons.append(reason)
     accept_len = torch.tensor(lens, dtype=torch.long, device=accept_len.device)
