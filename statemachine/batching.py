@@ -36,3 +36,25 @@ def merge_ready(a: Ready, b: Ready) -> Ready:
         draft_hidden=_cat(a.draft_hidden, b.draft_hidden, "draft_hidden"),
         retired=a.retired + b.retired,
     )
+
+
+def select_ready(ready: Ready, indices: list[int]) -> Ready:
+    """The `Ready` batch of ``ready.requests[i]`` for ``i`` in ``indices``, in that order (``retired`` kept).
+
+    An engine drops requests this way when it retracts them; their pages are its to free.
+    """
+    index = torch.tensor(indices, dtype=torch.long, device=ready.seq_lens.device)
+
+    def take(value: torch.Tensor | None) -> torch.Tensor | None:
+        return None if value is None else value.index_select(0, index.to(value.device))
+
+    return Ready(
+        config=ready.config,
+        requests=tuple(ready.requests[i] for i in indices),
+        seq_lens=take(ready.seq_lens),
+        root_tokens=take(ready.root_tokens),
+        topk_p=take(ready.topk_p),
+        topk_index=take(ready.topk_index),
+        draft_hidden=take(ready.draft_hidden),
+        retired=ready.retired,
+    )
