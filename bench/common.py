@@ -28,9 +28,10 @@ def device_name(device: str = "cpu") -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def write_result(name: str, payload: dict, device: str = "cpu") -> Path:
-    """Write ``bench/results/<name>-<date>.json`` with device, date, commit and torch version."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict, device: str = "cpu", directory: str | Path | None = None) -> Path:
+    """Write ``<directory>/<name>-<date>.json`` (default ``bench/results``) with device, date, commit, torch."""
+    directory = Path(directory) if directory is not None else RESULTS
+    directory.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
     record = {
         "benchmark": name,
@@ -40,6 +41,6 @@ def write_result(name: str, payload: dict, device: str = "cpu") -> Path:
         "torch": torch.__version__,
         **payload,
     }
-    path = RESULTS / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
+    path = directory / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
