@@ -36,12 +36,12 @@ def _dense_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: t
     q = apply_rope(q.view(b, t, layer.num_heads, layer.head_dim), cos, sin)
     k = apply_rope(k.view(b, t, layer.num_kv_heads, layer.head_dim), cos, sin)
     v = v.view(b, t, layer.num_kv_heads, layer.head_dim)
+    group = layer.num_heads // layer.num_kv_heads  # K/V repeated per query head: every SDPA kernel takes that
     attn = F.scaled_dot_product_attention(
         q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        k.repeat_interleave(group, dim=2).transpose(1, 2),
+        v.repeat_interleave(group, dim=2).transpose(1, 2),
         is_causal=True,
-        enable_gqa=layer.num_kv_heads != layer.num_heads,
     )  # [B, heads, T, D]
     h = x + F.linear(attn.transpose(1, 2).reshape(b, t, q_size), layer.o_weight)
     gate, up = F.linear(layer.post_attention_norm(h), layer.gate_up_weight).chunk(2, dim=-1)

@@ -135,22 +135,21 @@ class TrainableEagleHead(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys.append(k)
         values.append(v)
-        gqa = c.num_kv_heads != c.num_heads
+        group = c.num_heads // c.num_kv_heads  # K/V repeated per query head: every SDPA kernel takes that
         scale = 1.0 / math.sqrt(c.head_dim)
         if step == 0:
             attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        else:
-            all_k = torch.cat(keys, 1).transpose(1, 2)  # [B, Hkv, T * (s + 1), D]
-            all_v = torch.cat(values, 1).transpose(1, 2).to(all_k.dtype)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2).to(all_k.dtype),
-                all_k,
-                all_v,
-                attn_mask=step_mask(t, step, x.device),
+                q.transpose(1, 2),
+                k.repeat_interleave(group, dim=2).transpose(1, 2),
+                v.repeat_interleave(group, dim=2).transpose(1, 2),
+                is_causal=True,
                 scale=scale,
-                enable_gqa=gqa,
+            )
+        else:  # the memory-efficient kernel takes this mask; [B, heads, T * (s + 1), D] keys and values
+            all_k = torch.cat(keys, 1).repeat_interleave(group, dim=2).transpose(1, 2)
+            all_v = torch.cat(values, 1).repeat_interleave(group, dim=2).transpose(1, 2).to(all_k.dtype)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2).to(all_k.dtype), all_k, all_v, attn_mask=step_mask(t, step, x.device), scale=scale
             )
         h = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w("layer.o_proj.weight"))
         hn = rms_norm(h, w("layer.post_attention_layernorm.weight"), eps)

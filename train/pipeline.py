@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--trees", default="4x2x8,5x4x16,6x4x32,6x8x64", help="trees SxKxN")
     e.add_argument("--no-lossless-check", action="store_true", help="skip the autoregressive reference run")
     e.add_argument("--eval-json", default=None, help="for --stage plot: the eval.json to draw")
+    e.add_argument("--no-bench-result", action="store_true", help="do not also write bench/results/*.json")
 
 
 class Log:
@@ -180,6 +181,13 @@ def stage_generate(args, log: Log) -> None:
     )
 
 
+def _command_line(args) -> str:
+    """The command that ran this (recorded beside the head), as `main` or the ``speccycle`` CLI got it."""
+    if getattr(args, "command_line", None):
+        return args.command_line
+    return " ".join(["speccycle", *sys.argv[1:]])
+
+
 def _versions(args) -> list[int]:
     versions = [int(v) for v in args.versions.split(",") if v.strip()]
     if not versions or any(v not in (1, 3) for v in versions):
@@ -220,7 +228,7 @@ def stage_train(args, log: Log) -> None:
             save_every_s=args.save_every,
         )
         info = {
-            "command": "speccycle train-draft " + " ".join(sys.argv[1:]),
+            "command": _command_line(args),
             "data": {**data.meta, "sequences": len(data), "tokens": int(data.lengths.sum())},
             "target": model_path.name,
         }
@@ -281,16 +289,62 @@ def stage_eval(args, log: Log) -> None:
     )
     result["prompts_file"] = Path(args.eval_prompts).name
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    try:
-        from ..bench.common import write_result
+    if not args.no_bench_result:
+        try:
+            from ..bench.common import write_result
 
-        log(f"[eval] wrote {write_result('train_draft_eval', result, device)}")
-    except ImportError:  # installed without the bench folder: OUT/eval.json is the record
-        pass
+            log(f"[eval] wrote {write_result('train_draft_eval', result, device)}")
+        except ImportError:  # installed without the bench folder: OUT/eval.json is the record
+            pass
     png = plot(result, out / "eval.png")
+    if result.get("best"):
+        (out / "HEAD_README.md").write_text(head_readme(result, heads[result["best"]]))
     log(
         f"[eval] done in {time.perf_counter() - start:.0f}s: best head {result.get('best')}; {out / 'eval.json'}, {png}"
     )
+
+
+def head_readme(result: dict, head_path: Path) -> str:
+    """What ships beside a head: how it was trained (from its file's metadata) and what it measured."""
+    from safetensors import safe_open
+
+    with safe_open(str(head_path), framework="pt") as f:
+        meta = f.metadata() or {}
+    train = json.loads(meta.get("speccycle.train", "{}"))
+    entry = next(e for e in result["heads"].values() if Path(e["head"]) == head_path)
+    lines = [
+        f"# EAGLE-{entry['version']} head for {train.get('target', 'the target')}",
+        "",
+        f"File: `{head_path.name}` ({entry['file_mb']} MB, bfloat16; config in the safetensors metadata "
+        "`speccycle.eagle`, training record in `speccycle.train`).",
+        "",
+        "## How it was trained",
+        "",
+        f"    {train.get('command', '(not recorded)')}",
+        "",
+        f"- data: {json.dumps(train.get('data', {}))}",
+        f"- optimizer steps: {train.get('step')} of {train.get('total_steps')}; final loss {train.get('loss')}; "
+        f"teacher-forced accuracy per draft step {train.get('acc')}",
+        f"- training config: {json.dumps(train.get('config', {}))}",
+        "",
+        f"## Measured tau (greedy, {result['prompts']} prompts of {result.get('prompts_file', '?')}, "
+        f"{result['new_tokens']} new tokens, {result['dtype']})",
+        "",
+        "| S | K | N | tau | tau MT-bench | acceptance by position | identical to AR |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in entry["configs"]:
+        lines.append(
+            f"| {c['S']} | {c['K']} | {c['N']} | {c['tau']} | {c['tau_mt_bench']} | "
+            f"{c['accept_rate_by_position']} | {c.get('identical_to_ar', '-')}/{result['prompts']} |"
+        )
+    cats = sorted({cat for c in entry["configs"] for cat in c["tau_by_category"]})
+    lines += ["", "tau by category:", "", "| S | K | N | " + " | ".join(cats) + " |"]
+    lines.append("| --- " * (3 + len(cats)) + "|")
+    for c in entry["configs"]:
+        values = " | ".join(str(c["tau_by_category"].get(cat)) for cat in cats)
+        lines.append(f"| {c['S']} | {c['K']} | {c['N']} | {values} |")
+    return "\n".join(lines) + "\n"
 
 
 def stage_plot(args, log: Log) -> None:
@@ -325,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
+    args.command_line = " ".join(["python -m speccycle.train.pipeline", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run(args)
     except ValueError as err:

@@ -6,8 +6,9 @@ target's greedy token at position ``k + s + 2`` where that token is a response t
 the step was fed (depths ``1..s``) are the target's greedy ones: a draft deeper than a wrong token is
 never accepted, so it need not be trained there. Losses, step ``s`` weighted ``step_decay ** s``:
 
-* EAGLE-1: ``reg_weight * smooth_l1(out, f_last[k + s + 1]) + ce_weight * CE(target head(out))``
-  (feature regression plus token cross-entropy through the target's frozen LM head);
+* EAGLE-1: ``reg_weight * smooth_l1(out / r, f_last[k + s + 1] / r) + ce_weight * CE(target head(out))``
+  (feature regression, relative to the RMS ``r`` of the target feature's row, plus token
+  cross-entropy through the target's frozen LM head);
 * EAGLE-3: ``CE`` over the reduced draft vocabulary (targets outside it are masked).
 
 Cross-entropy runs in checkpointed row chunks: EAGLE-1 logits are ``rows x 49152`` per step.
@@ -180,7 +181,11 @@ def batch_loss(
         ce = ce_sum / n
         weight = cfg.step_decay**step
         if version == 1:
-            reg = F.smooth_l1_loss(rows.float(), shift_left(out.last, step + 1)[valid].float())
+            goal = shift_left(out.last, step + 1)[valid].float()  # [N, H]
+            # Relative to each row's scale: a few positions carry activations ~100x the median and would
+            # otherwise make the loss theirs.
+            scale = goal.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
+            reg = F.smooth_l1_loss(rows.float() / scale, goal / scale)
             total = total + weight * (cfg.reg_weight * reg + cfg.ce_weight * ce)
         else:
             reg = zero
@@ -360,7 +365,7 @@ def train_head(
             optimizer.step()
             step += 1
             tokens_seen += int(lengths.sum())
-            window.append((float(loss), metrics["acc"]))
+            window.append((float(loss.detach()), metrics["acc"]))
             if bar is not None:
                 bar.update(1)
             now = time.perf_counter()

@@ -195,7 +195,7 @@ def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model
     argv = f"""--stage all --out {out} --model {model_dir} --prompts {prompts} --device cpu --work-dir {tmp_path / "w"}
         --generator engine --max-new-tokens 10 --gen-batch 4 --steps 3 --batch-tokens 1024 --ttt-steps 3
         --versions 1,3 --draft-vocab 128 --v3-intermediate 32 --v1-intermediate 48
-        --eval-prompts {bench} --eval-limit 2 --eval-new-tokens 8 --chains 3 --trees 3x2x5"""
+        --eval-prompts {bench} --eval-limit 2 --no-bench-result --eval-new-tokens 8 --chains 3 --trees 3x2x5"""
     assert pipeline.main(argv.split()) == 0
     data = SelfDistilledData.load(out / "data.npz")
     assert len(data) == len(PROMPTS) and data.response_tokens > 0
@@ -209,6 +209,8 @@ def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model
         head = EagleHead.load(out / f"eagle{version}.safetensors")
         assert head.config.version == version and head.config.hidden_size == TINY.hidden_size
     assert "[train] wrote" in (out / "pipeline.log").read_text()
+    readme = (out / "HEAD_README.md").read_text()
+    assert "--stage all" in readme and "| 3 | 1 | 4 |" in readme
 
 
 def test_draft_eagle_loads_the_shipped_head_by_default(tmp_path, weights, monkeypatch):
