@@ -8,7 +8,8 @@ Stages (``--stage``):
   batch by a frozen target forward, never stored -> ``OUT/eagle1.safetensors``, ``OUT/eagle3.safetensors``
   (bfloat16, the engine's `EagleHead` format, training record in the file's metadata).
 * ``eval``: tau per Spec-Bench category and acceptance per draft position, chains and trees, with the
-  engine -> ``OUT/eval.json``, ``OUT/eval.png`` and ``bench/results/train_draft_eval-*.json``.
+  engine -> ``OUT/eval.json``, ``OUT/eval.png``, ``OUT/HEAD_README.md`` (for the best head) and the
+  benchmark record ``OUT/train_draft_eval-DATE.json`` (device, commit; it belongs in bench/results/).
 * ``all``: the three in a row. ``plot``: redraw ``eval.png`` from ``--eval-json``.
 
 Every stage prints progress with timings (flushed, also appended to ``OUT/pipeline.log``) and writes
@@ -74,7 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--trees", default="4x2x8,5x4x16,6x4x32,6x8x64", help="trees SxKxN")
     e.add_argument("--no-lossless-check", action="store_true", help="skip the autoregressive reference run")
     e.add_argument("--eval-json", default=None, help="for --stage plot: the eval.json to draw")
-    e.add_argument("--no-bench-result", action="store_true", help="do not also write bench/results/*.json")
+    e.add_argument(
+        "--bench-dir", default=None, help="where the benchmark record train_draft_eval-DATE.json goes (default: OUT)"
+    )
+    e.add_argument("--no-bench-result", action="store_true", help="write no train_draft_eval-DATE.json")
 
 
 class Log:
@@ -293,7 +297,8 @@ def stage_eval(args, log: Log) -> None:
         try:
             from ..bench.common import write_result
 
-            log(f"[eval] wrote {write_result('train_draft_eval', result, device)}")
+            path = write_result("train_draft_eval", result, device, directory=args.bench_dir or out)
+            log(f"[eval] wrote {path} (commit it under bench/results/)")
         except ImportError:  # installed without the bench folder: OUT/eval.json is the record
             pass
     png = plot(result, out / "eval.png")

@@ -195,11 +195,13 @@ def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model
     argv = f"""--stage all --out {out} --model {model_dir} --prompts {prompts} --device cpu --work-dir {tmp_path / "w"}
         --generator engine --max-new-tokens 10 --gen-batch 4 --steps 3 --batch-tokens 1024 --ttt-steps 3
         --versions 1,3 --draft-vocab 128 --v3-intermediate 32 --v1-intermediate 48
-        --eval-prompts {bench} --eval-limit 2 --no-bench-result --eval-new-tokens 8 --chains 3 --trees 3x2x5"""
+        --eval-prompts {bench} --eval-limit 2 --eval-new-tokens 8 --chains 3 --trees 3x2x5"""
     assert pipeline.main(argv.split()) == 0
     data = SelfDistilledData.load(out / "data.npz")
     assert len(data) == len(PROMPTS) and data.response_tokens > 0
     result = json.loads((out / "eval.json").read_text())
+    (record,) = out.glob("train_draft_eval-*.json")  # the benchmark record (device, commit), written into OUT
+    assert json.loads(record.read_text())["heads"] == result["heads"]
     assert set(result["heads"]) == {"eagle1", "eagle3"} and result["best"] in result["heads"]
     for entry in result["heads"].values():
         for row in entry["configs"]:
