@@ -95,7 +95,12 @@ def _real(value) -> bool:
 
 @attrs.frozen
 class SamplingParams:
-    """Per-request decoding parameters. ``temperature == 0`` is greedy."""
+    """Per-request decoding parameters. ``temperature == 0`` is greedy.
+
+    ``temperature > 0`` samples from the target's distribution after temperature, ``top_k`` and
+    ``top_p`` (`speccycle.backends.torch.sampling.process_logits`), losslessly (docs: sampling).
+    ``seed`` makes a sampled request reproducible; None draws a fresh seed at prefill.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no truncation
@@ -104,6 +109,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # on the decoded output text; the rule: statemachine/stops.py
+    logprobs: bool = False  # return log p of each committed token (Request.logprobs)
 
     def __attrs_post_init__(self) -> None:
         if not _real(self.temperature) or not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -114,6 +120,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r} is out of range: allowed (0, 1]")
         if self.seed is not None and not _int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs={self.logprobs!r} must be True or False")
         if not _int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} is out of range: allowed an int >= 1")
         ids, texts = self.stop_token_ids, self.stop_strings

@@ -32,6 +32,7 @@ class Request:
     output: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprobs: tuple[float, ...] = ()  # log p of each output token, when sampling.logprobs (docs: sampling)
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -103,6 +104,10 @@ class Ready:
     topk_index: torch.Tensor | None  # [bs, K] int64: their tokens
     draft_hidden: torch.Tensor | None  # [bs, Hd]: the draft hidden state their forward is fed with
     retired: tuple[Request, ...] = ()
+    # [bs, V] float32: the processed draft distribution sampled requests drew their depth-1 candidates
+    # from (zero rows for greedy requests); None when every request is greedy. ``topk_index`` is -1
+    # where a sampled draft ran out of mass before K candidates.
+    draft_probs: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)
@@ -113,6 +118,9 @@ class DraftTree:
     parents: torch.Tensor  # [bs, N] int64: row index of the parent, -1 for the root
     depths: torch.Tensor  # [bs, N] int64: 0 for the root
     scores: torch.Tensor | None = None  # [bs, N] float32: cumulative draft probability (root 1)
+    # [bs, N] bool: rows a sampled draft had no token for (it ran out of mass); their token is a
+    # placeholder the verify never accepts. None: no such row.
+    padding: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)
@@ -126,6 +134,10 @@ class Drafted:
     verify_slots: torch.Tensor  # [bs, N] int64: slot of verify row i is the slot of position L + i
     draft_slots: torch.Tensor  # [bs, S - 1, K] int64: draft scratch slots (empty for lookup drafts)
     draft_positions: torch.Tensor  # [bs, S - 1] int64: position each draft forward ran at
+    # [bs, N, V] float32: q of each row, the processed draft distribution its children were drawn
+    # from (sampled requests; zero rows elsewhere). None: every request greedy, or a lookup draft,
+    # whose proposals the sampling verify treats as point masses.
+    draft_probs: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)

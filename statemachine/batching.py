@@ -15,6 +15,17 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> torch.Ten
     return torch.cat([a, b])
 
 
+def _cat_draft_probs(a: Ready, b: Ready) -> torch.Tensor | None:
+    """Sampled requests' draft distributions; a batch of greedy requests (None) contributes zero rows."""
+    if a.draft_probs is None and b.draft_probs is None:
+        return None
+    vocab = (a.draft_probs if a.draft_probs is not None else b.draft_probs).shape[-1]
+    parts = []
+    for ready, probs in ((a, a.draft_probs), (b, b.draft_probs)):
+        parts.append(probs if probs is not None else ready.seq_lens.new_zeros((len(ready.requests), vocab)).float())
+    return torch.cat(parts)
+
+
 def merge_ready(a: Ready, b: Ready) -> Ready:
     """One `Ready` batch holding the requests of ``a`` then ``b``. Both must share the config."""
     if a.config != b.config:
@@ -35,6 +46,7 @@ def merge_ready(a: Ready, b: Ready) -> Ready:
         topk_index=_cat(a.topk_index, b.topk_index, "topk_index"),
         draft_hidden=_cat(a.draft_hidden, b.draft_hidden, "draft_hidden"),
         retired=a.retired + b.retired,
+        draft_probs=_cat_draft_probs(a, b),
     )
 
 
@@ -57,4 +69,5 @@ def select_ready(ready: Ready, indices: list[int]) -> Ready:
         topk_index=take(ready.topk_index),
         draft_hidden=take(ready.draft_hidden),
         retired=ready.retired,
+        draft_probs=take(ready.draft_probs),
     )
