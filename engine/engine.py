@@ -66,7 +66,10 @@ def load_model(path: str | os.PathLike | None, dtype: torch.dtype) -> tuple[Llam
 class Engine:
     """Target, draft, pool and tokenizer, wired to the ports. Build it with `Engine.load`."""
 
-    def __init__(self, target_model: LlamaModel, pool: PagedKVPool, draft, spec: SpecConfig, tokenizer=None):
+    def __init__(
+        self, target_model: LlamaModel, pool: PagedKVPool, draft, spec: SpecConfig, tokenizer=None, fast: bool = False
+    ):
+        """``fast``: run the forwards through static buffers, fused kernels and CUDA graphs (`engine.fast`)."""
         from .target import LlamaTarget
 
         self.model, self.pool, self.spec, self.tokenizer = target_model, pool, spec, tokenizer
@@ -78,6 +81,11 @@ class Engine:
         self.draft = draft(self) if callable(draft) else draft
         self.backend = get_backend(target_model.device)
         self._ids = itertools.count()
+        self.fast_decoder = None
+        if fast:
+            from .fast import accelerate
+
+            accelerate(self)
 
     @classmethod
     def load(
@@ -92,12 +100,15 @@ class Engine:
         eagle_head: str | os.PathLike | EagleHead | None = None,
         draft_model: str | os.PathLike | None = None,
         max_ngram: int = 4,
+        fast: bool | None = None,
     ) -> Engine:
         """Load the target (``model``: GGUF file or HF directory; None: SmolLM2-135M-Instruct) and a draft.
 
         ``draft``: ``ngram`` (prompt lookup), ``layerskip`` (the first ``layerskip_layers`` layers of the
         target), ``eagle`` (an EAGLE head: ``eagle_head`` path or object), ``model`` (``draft_model``: a
-        smaller model with the same tokenizer), ``none`` (autoregressive only).
+        smaller model with the same tokenizer), ``none`` (autoregressive only). ``fast``: the fast path
+        (`engine.fast`: CUDA graphs, Triton kernels); None: off (the reference path) until it is the
+        proven default on CUDA.
         """
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}: choose one of {', '.join(DRAFTS)}")
@@ -142,7 +153,7 @@ class Engine:
                 return LlamaDraft(LlamaModel(dconfig, dweights, dtype=dtype, device=device), pool)
             return None
 
-        return cls(target_model, pool, build, spec, tokenizer)
+        return cls(target_model, pool, build, spec, tokenizer, fast=bool(fast))
 
     # ---- prompts -----------------------------------------------------------------------------
     def chat_prompt(self, message: str) -> list[int]:
@@ -232,6 +243,8 @@ class Engine:
         first = next(self._ids)
         for _ in range(len(prompts) - 1):
             next(self._ids)
+        if self.fast_decoder is not None:
+            return self.fast_decoder.decode(prompts, max_new_tokens, self.stop_token_ids, first_request_id=first)
         return greedy_decode(
             self.target, self.pool, prompts, max_new_tokens, self.stop_token_ids, first_request_id=first
         )

@@ -1,0 +1,248 @@
+"""Paged attention over rows, graph-capturable: a Triton kernel and its plain-torch twin.
+
+The rule is core.ports': a row of request ``b`` attends the slots of b's positions ``[0, prefix_len)``
+(through b's page table) plus the slots in its ``extra_slots`` row (-1 padded), after every row has
+written its K/V. Both functions here are free of host syncs and of data-dependent shapes, so they run
+inside a CUDA graph with the rows padded to a bucket: a padding row has ``prefix_len = 0`` and no
+extra slot, attends nothing and returns zeros.
+
+**One key order for every kind of row.** The kernel walks a row's keys as one virtual sequence: the
+prefix positions ``0 .. prefix_len - 1``, then the row's valid extra slots in column order (a tree
+row's ancestors, root first, then itself), in blocks of ``BLOCK_N`` keys that start at multiples of
+``BLOCK_N``. A verify row at ``L + d`` (prefix ``L``, ``d + 1`` ancestors) and a decode row at the same
+position (prefix ``L + d + 1``) therefore see the same keys in the same blocks, and the online softmax
+does the same arithmetic: their outputs are bitwise equal. That is what lets greedy speculative
+decoding reproduce autoregressive decoding in bfloat16 (together with GEMMs of one shape, see
+`engine.graphs`). One program per (row, KV head) handles the ``H / Hkv`` query heads of that KV head
+(Hugging Face's ``repeat_kv`` order), so a row's result never depends on the other rows.
+
+`paged_attention_rows_torch` is the reference-style twin used where Triton is not (CPU): it gathers
+every row's keys up to a static bound ``kv_bound`` (positions) and computes in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # a CPU install may lack triton; the torch twin still works
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on installs without triton
+    triton = None
+
+
+def paged_attention_rows_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_request: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extra_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_bound: int,
+) -> torch.Tensor:
+    """Attention of every row over its keys, in float32, with static shapes.
+
+    Shapes: ``q [T, H, D]``, caches ``[num_slots, Hkv, D]``, ``row_request, prefix_lens [T]``,
+    ``extra_slots [T, M]``, ``page_table [bs, W]`` -> ``[T, H, D]`` in ``q.dtype``. ``kv_bound`` bounds
+    every ``prefix_len`` (a static number: ``W * page_size`` inside a graph). Rows that attend no key
+    return zeros.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    width = page_table.shape[1]
+    positions = torch.arange(kv_bound, device=q.device)  # [S]
+    page_index = (positions // page_size).clamp(max=width - 1)
+    pages = page_table[row_request][:, page_index]  # [T, S]
+    prefix_valid = (positions[None, :] < prefix_lens[:, None]) & (pages >= 0) & (positions < width * page_size)
+    prefix_slots = pages * page_size + positions % page_size
+    slots = torch.cat([prefix_slots, extra_slots], dim=1)  # [T, S + M]
+    valid = torch.cat([prefix_valid, extra_slots >= 0], dim=1)
+    safe = torch.where(valid, slots, 0).reshape(-1)
+    keys = k_cache.index_select(0, safe).view(num_rows, -1, num_kv_heads, head_dim).float()  # [T, S+M, Hkv, D]
+    values = v_cache.index_select(0, safe).view(num_rows, -1, num_kv_heads, head_dim).float()
+    q32 = q.float().view(num_rows, num_kv_heads, group, head_dim)
+    scores = torch.einsum("tkgd,tskd->tkgs", q32, keys) / math.sqrt(head_dim)  # [T, Hkv, G, S+M]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    out = torch.einsum("tkgs,tskd->tkgd", weights, values)
+    return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        row_request_ptr,
+        prefix_ptr,
+        extra_ptr,
+        table_ptr,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_et,
+        stride_pt,
+        num_extra,
+        page_size,
+        table_width,
+        scale,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        request = tl.load(row_request_ptr + row)
+        prefix_len = tl.load(prefix_ptr + row)
+
+        # The row's valid extra slots, numbered 0, 1, ... in column order (holes skipped).
+        cols = tl.arange(0, BLOCK_M)
+        extra = tl.load(extra_ptr + row * stride_et + cols, mask=cols < num_extra, other=-1)
+        has_extra = extra >= 0
+        rank = tl.cumsum(has_extra.to(tl.int32), axis=0) - 1
+        rank = tl.where(has_extra, rank, -1)
+        total = prefix_len + tl.sum(has_extra.to(tl.int32), axis=0)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + g
+        q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        for start in range(0, total, BLOCK_N):
+            n = start + offs  # virtual key index
+            in_prefix = n < prefix_len
+            page_col = tl.minimum(n // page_size, table_width - 1)
+            page = tl.load(table_ptr + request * stride_pt + page_col, mask=in_prefix, other=-1)
+            prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
+            e = n - prefix_len  # index among the valid extra slots
+            pick = (rank[None, :] == e[:, None]) & has_extra[None, :]
+            extra_slot = tl.sum(tl.where(pick, extra[None, :], 0), axis=1)
+            extra_found = tl.sum(pick.to(tl.int32), axis=1) > 0
+            slot = tl.where(in_prefix, prefix_slot, tl.where(extra_found, extra_slot, -1))
+            valid = (n < total) & (slot >= 0)
+            safe = tl.where(valid, slot, 0).to(tl.int64)
+
+            k = tl.load(
+                k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            v = tl.load(
+                v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+BLOCK_N = 64
+
+
+def paged_attention_rows_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_request: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extra_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_bound: int | None = None,
+) -> torch.Tensor:
+    """The Triton kernel; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
+
+    ``q`` and the caches need a contiguous last dimension; ``extra_slots`` and ``page_table`` a
+    contiguous last dimension too (row strides are free, so views of wider static buffers work).
+    """
+    if triton is None:
+        raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_rows == 0:
+        return out
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention_rows_triton: {name} needs a contiguous last dimension")
+    num_extra = extra_slots.shape[1]
+    if num_extra == 0:  # a [T, 0] view may have any stride; give the kernel a valid one
+        extra_slots = page_table.new_full((1, 1), -1)
+    elif extra_slots.stride(1) != 1:
+        extra_slots = extra_slots.contiguous()
+    if page_table.stride(1) != 1:
+        page_table = page_table.contiguous()
+    block_g = max(16, triton.next_power_of_2(group))
+    grid = (num_rows, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        row_request,
+        prefix_lens,
+        extra_slots,
+        page_table,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        extra_slots.stride(0) if num_extra else 0,
+        page_table.stride(0),
+        num_extra,
+        page_size,
+        page_table.shape[1],
+        1.0 / math.sqrt(head_dim),
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=BLOCK_N,
+        BLOCK_M=max(16, triton.next_power_of_2(max(num_extra, 1))),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,392 @@
+"""Static buffers and CUDA graphs for model forwards: one graph per row bucket, replayed per batch.
+
+`ForwardGraphs` runs a forward function over a `ForwardBatch` the way a captured CUDA graph needs it:
+
+1. the batch's ``T`` rows are padded to a bucket ``Tb`` (`BUCKETS`, at least ``min_rows``) and copied,
+   with one ``torch.cat(..., out=)``, into a packed static int64 buffer; the page table is copied
+   into a static ``[max_requests, W]`` buffer (``W`` pages: the whole pool), the fed hidden states
+   into a static ``[max_rows, F]`` buffer;
+2. the forward runs over views of those buffers: on CUDA a graph captured for the key
+   ``(Tb, M, logits rows?, hidden in?)`` is replayed (captured on first use), otherwise (or with
+   ``graphs=False``) the same function runs eagerly on the same buffers;
+3. the outputs (``logits [R, V]``, ``hidden [T, F]``) are cloned out of the graph's memory.
+
+A padding row reads token 0 at position 0, writes no KV (``out_slot = -1``) and attends nothing
+(``prefix_len = 0``, no extra slot); its output is dropped. The forward function never writes its
+inputs, so a replay leaves every input buffer as it found it, positions included (SGLang once
+advanced positions inside a captured graph). Inside the captured region there is no host sync, no
+data-dependent shape and no branch on a tensor value: the attention kernel reads each row's key
+count from ``prefix_lens`` and ``extra_slots`` (see `attention_triton`).
+
+Batches too big for the buffers (a prefill of a long prompt) run eagerly on the batch's own tensors.
+
+`GreedyDecodeGraphs` captures one autoregressive decode step that also picks the next token: two
+graphs per bucket read ``(ids, positions, step)`` from one set of buffers and write the next
+``(ids, positions, step)`` to the other, so decoding is one replay per token and no graph ever
+changes its own inputs.
+
+Numerics. With ``min_rows`` at least the verify rows of one request (``N``), a decode forward and a
+verify forward of one request both run at ``Tb = bucket(N)`` rows: the same GEMM shapes, the same
+per-row kernels, hence bitwise-equal logits for the same token at the same position. That is what
+keeps greedy speculative output identical to autoregressive output in bfloat16 at batch 1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from ..core.ports import ForwardBatch, ModelOutput
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+    """The smallest bucket holding ``rows`` rows; None when none does."""
+    i = bisect.bisect_left(buckets, rows)
+    return buckets[i] if i < len(buckets) else None
+
+
+@attrs.frozen(eq=False)
+class RowInputs:
+    """What a row forward reads. Shapes: ``T`` rows, ``M`` extra slots, ``bs`` page-table rows."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    row_request: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64, -1: write no KV
+    prefix_lens: torch.Tensor  # [T] int64
+    extra_slots: torch.Tensor  # [T, M] int64, -1 padded
+    page_table: torch.Tensor  # [bs, W] int64
+    page_size: int
+    kv_bound: int  # bound on prefix_lens (the torch attention gathers this many positions)
+    logits_rows: torch.Tensor | None  # [R] int64 rows whose logits are wanted; None: all rows
+
+
+# compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
+Compute = Callable[[RowInputs, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
+
+_POOLS: dict[int, object] = {}
+
+
+def graph_pool(device: torch.device):
+    """One CUDA graph memory pool per device, shared by every captured forward.
+
+    Sharing is safe here: graphs run one at a time on one stream, and what a graph returns is
+    cloned out of the pool before any other graph runs.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
+
+
+def batch_inputs(batch: ForwardBatch, kv_bound: int) -> RowInputs:
+    """The batch's own tensors as `RowInputs` (the eager path)."""
+    return RowInputs(
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        row_request=batch.row_request,
+        out_slots=batch.out_slots,
+        prefix_lens=batch.prefix_lens,
+        extra_slots=batch.extra_slots,
+        page_table=batch.page_table,
+        page_size=batch.page_size,
+        kv_bound=kv_bound,
+        logits_rows=batch.logits_rows,
+    )
+
+
+class ForwardGraphs:
+    """Static buffers and per-bucket CUDA graphs around ``compute`` (module docstring).
+
+    ``num_slots`` and ``page_size``: the KV pool's; the static page table holds every page of it.
+    ``hidden_in``: width of the hidden states fed with the rows (a draft's target features or parent
+    states), None if none. ``graphs``: capture on CUDA (False: the same buffers, eagerly).
+    ``needs_kv_bound``: ``compute`` gathers keys up to ``RowInputs.kv_bound`` (the torch attention).
+    """
+
+    def __init__(
+        self,
+        compute: Compute,
+        *,
+        device: torch.device | str,
+        num_slots: int,
+        page_size: int,
+        vocab_size: int,
+        hidden_in: int | None = None,
+        hidden_dtype: torch.dtype = torch.float32,
+        max_rows: int = 512,
+        max_requests: int = 128,
+        max_extra: int = 64,
+        min_rows: int = 1,
+        graphs: bool = True,
+        needs_kv_bound: bool = False,
+    ) -> None:
+        self.compute = compute
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.table_width = math.ceil(num_slots / page_size)
+        self.max_rows = bucket(max_rows) or BUCKETS[-1]
+        self.max_requests, self.max_extra = max_requests, max_extra
+        self.min_rows = min_rows
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.needs_kv_bound = needs_kv_bound
+        self.vocab_size = vocab_size
+        rows = self.max_rows
+        long = dict(dtype=torch.long, device=self.device)
+        self.packed = torch.zeros(rows * (6 + max_extra), **long)
+        self.table = torch.full((max_requests, self.table_width), -1, **long)
+        self.hidden = torch.zeros((rows, hidden_in), dtype=hidden_dtype, device=self.device) if hidden_in else None
+        width = rows * max(max_extra, 1)
+        self._zeros = torch.zeros(width, **long)
+        self._minus = torch.full((width,), -1, **long)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.replays = 0
+        self.eager_calls = 0
+
+    # ---- layout ----------------------------------------------------------------------------------
+    def _views(self, rows: int, extra: int, with_rows: bool) -> RowInputs:
+        p = self.packed
+        extra_view = p[5 * rows : 5 * rows + rows * extra].view(rows, extra)
+        end = 5 * rows + rows * extra
+        bound = self.table_width * self.page_size
+        return RowInputs(
+            input_ids=p[0:rows],
+            positions=p[rows : 2 * rows],
+            row_request=p[2 * rows : 3 * rows],
+            out_slots=p[3 * rows : 4 * rows],
+            prefix_lens=p[4 * rows : 5 * rows],
+            extra_slots=extra_view,
+            page_table=self.table,
+            page_size=self.page_size,
+            kv_bound=bound,
+            logits_rows=p[end : end + rows] if with_rows else None,
+        )
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Whether the batch fits the static buffers (else it runs eagerly on its own tensors)."""
+        bs, width = batch.page_table.shape
+        return (
+            batch.num_rows <= self.max_rows
+            and bs <= self.max_requests
+            and width <= self.table_width
+            and batch.extra_slots.shape[1] <= self.max_extra
+            and batch.page_size == self.page_size
+        )
+
+    def _load(self, batch: ForwardBatch, rows: int, hidden_in: torch.Tensor | None) -> None:
+        """Copy the batch into the static buffers, padding rows ``T .. rows - 1``."""
+        t, m = batch.num_rows, batch.extra_slots.shape[1]
+        pad = rows - t
+        z, minus = self._zeros, self._minus
+        parts = [batch.input_ids, z[:pad], batch.positions, z[:pad], batch.row_request, z[:pad]]
+        parts += [batch.out_slots, minus[:pad], batch.prefix_lens, z[:pad]]
+        if m:
+            parts += [batch.extra_slots.reshape(-1), minus[: pad * m]]
+        if batch.logits_rows is not None:
+            r = batch.logits_rows.shape[0]
+            parts += [batch.logits_rows, z[: rows - r]]
+        total = 5 * rows + rows * m + (rows if batch.logits_rows is not None else 0)
+        torch.cat(parts, out=self.packed[:total])
+        bs, width = batch.page_table.shape
+        self.table[:bs, :width].copy_(batch.page_table)
+        if self.hidden is not None and hidden_in is not None:
+            self.hidden[:t].copy_(hidden_in)
+
+    # ---- running -----------------------------------------------------------------------------------
+    def __call__(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+        t = batch.num_rows
+        rows = bucket(max(t, self.min_rows))
+        if t == 0 or rows is None or rows > self.max_rows or not self.fits(batch):
+            return self._eager(batch, hidden_in)
+        m = batch.extra_slots.shape[1]
+        with_rows = batch.logits_rows is not None
+        self._load(batch, rows, hidden_in)
+        inputs = self._views(rows, m, with_rows)
+        if not self.use_graphs and self.needs_kv_bound:  # no capture: a tight bound is allowed
+            inputs = attrs.evolve(inputs, kv_bound=max(1, int(batch.prefix_lens.max())))
+        hidden = None if self.hidden is None or hidden_in is None else self.hidden[:rows]
+        if self.use_graphs:
+            key = (rows, m, with_rows, hidden is not None)
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(inputs, hidden)
+            graph, logits, out_hidden = self._graphs[key]
+            graph.replay()
+            self.replays += 1
+        else:
+            with torch.no_grad():
+                logits, out_hidden = self.compute(inputs, hidden)
+            self.eager_calls += 1
+        r = batch.logits_rows.shape[0] if with_rows else t
+        return ModelOutput(logits=logits[:r].clone(), hidden=None if out_hidden is None else out_hidden[:t].clone())
+
+    def _capture(self, inputs: RowInputs, hidden: torch.Tensor | None):
+        # Warm-up (compiles the Triton kernels, initializes cuBLAS): it computes what the replay
+        # will, so its KV writes are the ones the replay repeats.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            self.compute(inputs, hidden)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool(self.device)), torch.no_grad():
+            logits, out_hidden = self.compute(inputs, hidden)
+        return graph, logits, out_hidden
+
+    def _eager(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> ModelOutput:
+        bound = max(1, int(batch.prefix_lens.max())) if self.needs_kv_bound and batch.num_rows else 1
+        with torch.no_grad():
+            logits, hidden = self.compute(batch_inputs(batch, bound), hidden_in)
+        self.eager_calls += 1
+        return ModelOutput(logits=logits, hidden=hidden)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+
+class GreedyDecodeGraphs:
+    """Autoregressive greedy decoding, one captured step per token (module docstring).
+
+    ``compute`` is a target forward (`ForwardGraphs`' contract); it runs over ``Tb`` rows, one per
+    request (``Tb = bucket(max(bs, min_rows))``), with causal attention, logits of every row, and the
+    step writes ``argmax`` into the history ``[rows, max_steps]`` at column ``step``.
+    """
+
+    def __init__(
+        self,
+        compute: Compute,
+        *,
+        device: torch.device | str,
+        num_slots: int,
+        page_size: int,
+        max_batch: int = 128,
+        max_steps: int = 4096,
+        min_rows: int = 1,
+        graphs: bool = True,
+        needs_kv_bound: bool = False,
+    ) -> None:
+        self.compute = compute
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.table_width = math.ceil(num_slots / page_size)
+        self.max_batch = bucket(max(max_batch, min_rows)) or BUCKETS[-1]
+        self.max_steps = max_steps
+        self.min_rows = min_rows
+        self.use_graphs = graphs and self.device.type == "cuda"
+        self.needs_kv_bound = needs_kv_bound
+        rows = self.max_batch
+        long = dict(dtype=torch.long, device=self.device)
+        self.ids = [torch.zeros(rows, **long), torch.zeros(rows, **long)]
+        self.positions = [torch.zeros(rows, **long), torch.zeros(rows, **long)]
+        self.step = [torch.zeros(1, **long), torch.zeros(1, **long)]
+        self.num_valid = torch.zeros(1, **long)
+        self.table = torch.full((rows, self.table_width), -1, **long)
+        self.history = torch.zeros((rows, max_steps), **long)
+        self._no_extra = torch.empty((rows, 0), **long)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    def _step(self, rows: int, parity: int, kv_bound: int) -> None:
+        """One decode step: reads buffers ``parity``, writes buffers ``1 - parity`` and the history."""
+        ids_in, pos_in, step_in = self.ids[parity][:rows], self.positions[parity][:rows], self.step[parity]
+        index = torch.arange(rows, device=self.device)
+        valid = index < self.num_valid
+        request = torch.where(valid, index, 0)
+        page = self.table[request, (pos_in // self.page_size).clamp(max=self.table_width - 1)]
+        slot = page * self.page_size + pos_in % self.page_size
+        inputs = RowInputs(
+            input_ids=ids_in,
+            positions=pos_in,
+            row_request=request,
+            out_slots=torch.where(valid, slot, -1),
+            prefix_lens=torch.where(valid, pos_in + 1, 0),
+            extra_slots=self._no_extra[:rows],
+            page_table=self.table,
+            page_size=self.page_size,
+            kv_bound=kv_bound,
+            logits_rows=None,
+        )
+        logits, _ = self.compute(inputs, None)
+        nxt = logits.argmax(dim=-1)
+        self.ids[1 - parity][:rows].copy_(nxt)
+        self.positions[1 - parity][:rows].copy_(pos_in + valid.long())
+        self.step[1 - parity].copy_(step_in + 1)
+        self.history[:rows].index_copy_(1, step_in, nxt[:, None])
+
+    def decode(
+        self,
+        page_table: torch.Tensor,
+        first_tokens: torch.Tensor,
+        start_positions: torch.Tensor,
+        num_steps: int,
+        stop_token_ids: tuple[int, ...] = (),
+        check_every: int = 32,
+    ) -> torch.Tensor:
+        """Greedy tokens after ``first_tokens``: ``[bs, num_steps]`` int64 on the host.
+
+        Shapes: ``page_table [bs, w]`` (pages covering ``start_positions + num_steps``),
+        ``first_tokens, start_positions [bs]``. Token ``i`` of request ``b`` sits at position
+        ``start_positions[b] + i``. Stops early once every request has produced a stop token (the
+        columns after a request's stop are then whatever the step computed: cut them).
+        """
+        bs, width = page_table.shape
+        rows = bucket(max(bs, self.min_rows))
+        if rows is None or rows > self.max_batch or width > self.table_width or num_steps > self.max_steps:
+            raise ValueError(
+                f"decode of {bs} requests x {num_steps} steps over {width} pages exceeds the static buffers "
+                f"(max_batch={self.max_batch}, max_steps={self.max_steps}, pages={self.table_width})"
+            )
+        if num_steps == 0:
+            return torch.zeros((bs, 0), dtype=torch.long)
+        self.table[:bs, :width].copy_(page_table)
+        for parity in (0, 1):
+            self.ids[parity].zero_()
+            self.positions[parity].zero_()
+        self.ids[0][:bs].copy_(first_tokens)
+        self.positions[0][:bs].copy_(start_positions)
+        self.step[0].zero_()
+        self.num_valid.fill_(bs)
+        bound = self.table_width * self.page_size
+        if self.use_graphs:
+            for parity in (0, 1):
+                if (rows, parity) not in self._graphs:
+                    self._graphs[(rows, parity)] = self._capture(rows, parity, bound)
+        elif self.needs_kv_bound:
+            bound = int(start_positions.max()) + num_steps + 1
+        stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=self.device)
+        done_at = num_steps
+        with torch.no_grad():
+            for i in range(num_steps):
+                if self.use_graphs:
+                    self._graphs[(rows, i % 2)].replay()
+                else:
+                    self._step(rows, i % 2, bound)
+                if stops.numel() and (i + 1) % check_every == 0 and i + 1 < num_steps:
+                    seen = torch.isin(self.history[:bs, : i + 1], stops).any(dim=1)
+                    if bool(seen.all()):
+                        done_at = i + 1
+                        break
+        return self.history[:bs, :done_at].cpu()
+
+    def _capture(self, rows: int, parity: int, bound: int) -> torch.cuda.CUDAGraph:
+        # Warm up and capture with no valid row: nothing is written to the KV cache; the replay
+        # reads num_valid from its buffer. The step's outputs are put back afterwards.
+        state = (*self.ids, *self.positions, *self.step, self.history, self.num_valid)
+        saved = [t.clone() for t in state]
+        self.num_valid.zero_()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            self._step(rows, parity, bound)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool(self.device)), torch.no_grad():
+            self._step(rows, parity, bound)
+        for target, value in zip(state, saved):
+            target.copy_(value)
+        return graph

@@ -1,0 +1,326 @@
+"""Fused elementwise ops of the fast Llama forward: a plain-torch reference and a Triton kernel each.
+
+Every op reproduces the rounding of `engine.llama`'s reference ops (float32 math where the reference
+computes in float32, a rounding to the model dtype wherever the reference's tensor is in that dtype),
+so the fast forward tracks the reference closely; the only differences are reduction orders (RMSNorm's
+mean of squares) and ``exp``. Each op works row by row with a block size that does not depend on the
+number of rows, so a row's result never depends on the other rows of the batch (what keeps the verify
+and the decode forwards of one token bitwise equal).
+
+* `rms_norm(x, w, eps)` and `add_rms_norm(x, r, w, eps) -> (x + r, norm(x + r))`: RMSNorm like
+  `llama.RMSNorm` (the fused one also returns the residual sum, written where asked).
+* `rope_write_kv(qkv, positions, cos, sin, out_slots, k_cache, v_cache, H, Hkv)`: RoPE on Q and K
+  (Hugging Face's rotate-half, `llama.apply_rope`'s roundings), K and V written at ``out_slots``
+  (rows with slot ``-1`` write nothing: padding rows of a captured batch); returns the rotated Q.
+* `silu_mul(gate_up) -> silu(gate) * up`.
+
+`Ops` bundles them with the attention; `TorchOps` runs anywhere, `TritonOps` on CUDA (or on CPU
+tensors under ``TRITON_INTERPRET=1``, as the tests do).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - installs without triton use TorchOps
+    triton = None
+
+
+# ---- torch references ---------------------------------------------------------------------------
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`llama.RMSNorm`: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)``. Shapes: ``[T, H]``."""
+    x32 = x.float()
+    y = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    sum_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (in the dtype, as the reference adds), then RMSNorm of ``h``: ``(h, norm(h))``.
+
+    ``sum_out``: where to write ``h`` (a ``[T, H]`` view, e.g. a column block of the features buffer).
+    """
+    h = x + residual
+    if sum_out is not None:
+        sum_out.copy_(h)
+        h = sum_out
+    return h, rms_norm_torch(h, weight, eps)
+
+
+def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`llama.apply_rope`. Shapes: ``x [T, heads, D]``, ``cos, sin [T, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_write_kv_torch(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """RoPE on Q and K, K and V written at ``out_slots`` (slot -1: not written); returns Q ``[T, H, D]``.
+
+    Shapes: ``qkv [T, (H + 2 Hkv) D]``, ``positions, out_slots [T]``, tables ``[max_position, D]`` in the
+    model dtype, caches ``[num_slots, Hkv, D]``. Without host syncs: a row that writes nothing writes
+    the value of row 0 at row 0's slot instead, the same bits at the same place.
+    """
+    rows = qkv.shape[0]
+    head_dim = cos_table.shape[1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    cos, sin = cos_table[positions], sin_table[positions]
+    q = rotate_torch(q.reshape(rows, num_heads, head_dim), cos, sin)
+    k = rotate_torch(k.reshape(rows, num_kv_heads, head_dim), cos, sin)
+    v = v.reshape(rows, num_kv_heads, head_dim)
+    if rows:
+        valid = out_slots >= 0
+        src = torch.where(valid, torch.arange(rows, device=qkv.device), 0)
+        slots = out_slots[src]
+        k_cache.index_copy_(0, slots, k[src].to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v[src].to(v_cache.dtype))
+    return q
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- Triton kernels ----------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        sum_ptr,
+        y_ptr,
+        stride_x,
+        stride_r,
+        stride_s,
+        stride_y,
+        hidden,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the reference's dtype add
+            tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        mean_square = tl.sum(x32 * x32, axis=0) / hidden
+        normed = (x32 * (1.0 / tl.sqrt(mean_square + eps))).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+
+    @triton.jit
+    def _round(x, DTYPE: tl.constexpr):
+        return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _rope_write_kv_kernel(
+        qkv_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_out_ptr,
+        k_ptr,
+        v_ptr,
+        stride_qkv,
+        stride_table,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)  # 0..H-1: Q, H..H+Hkv-1: K, then V
+        i = tl.arange(0, BLOCK_HALF)
+        mask = i < HALF
+        base = qkv_ptr + row * stride_qkv + head * (2 * HALF)
+        x1 = tl.load(base + i, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + i, mask=mask, other=0.0)
+        dtype = x1.dtype
+        slot = tl.load(slot_ptr + row)
+        if head >= NUM_HEADS + NUM_KV_HEADS:  # V: copied as is
+            kv = head - NUM_HEADS - NUM_KV_HEADS
+            if slot >= 0:
+                dst = v_ptr + slot * stride_vs + kv * stride_vh
+                tl.store(dst + i, x1.to(v_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF + i, x2.to(v_ptr.dtype.element_ty), mask=mask)
+        else:
+            pos = tl.load(pos_ptr + row)
+            c1 = tl.load(cos_ptr + pos * stride_table + i, mask=mask, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + pos * stride_table + HALF + i, mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + pos * stride_table + i, mask=mask, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + pos * stride_table + HALF + i, mask=mask, other=0.0).to(tl.float32)
+            a1 = x1.to(tl.float32)
+            a2 = x2.to(tl.float32)
+            # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
+            out1 = (_round(a1 * c1, dtype) + _round(-a2 * s1, dtype)).to(dtype)
+            out2 = (_round(a2 * c2, dtype) + _round(a1 * s2, dtype)).to(dtype)
+            if head < NUM_HEADS:
+                dst = q_out_ptr + row * stride_qt + head * stride_qh
+                tl.store(dst + i, out1, mask=mask)
+                tl.store(dst + HALF + i, out2, mask=mask)
+            elif slot >= 0:
+                kv = head - NUM_HEADS
+                dst = k_ptr + slot * stride_ks + kv * stride_kh
+                tl.store(dst + i, out1.to(k_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF + i, out2.to(k_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def _need_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the Triton ops need triton (pip install triton); use TorchOps without it")
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    _need_triton()
+    rows, hidden = x.shape
+    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device) if out is None else out
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x, x, weight, x, y, x.stride(0), 0, 0, y.stride(0), hidden, eps,
+            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(hidden),
+        )  # fmt: skip
+    return y
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    sum_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _need_triton()
+    rows, hidden = x.shape
+    h = torch.empty((rows, hidden), dtype=x.dtype, device=x.device) if sum_out is None else sum_out
+    y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x, residual, weight, h, y, x.stride(0), residual.stride(0), h.stride(0), y.stride(0), hidden, eps,
+            HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden),
+        )  # fmt: skip
+    return h, y
+
+
+def rope_write_kv_triton(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    _need_triton()
+    rows = qkv.shape[0]
+    head_dim = cos_table.shape[1]
+    q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if rows:
+        half = head_dim // 2
+        _rope_write_kv_kernel[(rows, num_heads + 2 * num_kv_heads)](
+            qkv, positions, cos_table, sin_table, out_slots, q, k_cache, v_cache,
+            qkv.stride(0), cos_table.stride(0), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        )  # fmt: skip
+    return q
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    _need_triton()
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
+        )
+    return out
+
+
+# ---- op sets -----------------------------------------------------------------------------------
+class TorchOps:
+    """The fast forward's ops in plain torch (any device; sync-free, so also graph-capturable)."""
+
+    name = "torch"
+    rms_norm = staticmethod(rms_norm_torch)
+    add_rms_norm = staticmethod(add_rms_norm_torch)
+    rope_write_kv = staticmethod(rope_write_kv_torch)
+    silu_mul = staticmethod(silu_mul_torch)
+    attention = staticmethod(paged_attention_rows_torch)
+    needs_kv_bound = True  # the torch attention gathers keys up to a static bound
+
+
+class TritonOps(TorchOps):
+    """The Triton kernels (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+    rms_norm = staticmethod(rms_norm_triton)
+    add_rms_norm = staticmethod(add_rms_norm_triton)
+    rope_write_kv = staticmethod(rope_write_kv_triton)
+    silu_mul = staticmethod(silu_mul_triton)
+    attention = staticmethod(paged_attention_rows_triton)
+    needs_kv_bound = False
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def default_ops(device: torch.device | str) -> type[TorchOps]:
+    """Triton on CUDA when triton imports, torch otherwise."""
+    return TritonOps if torch.device(device).type == "cuda" and triton is not None else TorchOps

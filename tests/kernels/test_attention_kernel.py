@@ -1,0 +1,154 @@
+"""Invariant 14 for the paged row attention: the Triton kernel equals the torch twin and the reference.
+
+The reference is engine/attention.py (plan + SDPA, the engine's plain path); the torch twin is the
+static-shape version the fast path uses without Triton. Cases: causal extends, tree rows with extra
+slots (holes included), padding rows, several page sizes, grouped-query heads. Also: a verify row
+and a decode row of the same position give bitwise-equal outputs (one key order for both).
+
+Runs on CPU under ``TRITON_INTERPRET=1`` (CI) and on a GPU as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from speccycle.core.ports import ForwardBatch
+from speccycle.engine.attention import paged_attention, plan_attention
+from speccycle.engine.attention_triton import paged_attention_rows_torch
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from speccycle.engine.attention_triton import paged_attention_rows_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(seed: int, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int = 16):
+    """Two requests with scattered pages: request 0 extends causally, request 1 verifies a tree."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [11, 7]
+    width = -(-(max(lens) + 8) // page_size)
+    num_pages = 2 * width + 3
+    slots = num_pages * page_size
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.full((2, width), -1, dtype=torch.long)
+    table[0] = perm[:width]
+    table[1] = perm[width : 2 * width]
+
+    def slot(b, p):
+        return int(table[b, p // page_size]) * page_size + p % page_size
+
+    rows = {"row_request": [], "positions": [], "prefix_lens": [], "out_slots": [], "extra": []}
+    # request 0: 3 causal rows at positions 8, 9, 10 (an extend)
+    for p in (8, 9, 10):
+        rows["row_request"].append(0)
+        rows["positions"].append(p)
+        rows["prefix_lens"].append(p + 1)
+        rows["out_slots"].append(slot(0, p))
+        rows["extra"].append([])
+    # request 1: a tree over verify rows at L = 7: parents of rows 0..4
+    parents = [-1, 0, 0, 1, 2]
+    length = lens[1]
+    for i, _ in enumerate(parents):
+        path, node = [], i
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        rows["row_request"].append(1)
+        rows["positions"].append(length + len(path) - 1)
+        rows["prefix_lens"].append(length)
+        rows["out_slots"].append(slot(1, length + i))
+        mask = [slot(1, length + j) if j in path else -1 for j in range(len(parents))]
+        rows["extra"].append(mask)
+    m = max(len(e) for e in rows["extra"])
+    extra = torch.tensor([e + [-1] * (m - len(e)) for e in rows["extra"]], dtype=torch.long)
+    t = len(rows["positions"])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(t, dtype=torch.long),
+        positions=torch.tensor(rows["positions"]),
+        row_request=torch.tensor(rows["row_request"]),
+        out_slots=torch.tensor(rows["out_slots"]),
+        prefix_lens=torch.tensor(rows["prefix_lens"]),
+        extra_slots=extra,
+        page_table=table,
+        page_size=page_size,
+        request_ids=(0, 1),
+    )
+    q = torch.randn(t, num_heads, head_dim, generator=gen)
+    k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen)
+    return batch, q, k_cache, v_cache
+
+
+def _rows_args(batch: ForwardBatch, device):
+    return [t.to(device) for t in (batch.row_request, batch.prefix_lens, batch.extra_slots, batch.page_table)]
+
+
+@pytest.mark.parametrize("page_size,heads", [(1, (4, 2)), (3, (6, 2)), (4, (4, 4)), (16, (9, 3))])
+def test_kernel_equals_reference_and_torch_twin(page_size, heads):
+    batch, q, k_cache, v_cache = _case(7 + page_size, page_size, *heads)
+    reference = paged_attention(plan_attention(batch), q, k_cache, v_cache)
+    twin = paged_attention_rows_torch(q, k_cache, v_cache, *_rows_args(batch, "cpu"), page_size, kv_bound=32)
+    fast = paged_attention_rows_triton(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                       *_rows_args(batch, DEVICE), page_size).cpu()  # fmt: skip
+    torch.testing.assert_close(twin, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_attend_nothing_and_return_zeros():
+    batch, q, k_cache, v_cache = _case(3, 4, 4, 2)
+    pad = 3
+    row_request = torch.cat([batch.row_request, torch.zeros(pad, dtype=torch.long)])
+    prefix = torch.cat([batch.prefix_lens, torch.zeros(pad, dtype=torch.long)])
+    extra = torch.cat([batch.extra_slots, torch.full((pad, batch.extra_slots.shape[1]), -1)])
+    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:])])
+    args = (row_request, prefix, extra, batch.page_table)
+    fast = paged_attention_rows_triton(q_pad.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                       *[a.to(DEVICE) for a in args], 4).cpu()  # fmt: skip
+    twin = paged_attention_rows_torch(q_pad, k_cache, v_cache, *args, 4, kv_bound=32)
+    assert torch.count_nonzero(fast[-pad:]) == 0 and torch.count_nonzero(twin[-pad:]) == 0
+    reference = paged_attention(plan_attention(batch), q, k_cache, v_cache)
+    torch.testing.assert_close(fast[:-pad], reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_row_and_decode_row_are_bitwise_equal(dtype):
+    """A tree row at L + d (prefix L, ancestors as extra slots, holes between) == a decode row at L + d."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, length, heads, kv_heads, dim = 4, 70, 4, 2, 16  # the prefix crosses a block boundary
+    table = torch.randperm(40, generator=gen)[:30][None]  # one request
+    slots = 40 * page_size
+    k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(1, heads, dim, generator=gen).to(dtype)
+
+    def slot(p):
+        return int(table[0, p // page_size]) * page_size + p % page_size
+
+    # Tree path root(0) -> row 2 -> row 5, the node at depth 2 sits at position L + 2; its verify slots
+    # are L + row. Rewire the decode view: positions L, L+1, L+2 hold the path's keys.
+    path_rows = [0, 2, 5]
+    extra = torch.tensor([[slot(length + r) if r in path_rows else -1 for r in range(8)]])
+    # The decode row sees positions [0, L + 3): a copy of the cache where position L + depth holds the
+    # key of the path's node at that depth (what compaction would have moved there).
+    decode_table = table.clone()
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    for depth, r in enumerate(path_rows):
+        k2[slot(length + depth)] = k_cache[slot(length + r)]
+        v2[slot(length + depth)] = v_cache[slot(length + r)]
+    one = torch.zeros(1, dtype=torch.long)
+    verify = paged_attention_rows_triton(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), one.to(DEVICE),
+        torch.tensor([length]).to(DEVICE), extra.to(DEVICE), table.to(DEVICE), page_size,
+    ).cpu()  # fmt: skip
+    decode = paged_attention_rows_triton(
+        q.to(DEVICE), k2.to(DEVICE), v2.to(DEVICE), one.to(DEVICE),
+        torch.tensor([length + 3]).to(DEVICE), torch.empty((1, 0), dtype=torch.long).to(DEVICE),
+        decode_table.to(DEVICE), page_size,
+    ).cpu()  # fmt: skip
+    assert torch.equal(verify, decode)

@@ -1,0 +1,102 @@
+"""Invariant 14 for the fast forward's fused ops: each Triton kernel equals its torch reference.
+
+The references equal engine/llama.py's ops (RMSNorm, RoPE, SiLU-mul), checked here too. Strided
+views (a column block of a features buffer), padding rows (slot -1: no KV write) and bfloat16.
+Runs on CPU under ``TRITON_INTERPRET=1`` (CI) and on a GPU as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from speccycle.engine import kernels
+from speccycle.engine.llama import RMSNorm, apply_rope, rope_cos_sin
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype):
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+def _exact(dtype):
+    """Bitwise on a GPU; the interpreter rounds float32 -> bfloat16 toward zero (ulps apart there)."""
+    if dtype == torch.float32 or DEVICE == "cuda":
+        return {"atol": 1e-6 if dtype == torch.float32 else 0.0, "rtol": 1e-6 if dtype == torch.float32 else 0.0}
+    return _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_add_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 40, generator=gen).to(dtype)
+    r = torch.randn(5, 40, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(40, generator=gen)).to(dtype)
+    reference = RMSNorm(w, 1e-5)(x)
+    torch.testing.assert_close(kernels.rms_norm_torch(x, w, 1e-5), reference, atol=0, rtol=0)
+    fast = kernels.rms_norm_triton(x.to(DEVICE), w.to(DEVICE), 1e-5).cpu()
+    torch.testing.assert_close(fast, reference, **_tol(dtype))
+
+    features = torch.zeros(5, 3 * 40, dtype=dtype)  # the sum goes to a strided column block
+    h_ref, y_ref = kernels.add_rms_norm_torch(x, r, w, 1e-5, features[:, 40:80])
+    torch.testing.assert_close(h_ref, x + r, atol=0, rtol=0)
+    torch.testing.assert_close(y_ref, RMSNorm(w, 1e-5)(x + r), atol=0, rtol=0)
+    features_fast = torch.zeros(5, 3 * 40, dtype=dtype, device=DEVICE)
+    h, y = kernels.add_rms_norm_triton(x.to(DEVICE), r.to(DEVICE), w.to(DEVICE), 1e-5, features_fast[:, 40:80])
+    torch.testing.assert_close(features_fast.cpu(), features, **_exact(dtype))  # the dtype add
+    torch.testing.assert_close(h.cpu(), h_ref, **_exact(dtype))
+    torch.testing.assert_close(y.cpu(), y_ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv(dtype):
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, rows, slots = 4, 2, 16, 6, 20
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 3, 9, 9, 31, 2])
+    out_slots = torch.tensor([4, 7, -1, 11, 0, -1])  # -1: padding rows write nothing
+    cos, sin = rope_cos_sin(torch.arange(40), dim, 10000.0, dtype)
+    caches = {}
+    for name, fn, device in (
+        ("torch", kernels.rope_write_kv_torch, "cpu"),
+        ("triton", kernels.rope_write_kv_triton, DEVICE),
+    ):
+        k_cache = torch.full((slots, kv_heads, dim), 7.0, dtype=dtype, device=device)
+        v_cache = torch.full((slots, kv_heads, dim), 7.0, dtype=dtype, device=device)
+        q = fn(qkv.to(device), positions.to(device), cos.to(device), sin.to(device), out_slots.to(device),
+               k_cache, v_cache, heads, kv_heads)  # fmt: skip
+        caches[name] = (q.cpu(), k_cache.cpu(), v_cache.cpu())
+    q_size, kv_size = heads * dim, kv_heads * dim
+    q_ref, k_ref, v_ref = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    c, s = cos[positions], sin[positions]
+    q_ref = apply_rope(q_ref.reshape(rows, heads, dim), c, s)
+    k_ref = apply_rope(k_ref.reshape(rows, kv_heads, dim), c, s)
+    v_ref = v_ref.reshape(rows, kv_heads, dim)
+    for name, (q, k_cache, v_cache) in caches.items():
+        tol = _exact(dtype) if name == "triton" else {"atol": 0.0, "rtol": 0.0}  # the same roundings
+        torch.testing.assert_close(q, q_ref, **tol, msg=name)
+        written = out_slots >= 0
+        torch.testing.assert_close(k_cache[out_slots[written]], k_ref[written], **tol, msg=name)
+        torch.testing.assert_close(v_cache[out_slots[written]], v_ref[written], atol=0, rtol=0, msg=name)
+        untouched = torch.ones(slots, dtype=torch.bool)
+        untouched[out_slots[written]] = False
+        assert bool((k_cache[untouched] == 7).all() and (v_cache[untouched] == 7).all()), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(3, 2 * 48, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    reference = F.silu(gate) * up
+    torch.testing.assert_close(kernels.silu_mul_torch(gate_up), reference, atol=0, rtol=0)
+    fast = kernels.silu_mul_triton(gate_up.to(DEVICE)).cpu()
+    torch.testing.assert_close(fast, reference, **_tol(dtype))

@@ -1,0 +1,241 @@
+"""The fast path (engine/fast.py, engine/graphs.py) equals the reference path, on a tiny random Llama.
+
+CPU: the static-buffer code runs eagerly (``graphs=False``), with the torch ops, and with the Triton
+kernels under ``TRITON_INTERPRET=1``. Checked: forwards equal the reference (ragged extends, trees,
+features, layer skip, EAGLE-1/3 drafts), padding rows never touch the cache, a call leaves its
+inputs and the static input buffers as it found them, the graph-stepped decode equals
+`greedy_decode`, and an `Engine(fast=True)` is lossless for every forward drafter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import pytest
+import torch
+from speccycle.core import SpecConfig
+from speccycle.core.ports import ForwardBatch
+from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead
+from speccycle.engine.drafters.layerskip import LlamaDraft
+from speccycle.engine.engine import Engine
+from speccycle.engine.fast import FastEagleDraft, FastGreedyDecoder, FastLlamaDraft, FastOptions, FastTarget
+from speccycle.engine.graphs import bucket
+from speccycle.engine.greedy import extend_batch, greedy_decode
+from speccycle.engine.kernels import TorchOps, TritonOps, triton_available
+from speccycle.engine.kv_pool import PagedKVPool
+from speccycle.engine.llama import LlamaModel, random_llama_weights
+from speccycle.engine.target import LlamaTarget
+from speccycle.engine.weights_gguf import LlamaConfig
+
+TINY = LlamaConfig(
+    architecture="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position=256,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+ATOL, RTOL = 1e-4, 1e-4  # float32, values up to ~20: reduction orders and rsqrt differ
+OPS = [TorchOps]
+if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
+    OPS.append(TritonOps)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_llama_weights(TINY, seed=0, scale=0.3)
+
+
+def tokens_of(seed, n):
+    return torch.randint(3, TINY.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def pair(weights, page_size, ops, feature_layers=None, num_pages=48, **options):
+    """The same model twice: a reference target and a fast one, each with its own pool."""
+    out = []
+    for fast in (False, True):
+        pool = PagedKVPool(num_pages=num_pages, page_size=page_size)
+        target = LlamaTarget.from_weights(TINY, weights, pool, feature_layers=feature_layers)
+        if fast:
+            target = FastTarget(target, pool, FastOptions("cpu", graphs=False, ops=ops, max_rows=16, **options))
+        out.append((target, pool))
+    return out
+
+
+def tree_batch(pool, rid, length, tokens, parents):
+    """Verify rows of one request over a tree: row i at L + depth(i), slot of L + i, ancestors as extras."""
+    n = len(parents)
+    pool.allocate(rid, length + n)
+    slots = pool.slots_for([rid], torch.arange(length, length + n)[None])[0]
+    depth, extra = [0] * n, torch.full((n, n), -1, dtype=torch.long)
+    for i in range(n):
+        node = i
+        while node >= 0:
+            extra[i, node] = slots[node]
+            node = parents[node]
+        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+    return ForwardBatch(
+        input_ids=torch.tensor(tokens),
+        positions=length + torch.tensor(depth),
+        row_request=torch.zeros(n, dtype=torch.long),
+        out_slots=slots,
+        prefix_lens=torch.full((n,), length),
+        extra_slots=extra,
+        page_table=pool.page_table([rid]),
+        page_size=pool.page_size,
+        request_ids=(rid,),
+    )
+
+
+def snapshot(batch: ForwardBatch):
+    return {
+        f.name: getattr(batch, f.name).clone()
+        for f in attrs.fields(ForwardBatch)
+        if torch.is_tensor(getattr(batch, f.name))
+    }
+
+
+@pytest.mark.parametrize("ops", OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fast_target_equals_reference(weights, ops, page_size):
+    (ref, ref_pool), (fast, fast_pool) = pair(weights, page_size, ops, feature_layers=(0, 2, 3))
+    prompts = [tokens_of(1, 9), tokens_of(2, 13)]
+    for pool in (ref_pool, fast_pool):
+        pool.allocate(7, 3)  # scattered pages
+    outs = {}
+    for name, (target, pool) in {"ref": (ref, ref_pool), "fast": (fast, fast_pool)}.items():
+        batch = extend_batch(pool, [0, 1], prompts, [0, 0], last_logits_only=False)  # 22 rows: past 16, eager
+        prefill = target.forward(batch)
+        batch = extend_batch(pool, [0, 1], [[5, 6], [7]], [9, 13], last_logits_only=True)  # 3 rows, padded to 4
+        before = snapshot(batch)
+        extend = target.forward(batch)
+        assert all(torch.equal(v, getattr(batch, k)) for k, v in before.items())
+        tree = tree_batch(pool, 1, 14, [9, 10, 11, 12, 13, 14], [-1, 0, 0, 1, 1, 3])
+        verify = target.forward(tree)
+        outs[name] = (prefill, extend, verify)
+    for got, want in zip(outs["fast"], outs["ref"]):
+        torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=ATOL, rtol=RTOL)
+    assert fast.graphs.eager_calls == 3  # the prefill (too many rows), the extend and verify via the buffers
+    ref_kv = torch.stack([torch.stack(kv) for kv in ref.kv])
+    fast_kv = torch.stack([torch.stack(kv) for kv in fast.kv])
+    torch.testing.assert_close(fast_kv, ref_kv, atol=ATOL, rtol=RTOL)  # padding rows wrote nothing
+
+
+def test_static_buffers_leave_inputs_and_reset_padding(weights):
+    """A smaller batch after a larger one: stale rows in the buffers are padding, never live rows."""
+    (ref, ref_pool), (fast, fast_pool) = pair(weights, 2, TorchOps)
+    for target, pool in ((ref, ref_pool), (fast, fast_pool)):
+        target.forward(extend_batch(pool, [0, 1], [tokens_of(3, 5), tokens_of(4, 6)], [0, 0]))
+    wide = [extend_batch(p, [0, 1], [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]], [5, 6]) for p in (ref_pool, fast_pool)]
+    narrow = [extend_batch(p, [1], [[12]], [12]) for p in (ref_pool, fast_pool)]
+    for i, target in enumerate((ref, fast)):
+        target.forward(wide[i])
+    g = fast.graphs
+    positions_before = g.packed.clone()
+    out_fast = fast.forward(narrow[1])
+    out_ref = ref.forward(narrow[0])
+    torch.testing.assert_close(out_fast.logits, out_ref.logits, atol=ATOL, rtol=RTOL)
+    rows = bucket(1)
+    view = g._views(rows, 0, True)
+    assert int(view.out_slots[0]) == int(narrow[1].out_slots[0])
+    # what the forward left in the buffers is exactly what was loaded (compute never writes its inputs)
+    g._load(narrow[1], rows, None)
+    assert torch.equal(g.packed, g.packed.clone())
+    assert not torch.equal(positions_before, g.packed)  # the narrow batch was loaded over the wide one
+
+
+@pytest.mark.parametrize("ops", OPS, ids=lambda o: o.name)
+def test_fast_drafts_equal_reference(weights, ops):
+    pool_ref = PagedKVPool(num_pages=64, page_size=4)
+    pool_fast = PagedKVPool(num_pages=64, page_size=4)
+    model = LlamaModel(TINY, weights)
+    featured = LlamaModel(TINY, weights, feature_layers=(1, 2, 3))
+    options = FastOptions("cpu", graphs=False, ops=ops, max_rows=16)
+    ref_skip = LlamaDraft(model, pool_ref, num_layers=2)
+    fast_skip = FastLlamaDraft(LlamaDraft(model, pool_fast, num_layers=2), pool_fast, options)
+    drafts = [(ref_skip, fast_skip)]
+    for version in (1, 3):
+        head_config = EagleConfig.for_target(TINY, version, draft_vocab_size=40)
+        if version == 3:
+            head_config = attrs.evolve(head_config, feature_layers=(1, 2, 3))
+        head = EagleHead.random(head_config, seed=version, target_vocab=TINY.vocab_size)
+        target_model = featured if version == 3 else model
+        name = f"eagle{version}"
+        ref = EagleDraft(head, target_model, pool_ref, cache_name=name)
+        fast = FastEagleDraft(EagleDraft(head, target_model, pool_fast, cache_name=name), pool_fast, options)
+        drafts.append((ref, fast))
+    features = 3 * TINY.hidden_size
+    for index, (ref, fast) in enumerate(drafts):
+        width = (
+            features if getattr(ref, "head", None) is not None and ref.head.config.version == 3 else TINY.hidden_size
+        )
+        outs = []
+        for draft, pool in ((ref, pool_ref), (fast, pool_fast)):
+            rid = index  # the same request in each pool
+            batch = extend_batch(pool, [rid], [tokens_of(rid, 6)], [0])
+            hidden = torch.randn(6, width, generator=torch.Generator().manual_seed(rid))
+            a = draft.extend(batch, hidden)
+            tree = tree_batch(pool, rid, 6, [3, 4, 5, 6], [-1, 0, 0, 1])
+            parent_hidden = torch.randn(4, TINY.hidden_size, generator=torch.Generator().manual_seed(5))
+            b = draft.step(tree, parent_hidden)
+            outs.append((a, b))
+        for got, want in zip(outs[1], outs[0]):
+            torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=RTOL)
+            if want.hidden is not None:
+                torch.testing.assert_close(got.hidden, want.hidden, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("ops", OPS, ids=lambda o: o.name)
+def test_graph_stepped_decode_equals_greedy_decode(weights, ops):
+    (ref, ref_pool), (fast, fast_pool) = pair(weights, 4, ops, num_pages=64)
+    prompts = [tokens_of(5, 7), tokens_of(6, 3), tokens_of(7, 10)]
+    steps = 12 if ops is TorchOps else 5
+    want = greedy_decode(ref, ref_pool, prompts, max_new_tokens=steps, stop_token_ids=(2,))
+    decoder = FastGreedyDecoder(fast, fast_pool, fast.options)
+    got = decoder.decode(prompts, max_new_tokens=steps, stop_token_ids=(2,))
+    assert got == want
+    assert fast_pool.num_free_pages == fast_pool.num_pages
+
+
+@pytest.mark.parametrize(
+    "draft,spec",
+    [
+        ("layerskip", SpecConfig(num_steps=3, topk=1, page_size=4)),
+        ("layerskip", SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=1)),
+        ("eagle", SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)),
+        ("ngram", SpecConfig(num_steps=4, topk=1, page_size=4)),
+    ],
+)
+def test_fast_engine_is_lossless(weights, draft, spec):
+    prompts = [tokens_of(11, 8) * 2, tokens_of(12, 5)]
+    model = LlamaModel(TINY, weights)
+    pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
+
+    def build(engine):
+        from speccycle.engine.drafters.ngram import NgramDraft
+
+        if draft == "layerskip":
+            return LlamaDraft(model, pool, num_layers=2)
+        if draft == "eagle":
+            head = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3)
+            return EagleDraft(head, model, pool)
+        return NgramDraft(TINY.vocab_size)
+
+    engine = Engine(model, pool, build, spec, fast=True)
+    assert isinstance(engine.target, FastTarget)
+    ar = engine.generate_autoregressive(prompts, 16)
+    results, stats = engine.generate(prompts, 16, checked=True)
+    assert [list(r.output) for r in results] == ar
+    assert pool.num_free_pages == pool.num_pages
+    reference = Engine(LlamaModel(TINY, weights), PagedKVPool(num_pages=512, page_size=1), None, SpecConfig())
+    assert reference.generate_autoregressive(prompts, 16) == ar
