@@ -70,7 +70,11 @@ def init_tp(backend: str | None = None, device: str | None = None, timeout_s: fl
                 "RANK and WORLD_SIZE are not set: start this under torchrun "
                 "(torchrun --nproc-per-node 2 -m speccycle.engine.tp ...)"
             )
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":  # bind the communicator to this rank's GPU (eager start, no device guessing)
+            dist.init_process_group(backend, timeout=timeout, device_id=dev)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return TPGroup.from_process_group(None, dev)
 
 
