@@ -44,8 +44,8 @@ TABLE: tuple[Transition, ...] = (
         "prefill",
         Compacted,
         t.prefill,
-        ops=("slots_for_positions", "greedy_predict"),
-        doc="Target extend over the prompts, first token, draft-extend rows shifted by one.",
+        ops=("slots_for_positions", "greedy_predict", "process_logits", "sample_without_replacement"),
+        doc="Target extend over the prompts, first token (argmax or sampled from p), draft-extend rows shifted by one.",
     ),
     Transition(
         Compacted,
@@ -61,8 +61,8 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.draft_extend,
         guard=t.extend_ready,
-        ops=("slots_for_positions", "select_topk"),
-        doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K.",
+        ops=("slots_for_positions", "select_topk", "process_logits", "sample_without_replacement"),
+        doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q).",
     ),
     Transition(
         Compacted, "extend", Ready, t.skip_extend, guard=t.lookup_ready, doc="A lookup draft keeps no draft cache."
@@ -82,8 +82,16 @@ TABLE: tuple[Transition, ...] = (
         Drafted,
         t.draft_tree,
         guard=t.forward_draft,
-        ops=("slots_for_positions", "select_topk", "expand_frontier", "rerank_tree"),
-        doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1.",
+        ops=(
+            "slots_for_positions",
+            "select_topk",
+            "process_logits",
+            "sample_without_replacement",
+            "expand_frontier",
+            "rerank_tree",
+        ),
+        doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "
+        "(sampled: children drawn from q, level order, no rerank).",
     ),
     Transition(
         Ready,
@@ -109,8 +117,16 @@ TABLE: tuple[Transition, ...] = (
         Verified,
         t.verify,
         guard=t.not_block_draft,
-        ops=("tree_mask", "greedy_predict", "verify_greedy"),
-        doc="One target forward over [root, drafts] at L + depth with the tree mask; greedy walk.",
+        ops=(
+            "tree_mask",
+            "greedy_predict",
+            "verify_greedy",
+            "process_logits",
+            "verify_chain_sampling",
+            "verify_tree_sampling",
+        ),
+        doc="One target forward over [root, drafts] at L + depth with the tree mask; greedy walk "
+        "(sampled: lossless rejection sampling, chain or tree).",
     ),
     Transition(
         Drafted,

@@ -29,6 +29,7 @@ from ..core.records import (
     Verified,
 )
 from ..core.tree import chain_tree, draft_position, draft_scratch_positions, tree_depths
+from . import sampling
 from .stops import cut_at_stops
 
 
@@ -119,11 +120,6 @@ def validate_request(request: Request, vocab_size: int, detokenizer=None) -> Non
         raise CycleError(
             f"request {request.request_id}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
         )
-    if not request.sampling.greedy:
-        raise CycleError(
-            f"request {request.request_id}: temperature={request.sampling.temperature}; this cycle verifies "
-            "greedily, pass temperature=0"
-        )
 
 
 # ---- prefill -----------------------------------------------------------------------------------
@@ -140,7 +136,12 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     for request in rec.requests:
         try:
             validate_request(request, ports.target.vocab_size, ports.detokenizer)
-            valid.append(request)
+            if not request.sampling.greedy and getattr(ports.draft, "kind", "forward") == "block":
+                raise CycleError(
+                    f"request {request.request_id}: temperature={request.sampling.temperature}; block drafts "
+                    "verify greedily, pass temperature=0 or use another draft"
+                )
+            valid.append(sampling.with_seed(request))
         except CycleError as err:
             refused.append(attrs.evolve(request, finish_reason="error", error=str(err)))
     if not valid:
@@ -177,14 +178,17 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
     out = target.forward(batch)
     first = backend.greedy_predict(out.logits)  # [bs]
+    first, logprobs = sampling.sample_first(rec.requests, out.logits, first, backend)  # sampled requests draw
     bad = _check_logits(out.logits, torch.arange(len(lens), device=device), len(lens))
 
     requests = []
-    for request, token, is_bad in zip(rec.requests, first.tolist(), bad):
+    logprob_list = [None] * len(lens) if logprobs is None else logprobs.tolist()
+    for request, token, is_bad, logprob in zip(rec.requests, first.tolist(), bad, logprob_list):
         if is_bad:
             requests.append(_errored(request, "the target returned non-finite logits for the prompt"))
             continue
         keep, reason = cut_at_stops(request, [token], ports.detokenizer)
+        request = _with_logprobs(request, [logprob], 1)
         requests.append(attrs.evolve(request, output=request.output + (token,), finish_reason=reason))
 
     # Draft extend rows: shifted drafts see t[p + 1] at p, aligned drafts t[p] (root included).
@@ -211,6 +215,13 @@ def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, devic
     positions = torch.arange(int(lens.sum()), device=device) - starts[row_request]
     flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=device)
     return ExtendRows(input_ids=flat, positions=positions, row_request=row_request, hidden=None)
+
+
+def _with_logprobs(request: Request, logprobs: Sequence[float | None], count: int) -> Request:
+    """Append the logprobs of ``count`` newly committed tokens, when the request asked for them."""
+    if not request.sampling.logprobs:
+        return request
+    return attrs.evolve(request, logprobs=request.logprobs + tuple(float(x) for x in logprobs[:count]))
 
 
 def _errored(request: Request, message: str) -> Request:
@@ -318,8 +329,12 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     )
     out = ports.draft.extend(batch, ext.hidden)
     topk_p, topk_index = backend.select_topk(out.logits, cfg.topk)
+    draft_probs = None
+    rows = sampling.sampled_rows(rec.requests, out.logits.device)
+    if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
+        topk_p, topk_index, draft_probs = sampling.draw_children(rows, out.logits, 1, topk_p, topk_index, 0, backend)
     hidden = None if out.hidden is None else out.hidden[last_rows]
-    return _ready(rec, topk_p, topk_index, hidden)
+    return attrs.evolve(_ready(rec, topk_p, topk_index, hidden), draft_probs=draft_probs)
 
 
 def skip_extend(rec: Compacted, ports: Ports, backend) -> Ready:
@@ -353,7 +368,11 @@ def _reserve_cycle(rec: Ready, ports: Ports, backend) -> tuple[tuple[int, ...], 
 
 
 def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
-    """``S - 1`` draft forwards over the frontier, EAGLE-2 rescoring, global rerank to ``N - 1``."""
+    """``S - 1`` draft forwards over the frontier, EAGLE-2 rescoring, global rerank to ``N - 1``.
+
+    Sampled requests draw each node's children without replacement from ``q`` and keep their tree in
+    level order, never reranked (`statemachine.sampling`); their ``q`` per row goes to the verify.
+    """
     cfg, bs = rec.config, len(rec.requests)
     S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
     ids, page_table, verify_slots = _reserve_cycle(rec, ports, backend)
@@ -364,6 +383,13 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     row_request = torch.arange(bs, device=device).repeat_interleave(K)
 
     frontier_scores, frontier_tokens = rec.topk_p, rec.topk_index  # [bs, K]
+    rows = sampling.sampled_rows(rec.requests, device)
+    draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
+    if rows is not None:
+        if rec.draft_probs is None:
+            raise CycleError("sampled requests reached the draft without the draft extend's draft_probs")
+        draft_probs = rec.draft_probs.new_zeros((bs, N, rec.draft_probs.shape[-1]))
+        draft_probs[:, 0] = rec.draft_probs
     parent_hidden = None
     if rec.draft_hidden is not None:
         parent_hidden = rec.draft_hidden[:, None, :].expand(bs, K, rec.draft_hidden.shape[-1])
@@ -380,10 +406,12 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
         positions_per_step.append(positions)
         extra = torch.cat([path_slots, own[:, :, None]], dim=2).reshape(bs * K, j + 1)
+        # A sampled draft that ran out of mass left -1 (padding): any valid id feeds the forward.
+        input_ids = frontier_tokens.reshape(-1) if rows is None else frontier_tokens.reshape(-1).clamp(min=0)
         batch = _batch(
             ports,
             ids,
-            frontier_tokens.reshape(-1),
+            input_ids,
             positions.repeat_interleave(K),
             row_request,
             own.reshape(-1),
@@ -393,6 +421,11 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
         child_p, child_ids = backend.select_topk(out.logits, K)  # [bs*K, K]
+        if rows is not None:
+            child_p, child_ids, q = sampling.draw_children(
+                rows, out.logits, K, child_p, child_ids, j + 1, backend, parent_tokens=frontier_tokens.reshape(-1)
+            )
+            sampling.store_rows(draft_probs, q.view(bs, K, -1), frontier_cand + 1 if K > 1 else frontier_cand + 1 + j)
         if K == 1:  # a chain: the child is the next frontier, nothing to rescore
             frontier_tokens = child_ids
             cand_tokens.append(child_ids)
@@ -418,10 +451,18 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         tokens, parents = chain_tree(rec.root_tokens, torch.cat(cand_tokens, dim=1))
         scores, depths = None, torch.arange(N, device=device).expand(bs, N)
     else:
-        tokens, parents, scores = backend.rerank_tree(
-            rec.root_tokens, torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), N
-        )
+        cands = (rec.root_tokens, torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), N)
+        tokens, parents, scores = backend.rerank_tree(*cands)
+        if rows is not None:  # sampled requests: level order, no rerank (a rerank makes the verify lossy)
+            sampled = torch.zeros(bs, dtype=torch.bool, device=device).index_fill_(0, rows.index, True)[:, None]
+            s_tokens, s_parents, s_scores = sampling.level_order_tree(*cands)
+            tokens = torch.where(sampled, s_tokens, tokens)
+            parents = torch.where(sampled, s_parents, parents)
+            scores = torch.where(sampled, s_scores, scores)
         depths = tree_depths(parents)
+    padding = None
+    if rows is not None and bool((tokens < 0).any()):
+        padding, tokens = tokens < 0, tokens.clamp(min=0)
     draft_positions = (
         torch.stack(positions_per_step, 1) if positions_per_step else torch.empty((bs, 0), dtype=torch.long)
     )
@@ -429,10 +470,11 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         config=cfg,
         requests=rec.requests,
         seq_lens=L,
-        tree=DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores),
+        tree=DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding),
         verify_slots=verify_slots,
         draft_slots=draft_slots,
         draft_positions=draft_positions,
+        draft_probs=draft_probs,
     )
 
 
@@ -477,7 +519,11 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
 
 # ---- verify ------------------------------------------------------------------------------------
 def verify(rec: Drafted, ports: Ports, backend) -> Verified:
-    """One target forward over ``[root, drafts]`` at ``L + depth`` with the tree mask; greedy walk."""
+    """One target forward over ``[root, drafts]`` at ``L + depth`` with the tree mask; greedy walk.
+
+    Sampled requests replace their greedy walk with lossless rejection sampling (chain or tree) against
+    their processed target distribution (`statemachine.sampling.verify_sampled`).
+    """
     cfg, bs = rec.config, len(rec.requests)
     N = rec.tree.tokens.shape[1]  # cfg.num_draft_tokens, or fewer when a lookup draft had less to offer
     ids = tuple(r.request_id for r in rec.requests)
@@ -504,6 +550,13 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     accept_index, accept_len = backend.verify_greedy(
         rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
     )
+    rows, target_probs = sampling.sampled_rows(rec.requests, device), None
+    if rows is not None:
+        accept_index, accept_len, predict, target_probs = sampling.verify_sampled(
+            rows, rec.tree, rec.draft_probs, out.logits, cfg.accept_width, cfg.is_chain,
+            accept_index, accept_len, predict, backend,
+        )  # fmt: skip
+    logprobs = sampling.row_logprobs(rec.requests, out.logits, predict, rows, target_probs, N)
     bad = _check_logits(out.logits, row_request, bs)
     requests = tuple(
         _errored(r, "the target returned non-finite logits during verify") if b else r
@@ -515,7 +568,7 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
         seq_lens=L,
         tree=rec.tree,
         verify_slots=rec.verify_slots,
-        rows=RowOutputs(predict=predict, hidden=out.hidden),
+        rows=RowOutputs(predict=predict, hidden=out.hidden, logprobs=logprobs),
         accept_index=accept_index,
         accept_len=accept_len,
     )
@@ -578,11 +631,16 @@ def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
     ports.recurrent.commit(request_ids=ids, last_correct_step_indices=last_correct)
 
     committed = rec.accepted_rows.predict.tolist()
+    logprobs = rec.accepted_rows.logprobs
+    logprob_rows = [[]] * bs if logprobs is None else logprobs.tolist()
     requests = []
-    for request, tokens, n, reason in zip(rec.requests, committed, rec.accept_len.tolist(), rec.finish_reasons):
+    for request, tokens, n, reason, lps in zip(
+        rec.requests, committed, rec.accept_len.tolist(), rec.finish_reasons, logprob_rows
+    ):
         if request.finish_reason == "error":
             requests.append(request)
             continue
+        request = _with_logprobs(request, lps, n)
         requests.append(attrs.evolve(request, output=request.output + tuple(tokens[:n]), finish_reason=reason))
 
     # Draft extend rows: the committed tokens at L + offset + i (shifted: with the target features).

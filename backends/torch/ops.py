@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ...core import tree
-from . import block
+from . import block, sampling, sampling_tree
 
 
 class TorchBackend:
@@ -47,6 +47,13 @@ class TorchBackend:
     def tree_mask(self, parents: torch.Tensor) -> torch.Tensor:
         """Shapes: ``parents [bs, N]`` -> ``[bs, N, N]`` bool (ancestors and self)."""
         return tree.ancestor_mask(parents)
+
+    def tree_mask_packed(self, parents: torch.Tensor) -> torch.Tensor:
+        """The tree mask packed to bits, for attention kernels that read a packed mask (`core.tree.pack_mask`).
+
+        Shapes: ``parents [bs, N]`` -> ``[bs, N, ceil(N / 8)]`` uint8, bit ``j % 8`` of byte ``j // 8``.
+        """
+        return tree.pack_mask(tree.ancestor_mask(parents))
 
     def slots_for_positions(self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int):
         """Slot of each position through the page table.
@@ -99,6 +106,27 @@ class TorchBackend:
         See `speccycle.backends.torch.block.verify_block`. Shapes: ``[bs, B]`` each -> ``[bs]``, ``[bs]``.
         """
         return block.verify_block(candidates, target)
+
+    # ---- sampling (docs: sampling) -----------------------------------------------------------
+    def process_logits(self, logits, temperature, top_k, top_p) -> torch.Tensor:
+        """Temperature, top-k, top-p per row. See `sampling.process_logits`. Shapes: ``[R, V]`` -> ``[R, V]``."""
+        return sampling.process_logits(logits, temperature, top_k, top_p)
+
+    def sample_without_replacement(self, probs: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
+        """``k`` distinct tokens per row in draw order, -1 padded. See `sampling.sample_without_replacement`."""
+        return sampling.sample_without_replacement(probs, k, uniforms)
+
+    def verify_chain_sampling(self, draft_tokens, draft_probs, target_probs, uniforms, sample_uniforms):
+        """Speculative sampling over chains. See `sampling.verify_chain_sampling` (unvalidated, as kernels run)."""
+        return sampling.verify_chain_sampling(
+            draft_tokens, draft_probs, target_probs, uniforms, sample_uniforms, validate=False
+        )
+
+    def verify_tree_sampling(self, tokens, parents, draft_probs, target_probs, accept_width, uniforms, sample_uniforms):
+        """Recursive rejection sampling over trees. See `sampling_tree.verify_tree_sampling` (unvalidated)."""
+        return sampling_tree.verify_tree_sampling(
+            tokens, parents, draft_probs, target_probs, accept_width, uniforms, sample_uniforms, validate=False
+        )
 
     # ---- accept ------------------------------------------------------------------------------
     def gather_accepted(self, rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:

@@ -168,7 +168,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def verify_chain_sampling(
     draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     uniforms: torch.Tensor,
     sample_uniforms: torch.Tensor,
@@ -185,6 +185,10 @@ def verify_chain_sampling(
     probability ``q(y) min(1, p(y)/q(y)) = min(p, q)(y)`` and by rejection with probability
     ``sum(max(p - q, 0)) * residual(y) = max(p - q, 0)(y)``; the two add to ``p(y)``.
 
+    ``draft_probs=None`` marks point-mass proposals (a lookup draft: ``q = one_hot(x)``, so ``x`` is
+    accepted with probability ``p(x)`` and a rejection samples ``p`` without ``x``), lossless for any
+    proposal that does not depend on the coins (see `verify_tree_sampling`).
+
     ``validate`` checks that every draft token had positive draft probability (a token the draft
     could not have sampled voids the guarantee) and raises ``ValueError`` otherwise. Unvalidated (as a
     fast kernel runs) such a token is accepted iff ``p(x) > 0``: the ``q -> 0`` limit of the rule.
@@ -192,13 +196,18 @@ def verify_chain_sampling(
     ``predict[b, d]`` is the token committed after row ``d``: the accepted draft ``d`` for
     ``d < accept_len - 1``, the recovered or bonus token at ``d = accept_len - 1``, ``-1`` after.
 
-    Shapes: ``draft_tokens [bs, S]``, ``draft_probs [bs, S, V]``, ``target_probs [bs, S + 1, V]``,
+    Shapes: ``draft_tokens [bs, S]``, ``draft_probs [bs, S, V]`` or None, ``target_probs [bs, S + 1, V]``,
     ``uniforms [bs, S + 1]``, ``sample_uniforms [bs, V]`` -> ``accept_len [bs]``, ``predict [bs, S + 1]``.
     """
     bs, num_steps = draft_tokens.shape
     device = draft_tokens.device
     check_shape("uniforms", uniforms, (bs, num_steps + 1))
     check_shape("sample_uniforms", sample_uniforms, (bs, target_probs.shape[-1]))
+    if draft_probs is None:
+        if validate and bool(((draft_tokens < 0) | (draft_tokens >= target_probs.shape[-1])).any()):
+            raise ValueError(f"draft tokens must lie in [0, V = {target_probs.shape[-1]}); a chain has no padding")
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
+        validate = False
     if validate:
         _validate_chain(draft_tokens, draft_probs, target_probs)
     p = target_probs.float()  # [bs, S + 1, V]

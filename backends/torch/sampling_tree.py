@@ -14,7 +14,7 @@ from .sampling import check_shape, residual_distribution, sample_categorical
 def verify_tree_sampling(
     tokens: torch.Tensor,
     parents: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     accept_width: int,
     uniforms: torch.Tensor,
@@ -58,6 +58,14 @@ def verify_tree_sampling(
     committed token follows the target's conditional distribution: the output distribution is the
     target's. (A chain is the case of one child per row; the rule is then standard speculative sampling.)
 
+    Point masses (``draft_probs=None``): a lookup draft proposes tokens as a deterministic function of
+    the committed history, so each child ``c`` is tested against ``q = one_hot(x_c)``: accepted with
+    probability ``p(x_c)``; a rejection leaves ``p`` without ``x_c`` (the residual of ``p`` and the
+    point mass) and the next sibling is tested against its own point mass (there is no ``q`` to update).
+    The claim above holds with ``q = one_hot(x)``: ``x`` is committed by acceptance with probability
+    ``p(x)``, and otherwise the rest of ``p`` follows, whatever the next proposal is, as long as it does
+    not depend on the coins. Repeated siblings are allowed (a repeat has ``p = 0`` by then).
+
     Edge cases. A drafted token with ``q(x) == 0`` cannot have come from ``q``, nor can a repeated token
     among siblings (drawn without replacement, its updated ``q`` is 0). ``validate`` raises
     ``ValueError`` on both, and on parents that do not precede their rows. Unvalidated (as a fast
@@ -70,7 +78,7 @@ def verify_tree_sampling(
     ``predict`` at an accepted row is the token committed after it: the accepted child's token, and at
     the last accepted row the final sample; ``-1`` at every other row.
 
-    Shapes: ``tokens [bs, N]``, ``parents [bs, N]`` (-1 for the root), ``draft_probs [bs, N, V]``,
+    Shapes: ``tokens [bs, N]``, ``parents [bs, N]`` (-1 for the root), ``draft_probs [bs, N, V]`` or None,
     ``target_probs [bs, N, V]``, ``uniforms [bs, N]`` (column ``c`` is row ``c``'s coin; column 0 unused),
     ``sample_uniforms [bs, V]`` -> ``accept_index [bs, S + 1]``, ``accept_len [bs]``, ``predict [bs * N]``.
     """
@@ -78,6 +86,7 @@ def verify_tree_sampling(
     device = tokens.device
     check_shape("uniforms", uniforms, (bs, n))
     check_shape("sample_uniforms", sample_uniforms, (bs, target_probs.shape[-1]))
+    point_mass = draft_probs is None
     if validate:
         _validate_tree(tokens, parents, draft_probs, target_probs, accept_width)
 
@@ -86,7 +95,7 @@ def verify_tree_sampling(
     path = torch.full((bs, accept_width), -1, dtype=torch.long, device=device)  # rows in the N-block
     path[:, 0] = 0
     p = target_probs[:, 0].float().clone()  # [bs, V]: what the target still owes at `current`
-    q = draft_probs[:, 0].float().clone()  # [bs, V]: what the next sibling was drawn from
+    q = None if point_mass else draft_probs[:, 0].float().clone()  # [bs, V]: what the next sibling was drawn from
 
     # Parents precede children and siblings keep draw order, so one pass in row order meets every
     # child after its parent and every sibling after the earlier ones; a row is tried exactly when
@@ -97,7 +106,8 @@ def verify_tree_sampling(
         if sel.numel() == 0:
             continue
         x = tokens[sel, c]  # [m]
-        p_sel, q_sel = p[sel], q[sel]  # [m, V]
+        p_sel = p[sel]  # [m, V]
+        q_sel = torch.nn.functional.one_hot(x, p.shape[-1]).float() if point_mass else q[sel]  # [m, V]
         p_x = p_sel.gather(1, x[:, None]).squeeze(1)
         q_x = q_sel.gather(1, x[:, None]).squeeze(1)
         accepted = uniforms[sel, c] * q_x < p_x  # [m]
@@ -107,11 +117,12 @@ def verify_tree_sampling(
         path[moved, accept_len[moved]] = c
         accept_len[moved] += 1
         p[moved] = target_probs[moved, c].float()
-        q[moved] = draft_probs[moved, c].float()
 
         stayed = ~accepted
         p[sel[stayed]] = residual_distribution(p_sel[stayed], q_sel[stayed])
-        q[sel[stayed]] = _exclude(q_sel[stayed], x[stayed])
+        if not point_mass:
+            q[moved] = draft_probs[moved, c].float()
+            q[sel[stayed]] = _exclude(q_sel[stayed], x[stayed])
 
     final = sample_categorical(p, sample_uniforms)  # [bs]: recovered (a residual) or bonus (a target row)
 
@@ -144,10 +155,11 @@ def _validate_tree(
     """Raise ``ValueError`` on inputs no drafter could have produced. Host syncs: reference only."""
     bs, n = tokens.shape
     vocab = target_probs.shape[-1]
-    if parents.shape != (bs, n) or draft_probs.shape != (bs, n, vocab) or target_probs.shape != (bs, n, vocab):
+    q_shape = (bs, n, vocab) if draft_probs is None else draft_probs.shape
+    if parents.shape != (bs, n) or q_shape != (bs, n, vocab) or target_probs.shape != (bs, n, vocab):
         raise ValueError(
             f"expected parents [bs, N] = {[bs, n]} and draft_probs, target_probs [bs, N, V]; got "
-            f"{list(parents.shape)}, {list(draft_probs.shape)}, {list(target_probs.shape)}"
+            f"{list(parents.shape)}, {list(q_shape)}, {list(target_probs.shape)}"
         )
     if width < 1:
         raise ValueError(f"accept_width = {width} must be >= 1 (it is S + 1)")
@@ -158,6 +170,8 @@ def _validate_tree(
     if bool((parents[:, 0] != -1).any()) or bool((drafted & ((parents < 0) | (parents >= rows))).any()):
         raise ValueError("parents[b, 0] must be -1 and every drafted row's parent must precede it")
 
+    if draft_probs is None:  # point masses: any proposal is one the draft "could" make, repeats included
+        return
     batch = torch.arange(bs, device=tokens.device)[:, None]
     q_x = draft_probs[batch, parents.clamp(min=0), tokens.clamp(min=0)]  # [bs, N]: q of the parent at x
     bad = (drafted & (q_x <= 0)).nonzero()

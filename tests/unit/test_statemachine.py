@@ -82,7 +82,6 @@ def test_no_row_applies_is_a_clear_error():
     [
         (Request(0, ()), "prompt is empty"),
         (Request(0, (1, 99)), "outside the vocabulary"),
-        (Request(0, (1, 2), SamplingParams(temperature=0.7)), "verifies greedily"),
     ],
 )
 def test_bad_requests_are_refused_with_what_to_do_and_the_others_go_on(request_, message):

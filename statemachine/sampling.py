@@ -1,0 +1,295 @@
+"""Sampling in the cycle: per-request parameters and random streams, draft draws, the sampling verify.
+
+The transitions call these helpers only when a batch holds a sampled request (``temperature > 0``);
+an all-greedy batch runs exactly the greedy code. In a mixed batch the greedy requests keep their
+greedy results (``select_topk``, the EAGLE-2 rerank, ``verify_greedy``) and the sampled requests'
+rows are overwritten with theirs, so a greedy request decodes the same tokens whatever shares its batch.
+
+**Random streams.** Every draw of a sampled request comes from a `torch.Generator` seeded by a hash of
+``(seed, counter, stream, level)``: ``counter`` is the number of tokens the request had committed
+when the draw was made (strictly increasing from cycle to cycle), ``stream`` says what the draw is
+for (the first token, draft candidates, acceptance coins, the final sample) and ``level`` the draft
+tree level. So the draws are a function of the record alone: a seeded request reproduces its output
+whatever batch it runs in and however often it is run, and the draft's draws are independent of the
+verify's (the verify's losslessness needs that). A request without a seed gets a fresh one at prefill.
+
+**What a sampled draft does** (docs/sampling.md has the why). A forward draft processes its logits
+with the request's own temperature, top-k and top-p into ``q`` and draws each node's ``K`` children
+*without replacement* from ``q`` (Gumbel-top-k), keeping ``q`` per tree row for the verify. A sampled
+tree is laid out in level order (the first ``N - 1`` candidates), never reranked: EAGLE-2's global
+rerank keeps or drops drawn children by their own probabilities, which conditions the draws and
+makes the verify lossy. A lookup draft's proposals are point masses (``draft_probs=None``).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ..backends.torch.sampling import committed_logprobs, safe_uniform
+from ..core.records import DraftTree, Request
+
+STREAM_FIRST, STREAM_DRAFT, STREAM_COINS, STREAM_FINAL = 0, 1, 2, 3
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_seed(seed: int, counter: int, stream: int, level: int = 0) -> int:
+    """The 63-bit seed of one draw: a hash of the request's seed, its committed count, the stream, the level."""
+    h = _splitmix64(seed & _MASK64)
+    for word in (counter, stream, level):
+        h = _splitmix64(h ^ (word & _MASK64))
+    return h >> 1
+
+
+def request_generator(request: Request, stream: int, level: int, device: torch.device | str) -> torch.Generator:
+    """A `torch.Generator` for one draw of ``request`` (its counter: ``len(request.output)``)."""
+    seed = request.sampling.seed
+    if seed is None:
+        raise ValueError(
+            f"request {request.request_id} samples without a seed: prefill gives every sampled request one "
+            "(start requests from an Admitted record)"
+        )
+    gen = torch.Generator(device=device)
+    gen.manual_seed(stream_seed(seed, len(request.output), stream, level))
+    return gen
+
+
+def with_seed(request: Request) -> Request:
+    """A sampled request without a seed gets a fresh one, so every later draw is a function of the record."""
+    if request.sampling.greedy or request.sampling.seed is not None:
+        return request
+    return attrs.evolve(request, sampling=attrs.evolve(request.sampling, seed=secrets.randbits(63)))
+
+
+@attrs.frozen(eq=False)
+class SampledRows:
+    """The sampled requests of a batch and their parameters, one entry per sampled request (``m``)."""
+
+    index: torch.Tensor  # [m] int64: their rows in the batch
+    requests: tuple[Request, ...]  # [m]
+    temperature: torch.Tensor  # [m] float32
+    top_k: torch.Tensor  # [m] int64
+    top_p: torch.Tensor  # [m] float32
+
+    def flat_rows(self, per_request: int) -> torch.Tensor:
+        """Rows ``b * r + i`` (``i < r``) of every sampled request ``b``. Shapes: -> ``[m * r]``."""
+        offsets = torch.arange(per_request, device=self.index.device)
+        return (self.index[:, None] * per_request + offsets[None, :]).reshape(-1)
+
+    def process(self, logits: torch.Tensor, per_request: int, backend) -> torch.Tensor:
+        """Each request's temperature, top-k and top-p on its ``r`` rows. Shapes: ``[m * r, V]`` -> same."""
+        return backend.process_logits(
+            logits,
+            self.temperature.repeat_interleave(per_request),
+            self.top_k.repeat_interleave(per_request),
+            self.top_p.repeat_interleave(per_request),
+        )
+
+    def uniforms(self, shape: tuple[int, ...], stream: int, level: int = 0) -> torch.Tensor:
+        """Per request, ``safe_uniform(shape)`` from its generator. Shapes: -> ``[m, *shape]`` float32."""
+        device = self.index.device
+        return torch.stack(
+            [safe_uniform(shape, request_generator(r, stream, level, device), device) for r in self.requests]
+        )
+
+
+def sampled_rows(requests: Sequence[Request], device: torch.device | str) -> SampledRows | None:
+    """The batch's sampled requests, or None when every request is greedy (the greedy code runs alone)."""
+    picked = [(i, r) for i, r in enumerate(requests) if not r.sampling.greedy]
+    if not picked:
+        return None
+    params = [r.sampling for _, r in picked]
+    return SampledRows(
+        index=torch.tensor([i for i, _ in picked], dtype=torch.long, device=device),
+        requests=tuple(r for _, r in picked),
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+    )
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+def sample_first(
+    requests: Sequence[Request], logits: torch.Tensor, greedy_first: torch.Tensor, backend
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first token: greedy requests keep ``argmax``, sampled requests draw from their processed ``p``.
+
+    Shapes: ``logits [bs, V]``, ``greedy_first [bs]`` -> ``first [bs]``, ``logprobs [bs]`` (None unless asked).
+    """
+    rows = sampled_rows(requests, logits.device)
+    first, probs = greedy_first, None
+    if rows is not None:
+        probs = rows.process(logits[rows.index], 1, backend)  # [m, V]
+        drawn = backend.sample_without_replacement(probs, 1, rows.uniforms((logits.shape[-1],), STREAM_FIRST))[:, 0]
+        first = greedy_first.clone()
+        first[rows.index] = torch.where(drawn >= 0, drawn, greedy_first[rows.index])  # -1: non-finite logits
+    return first, row_logprobs(requests, logits, first, rows, probs, 1)
+
+
+# ---- draft -------------------------------------------------------------------------------------
+def draw_children(
+    rows: SampledRows,
+    logits: torch.Tensor,
+    per_request: int,
+    topk_p: torch.Tensor,
+    topk_index: torch.Tensor,
+    level: int,
+    backend,
+    parent_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sampled requests replace their ``select_topk`` candidates with ``K`` draws without replacement from ``q``.
+
+    ``logits`` holds ``r = per_request`` rows per request (1 for the draft extend, ``K`` for a draft
+    step), each the draft's output at one node; ``level`` is the tree level the children form (0:
+    depth 1). A node whose own token is padding (``parent_tokens < 0``) gets padding children.
+    ``topk_p`` of a drawn child is ``q(child)``, so cumulative scores stay draft probabilities.
+
+    Shapes: ``logits [bs * r, V]``, ``topk_p``, ``topk_index [bs * r, K]`` -> the same two, and
+    ``q [bs * r, V]`` float32 (zero rows for greedy requests).
+    """
+    vocab = logits.shape[-1]
+    flat = rows.flat_rows(per_request)  # [m * r]
+    q_sampled = rows.process(logits[flat], per_request, backend)  # [m * r, V]
+    uniforms = rows.uniforms((per_request, vocab), STREAM_DRAFT, level).reshape(-1, vocab)
+    ids = backend.sample_without_replacement(q_sampled, topk_index.shape[-1], uniforms)  # [m * r, K], -1 padded
+    if parent_tokens is not None:
+        ids = torch.where(parent_tokens[flat][:, None] < 0, -1, ids)  # padding begets padding
+    probs = torch.where(ids >= 0, q_sampled.gather(1, ids.clamp(min=0)), 0.0)
+    topk_p, topk_index = topk_p.clone(), topk_index.clone()
+    topk_p[flat], topk_index[flat] = probs.to(topk_p.dtype), ids
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    q[flat] = q_sampled
+    return topk_p, topk_index, q
+
+
+def store_rows(draft_probs: torch.Tensor, q: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write each node's ``q`` at its verify row (rows ``>= N``, nodes left out of the tree, are skipped).
+
+    Shapes: ``draft_probs [bs, N, V]`` (written in place: it is being built), ``q [bs, K, V]``, ``rows [bs, K]``.
+    """
+    bs, n, vocab = draft_probs.shape
+    batch = torch.arange(bs, device=rows.device)[:, None].expand_as(rows)
+    kept = rows < n
+    draft_probs[batch[kept], rows[kept]] = q[kept]
+
+
+def level_order_tree(
+    root_tokens: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_scores: torch.Tensor,
+    cand_parents: torch.Tensor,
+    num_draft_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampled tree: the first ``N - 1`` candidates in level order, never reranked.
+
+    Candidates come level by level, each node's children in draw order, so the rows keep parents
+    before children and siblings in draw order (the order the tree verify relies on), and whether a
+    node is kept depends on its place, never on its own token (a rerank by score would condition
+    the draws). Padding candidates (token -1) stay -1: the caller marks them.
+
+    Shapes: ``root_tokens [bs]``, ``cand_* [bs, C]`` (``cand_parents``: a candidate index, -1 for the
+    root) -> ``tokens [bs, N]``, ``parents [bs, N]`` (-1 for the root), ``scores [bs, N]``, as `rerank_tree`.
+    """
+    keep = num_draft_tokens - 1
+    if keep > cand_tokens.shape[1]:
+        raise ValueError(f"num_draft_tokens - 1 = {keep} exceeds the {cand_tokens.shape[1]} candidates")
+    kept_parents = cand_parents[:, :keep]
+    root_parent = torch.full_like(root_tokens[:, None], -1)
+    parents = torch.cat([root_parent, torch.where(kept_parents >= 0, kept_parents + 1, 0)], 1)
+    tokens = torch.cat([root_tokens[:, None], cand_tokens[:, :keep]], 1)
+    scores = torch.cat([torch.ones_like(cand_scores[:, :1]), cand_scores[:, :keep]], 1)
+    return tokens, parents, scores
+
+
+# ---- verify ------------------------------------------------------------------------------------
+def verify_sampled(
+    rows: SampledRows,
+    tree: DraftTree,
+    draft_probs: torch.Tensor | None,
+    logits: torch.Tensor,
+    accept_width: int,
+    is_chain: bool,
+    accept_index: torch.Tensor,
+    accept_len: torch.Tensor,
+    predict: torch.Tensor,
+    backend,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless verify of the sampled requests; their rows of the greedy results are replaced.
+
+    ``p`` is the target's processed distribution at every row; ``q`` is ``draft_probs`` (None: point
+    masses, a lookup draft). Chains without padding take `verify_chain_sampling`, everything else
+    `verify_tree_sampling`. Coins are ``uniforms[b, row]``, the final token's Gumbel noise one ``[V]``
+    block per request, from the request's own streams.
+
+    Shapes: ``tree [bs, N]``, ``draft_probs [bs, N, V]``, ``logits [bs * N, V]``, greedy
+    ``accept_index [bs, S + 1]``, ``accept_len [bs]``, ``predict [bs * N]`` -> the merged three and the
+    sampled requests' ``p [m * N, V]``.
+    """
+    bs, n = tree.tokens.shape
+    vocab = logits.shape[-1]
+    m = rows.index.shape[0]
+    p = rows.process(logits[rows.flat_rows(n)], n, backend)  # [m * N, V]
+    q = None if draft_probs is None else draft_probs[rows.index]  # [m, N, V]
+    tokens = tree.tokens[rows.index]
+    coins = rows.uniforms((n,), STREAM_COINS)  # [m, N]
+    noise = rows.uniforms((vocab,), STREAM_FINAL)  # [m, V]
+    padding = None if tree.padding is None else tree.padding[rows.index]
+    if is_chain and (padding is None or not bool(padding.any())):
+        draft_q = None if q is None else q[:, : n - 1]
+        s_len, s_predict = backend.verify_chain_sampling(tokens[:, 1:], draft_q, p.view(m, n, vocab), coins, noise)
+        depth = torch.arange(accept_width, device=tokens.device)[None, :]
+        s_rows = torch.where(depth < s_len[:, None], depth, -1)  # [m, S + 1]: a chain's path is rows 0..len-1
+        s_predict = s_predict.reshape(m, n)
+    else:
+        if padding is not None:
+            tokens = torch.where(padding, -1, tokens)
+        s_index, s_len, s_predict = backend.verify_tree_sampling(
+            tokens, tree.parents[rows.index], q, p.view(m, n, vocab), accept_width, coins, noise
+        )
+        base = (torch.arange(m, device=tokens.device) * n)[:, None]
+        s_rows = torch.where(s_index >= 0, s_index - base, -1)
+        s_predict = s_predict.view(m, n)
+    accept_index, accept_len, predict = accept_index.clone(), accept_len.clone(), predict.clone()
+    accept_index[rows.index] = torch.where(s_rows >= 0, s_rows + rows.index[:, None] * n, -1)
+    accept_len[rows.index] = s_len
+    predict.view(bs, n)[rows.index] = s_predict
+    return accept_index, accept_len, predict, p
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+def row_logprobs(
+    requests: Sequence[Request],
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: SampledRows | None,
+    sampled_probs: torch.Tensor | None,
+    per_request: int,
+) -> torch.Tensor | None:
+    """``log p(token)`` of every row, or None when no request asks for logprobs.
+
+    A sampled request's ``p`` is the distribution its tokens are committed from (after temperature,
+    top-k, top-p); a greedy request's is the model's own softmax (its processed distribution is a
+    point mass, whose log is 0). Rows with ``token < 0`` get 0.
+
+    Shapes: ``logits [bs * r, V]``, ``tokens [bs * r]``, ``sampled_probs [m * r, V]`` -> ``[bs * r]`` float32.
+    """
+    if not any(r.sampling.logprobs for r in requests):
+        return None
+    safe = tokens.clamp(min=0)[:, None]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, safe).squeeze(1)
+    logprobs = torch.where(tokens >= 0, logprobs, 0.0)
+    if rows is not None:
+        flat = rows.flat_rows(per_request)
+        logprobs[flat] = committed_logprobs(sampled_probs, tokens[flat])
+    return logprobs
