@@ -1,0 +1,153 @@
+"""The CUDA backend: the cycle's ops as Triton kernels, the torch reference for the rest.
+
+`CudaBackend` subclasses `TorchBackend` and overrides, each with a kernel tested equal to the method
+it replaces (exactly for integer outputs; float32 rounding for probabilities):
+
+| op | kernel | replaces |
+| --- | --- | --- |
+| `select_topk`, ``K == 1`` | `argmax.vocab_argmax`: split-vocabulary argmax, two-stage reduce | ``argmax`` |
+| `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits + online softmax denominator | softmax + topk |
+| `greedy_predict` | `argmax.vocab_argmax` | ``argmax`` |
+| `expand_frontier` | `tree.expand_frontier`: one program per request | mul, stable sort, gathers |
+| `rerank_tree` | `tree.rerank_tree`: rank, running count, parent rows | two sorts, scatter, gathers, cats |
+| `tree_mask`, `tree_mask_packed` | `tree.tree_mask`: ancestor walk in registers | ``N - 1`` rounds of gathers |
+| `verify_greedy` | `tree.verify_greedy`: the walk from the root | ``S`` rounds over ``[bs, N, N]`` |
+| `gather_accepted` | `accept.gather_accepted` | gather, reshape, multiply |
+| `fill_bonus` | `accept.fill_bonus` | four small ops |
+| `slots_for_positions` | `kv.slots_for_positions` (``P == 1`` and ``P > 1``) | gather, div, mod |
+| `plan_kv_move` | `kv.plan_kv_move` | ten small ops |
+| `move_kv` | `kv.move_kv`: gather-then-scatter in one launch, bitwise | ``buf[dst] = buf[src]`` |
+
+Kept in torch: `last_correct_step_indices` (one gather; a kernel saves nothing).
+
+Why the tree build is fused although its tensors are tiny: each of those ops is a chain of 6 to 15
+launches of a few microseconds of work each, on the critical path of every draft step; one launch
+per op is what a kernel buys there (measured by ``bench/kernels.py``).
+
+Every op runs its kernel on CUDA tensors, and on CPU tensors when Triton interprets
+(``TRITON_INTERPRET=1``, how CI tests them); otherwise, and for inputs a kernel does not take
+(float64 logits, more than `tree.MAX_CANDIDATES` candidates, a buffer without a strided slot layout,
+more than `kv.MAX_MOVES` moves), it calls the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..registry import register_backend
+from ..torch import TorchBackend
+from . import accept, argmax, kv, tree
+from . import topk as topk_ops
+from .launch import runs_triton
+
+FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+KERNEL_LOGITS = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
+
+
+class CudaBackend(TorchBackend):
+    """Triton kernels for the cycle's ops; see the module docstring for which ops are fused."""
+
+    name = "cuda"
+
+    # ---- draft -------------------------------------------------------------------------------
+    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``K`` draft candidates: the vocabulary argmax for ``K == 1`` (no softmax), else fused
+        softmax top-K. Shapes: ``logits [R, V]`` -> ``probs [R, K]`` float32, ``ids [R, K]`` int64."""
+        if logits.dtype not in KERNEL_LOGITS or not runs_triton(logits):
+            return super().select_topk(logits, topk)
+        if topk == 1:
+            ids = argmax.vocab_argmax(logits)[:, None]
+            return torch.ones(ids.shape, dtype=torch.float32, device=logits.device), ids
+        return topk_ops.softmax_topk(logits, topk)
+
+    def expand_frontier(self, frontier_scores, child_p, child_ids, topk):
+        """See `speccycle.core.tree.expand_frontier`."""
+        if not (
+            frontier_scores.dtype == child_p.dtype == torch.float32 and runs_triton(frontier_scores, child_p, child_ids)
+        ):
+            return super().expand_frontier(frontier_scores, child_p, child_ids, topk)
+        return tree.expand_frontier(frontier_scores, child_p, child_ids, topk)
+
+    def rerank_tree(self, root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens):
+        """See `speccycle.core.tree.rerank_tree`."""
+        if not (
+            root_tokens.dtype == cand_tokens.dtype == cand_parents.dtype == torch.long
+            and cand_scores.dtype == torch.float32
+            and cand_tokens.shape[1] <= tree.MAX_CANDIDATES
+            and runs_triton(root_tokens, cand_tokens, cand_scores, cand_parents)
+        ):
+            return super().rerank_tree(root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens)
+        return tree.rerank_tree(root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens)
+
+    def tree_mask(self, parents: torch.Tensor) -> torch.Tensor:
+        """Shapes: ``parents [bs, N]`` -> ``[bs, N, N]`` bool (ancestors and self)."""
+        if not runs_triton(parents):
+            return super().tree_mask(parents)
+        return tree.tree_mask(parents)
+
+    def tree_mask_packed(self, parents: torch.Tensor) -> torch.Tensor:
+        """Shapes: ``parents [bs, N]`` -> ``[bs, N, ceil(N / 8)]`` uint8 (bit ``j % 8`` of byte ``j // 8``)."""
+        if not runs_triton(parents):
+            return super().tree_mask_packed(parents)
+        return tree.tree_mask(parents, packed=True)
+
+    def slots_for_positions(self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int):
+        """Slot of each position through the page table. Shapes: ``[bs, max_pages]``, ``[bs, X]`` -> ``[bs, X]``."""
+        if not runs_triton(page_table, positions):
+            return super().slots_for_positions(page_table, positions, page_size)
+        return kv.slots_for_positions(page_table, positions, page_size)
+
+    # ---- verify ------------------------------------------------------------------------------
+    def greedy_predict(self, logits: torch.Tensor) -> torch.Tensor:
+        """Shapes: ``logits [R, V]`` -> ``[R]`` int64."""
+        if logits.dtype not in KERNEL_LOGITS or not runs_triton(logits):
+            return super().greedy_predict(logits)
+        return argmax.vocab_argmax(logits)
+
+    def verify_greedy(self, tokens, parents, predict, accept_width):
+        """Walk each tree while the draft token equals the target's prediction at its parent."""
+        if not runs_triton(tokens, parents, predict):
+            return super().verify_greedy(tokens, parents, predict, accept_width)
+        return tree.verify_greedy(tokens, parents, predict, accept_width)
+
+    # ---- accept ------------------------------------------------------------------------------
+    def gather_accepted(self, rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:
+        """Shapes: ``rows [bs * N, ...]``, ``accept_index [bs, S + 1]`` -> ``[bs, S + 1, ...]``."""
+        if rows.dtype not in accept.GATHER_DTYPES or not runs_triton(rows, accept_index):
+            return super().gather_accepted(rows, accept_index)
+        return accept.gather_accepted(rows, accept_index)
+
+    def fill_bonus(self, accept_tokens: torch.Tensor, accept_len: torch.Tensor, stride: int) -> torch.Tensor:
+        """The bonus token ``accept_tokens.flat[b * stride + accept_len - 1]``, ``stride = S + 1``."""
+        if not runs_triton(accept_tokens, accept_len):
+            return super().fill_bonus(accept_tokens, accept_len, stride)
+        return accept.fill_bonus(accept_tokens, accept_len, stride)
+
+    # ---- compact -----------------------------------------------------------------------------
+    def plan_kv_move(self, accept_index, accept_len, verify_slots):
+        """Slots to copy so the accepted path lands at ``[L, L + accept_len)``. Shapes: -> ``src [M]``, ``dst [M]``."""
+        if not runs_triton(accept_index, accept_len, verify_slots):
+            return super().plan_kv_move(accept_index, accept_len, verify_slots)
+        return kv.plan_kv_move(accept_index, accept_len, verify_slots)
+
+    def move_kv(self, buffers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slot ``src[m]`` to ``dst[m]`` in every buffer, all reads before any write."""
+        if src.numel() == 0:
+            return
+        fast = [b for b in buffers if kv.movable(b) and runs_triton(b, src, dst)]
+        slow = [b for b in buffers if not any(b is f for f in fast)]
+        if src.numel() > kv.MAX_MOVES:
+            fast, slow = [], list(buffers)
+        if fast:
+            kv.move_kv(fast, src, dst)
+        if slow:
+            super().move_kv(slow, src, dst)
+
+
+register_backend("cuda", CudaBackend)

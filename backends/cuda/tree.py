@@ -1,0 +1,264 @@
+"""Triton kernels of the tree build and the greedy walk (references: `speccycle.core.tree`, `TorchBackend`).
+
+One program per request; every tree of the cycle is small (``K * K <= 256`` children per level, at
+most ``N <= 1 + K + (S - 1) K^2`` rows), so a request's whole tree lives in one program's registers.
+
+* `expand_frontier`: cumulative scores of the ``K * K`` children and the best ``K``. The reference
+  is a float multiply, a stable sort and three gathers (six launches); here one launch.
+* `rerank_tree`: the best ``N - 1`` candidates laid out as verify rows (the reference: two sorts, a
+  scatter, four gathers, three concatenations). A candidate's row is the running count of kept
+  candidates before it; the parent's row is read back from a per-request scratch row.
+* `tree_mask`: row ``i`` walks up its ancestors, ``N - 1`` steps, in registers; full ``[N, N]`` or
+  packed to bytes (bit ``j % 8`` of byte ``j // 8``, as `core.tree.pack_mask`).
+* `verify_greedy`: the walk from the root, one level per step: the first child (lowest row) whose
+  token equals the target's prediction at the current node.
+
+Both selections use the order of ``torch.sort(descending=True, stable=True)``: larger first, NaN
+before every number, equal scores by index. A candidate's rank is the count of candidates that sort
+before it, so the kernels equal the reference exactly, ties and NaNs included.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import next_power_of_2
+
+MAX_CANDIDATES = 4096  # beyond this a one-program rank is too slow: the backend keeps the torch rerank
+
+
+@triton.jit
+def _sorts_before(a, a_index, b, b_index):
+    """(a, a_index) comes before (b, b_index) in a stable descending sort with NaN first."""
+    a_nan = a != a
+    b_nan = b != b
+    same = (a == b) | (a_nan & b_nan)
+    return (a_nan & ~b_nan) | (a > b) | (same & (a_index < b_index))
+
+
+@triton.jit
+def _expand_frontier_kernel(
+    frontier_ptr,
+    child_p_ptr,
+    child_ids_ptr,
+    cum_ptr,
+    keep_ptr,
+    new_scores_ptr,
+    new_tokens_ptr,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INNER: tl.constexpr,
+):
+    request = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    inside = c < K * K
+    cum = tl.load(frontier_ptr + request * K + c // K, mask=inside, other=0.0) * tl.load(
+        child_p_ptr + request * K * K + c, mask=inside, other=0.0
+    )
+    tl.store(cum_ptr + request * K * K + c, cum, mask=inside)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, K * K, INNER):
+        o = start + tl.arange(0, INNER)
+        o_inside = o < K * K
+        other = tl.load(frontier_ptr + request * K + o // K, mask=o_inside, other=0.0) * tl.load(
+            child_p_ptr + request * K * K + o, mask=o_inside, other=0.0
+        )
+        before = _sorts_before(other[None, :], o[None, :], cum[:, None], c[:, None]) & o_inside[None, :]
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    kept = inside & (rank < K)
+    tl.store(keep_ptr + request * K + rank, c.to(tl.int64), mask=kept)
+    tl.store(new_scores_ptr + request * K + rank, cum, mask=kept)
+    tokens = tl.load(child_ids_ptr + request * K * K + c, mask=inside, other=0)
+    tl.store(new_tokens_ptr + request * K + rank, tokens, mask=kept)
+
+
+def expand_frontier(
+    frontier_scores: torch.Tensor, child_p: torch.Tensor, child_ids: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract and shapes as `speccycle.core.tree.expand_frontier`; float32 scores, int64 ids."""
+    bs = frontier_scores.shape[0]
+    kk = topk * topk
+    device = frontier_scores.device
+    cum = torch.empty(bs, kk, dtype=torch.float32, device=device)
+    keep = torch.empty(bs, topk, dtype=torch.long, device=device)
+    new_scores = torch.empty(bs, topk, dtype=torch.float32, device=device)
+    new_tokens = torch.empty(bs, topk, dtype=child_ids.dtype, device=device)
+    if bs:
+        block = next_power_of_2(kk)
+        _expand_frontier_kernel[(bs,)](
+            frontier_scores.contiguous(),
+            child_p.contiguous(),
+            child_ids.contiguous(),
+            cum,
+            keep,
+            new_scores,
+            new_tokens,
+            K=topk,
+            BLOCK=block,
+            INNER=min(block, max(1, 2048 // block)),
+        )
+    return cum, keep, new_scores, new_tokens
+
+
+@triton.jit
+def _rerank_kernel(
+    root_ptr,
+    cand_tokens_ptr,
+    cand_scores_ptr,
+    cand_parents_ptr,
+    row_of_ptr,
+    tokens_ptr,
+    parents_ptr,
+    scores_ptr,
+    num_cands,
+    num_rows,
+    BLOCK: tl.constexpr,
+    INNER: tl.constexpr,
+):
+    request = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    inside = c < num_cands
+    base = request * num_cands
+    score = tl.load(cand_scores_ptr + base + c, mask=inside, other=0.0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, num_cands, INNER):
+        o = start + tl.arange(0, INNER)
+        o_inside = o < num_cands
+        other = tl.load(cand_scores_ptr + base + o, mask=o_inside, other=0.0)
+        before = _sorts_before(other[None, :], o[None, :], score[:, None], c[:, None]) & o_inside[None, :]
+        rank += tl.sum(before.to(tl.int32), axis=1)
+    kept = inside & (rank < num_rows - 1)
+    # Kept candidates keep their candidate order: the k-th kept one (from 1) is verify row k.
+    row = tl.cumsum(kept.to(tl.int32), axis=0)
+    row_of = tl.where(kept, row, 0)  # 0: not kept; a kept node under a dropped parent hangs off the root
+    tl.store(row_of_ptr + base + c, row_of, mask=inside)
+    tl.debug_barrier()  # the parents' rows below are read by other threads of this program
+    parent = tl.load(cand_parents_ptr + base + c, mask=inside, other=-1)
+    parent_row = tl.load(row_of_ptr + base + tl.maximum(parent, 0), mask=kept & (parent >= 0), other=0)
+    out = request * num_rows + row
+    tl.store(tokens_ptr + out, tl.load(cand_tokens_ptr + base + c, mask=inside, other=0), mask=kept)
+    tl.store(parents_ptr + out, parent_row.to(tl.int64), mask=kept)
+    tl.store(scores_ptr + out, score, mask=kept)
+    root = request * num_rows
+    tl.store(tokens_ptr + root, tl.load(root_ptr + request))
+    tl.store(parents_ptr + root, -1)
+    tl.store(scores_ptr + root, 1.0)
+
+
+def rerank_tree(
+    root_tokens: torch.Tensor,
+    cand_tokens: torch.Tensor,
+    cand_scores: torch.Tensor,
+    cand_parents: torch.Tensor,
+    num_draft_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract and shapes as `speccycle.core.tree.rerank_tree`; int64 tokens, float32 scores."""
+    bs, num_cands = cand_tokens.shape
+    if num_draft_tokens - 1 > num_cands:
+        raise ValueError(f"num_draft_tokens - 1 = {num_draft_tokens - 1} exceeds the {num_cands} candidates")
+    if num_cands > MAX_CANDIDATES:
+        raise ValueError(f"rerank_tree's kernel ranks at most {MAX_CANDIDATES} candidates, got {num_cands}")
+    device = cand_tokens.device
+    tokens = torch.empty(bs, num_draft_tokens, dtype=torch.long, device=device)
+    parents = torch.empty(bs, num_draft_tokens, dtype=torch.long, device=device)
+    scores = torch.empty(bs, num_draft_tokens, dtype=torch.float32, device=device)
+    if bs:
+        row_of = torch.empty(bs, num_cands, dtype=torch.int32, device=device)
+        block = next_power_of_2(num_cands)
+        _rerank_kernel[(bs,)](
+            root_tokens.contiguous(),
+            cand_tokens.contiguous(),
+            cand_scores.contiguous(),
+            cand_parents.contiguous(),
+            row_of,
+            tokens,
+            parents,
+            scores,
+            num_cands,
+            num_draft_tokens,
+            BLOCK=block,
+            INNER=min(block, max(1, 4096 // block)),
+        )
+    return tokens, parents, scores
+
+
+@triton.jit
+def _tree_mask_kernel(parents_ptr, out_ptr, n, num_bytes, BLOCK: tl.constexpr, PACKED: tl.constexpr):
+    request = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    inside = rows < n
+    mask = rows[:, None] == cols[None, :]
+    node = tl.load(parents_ptr + request * n + rows, mask=inside, other=-1)
+    # Parents precede children, so an ancestor chain has at most n - 1 links.
+    for _ in range(n - 1):
+        mask = mask | ((cols[None, :] == node[:, None]) & (node >= 0)[:, None])
+        node = tl.load(parents_ptr + request * n + tl.maximum(node, 0), mask=node >= 0, other=-1)
+    if PACKED:
+        bits = mask.to(tl.int32) << (cols % 8)[None, :]
+        packed = tl.sum(tl.reshape(bits, [BLOCK, BLOCK // 8, 8]), axis=2)
+        groups = tl.arange(0, BLOCK // 8)
+        where = out_ptr + request * n * num_bytes + rows[:, None] * num_bytes + groups[None, :]
+        tl.store(where, packed.to(tl.uint8), mask=inside[:, None] & (groups < num_bytes)[None, :])
+    else:
+        where = out_ptr + request * n * n + rows[:, None] * n + cols[None, :]
+        tl.store(where, mask.to(tl.uint8), mask=inside[:, None] & (cols < n)[None, :])
+
+
+def tree_mask(parents: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """`core.tree.ancestor_mask` (``packed=False``) or ``pack_mask(ancestor_mask(...))``.
+
+    Shapes: ``parents [bs, N]`` -> ``[bs, N, N]`` bool, or ``[bs, N, ceil(N / 8)]`` uint8 packed.
+    """
+    bs, n = parents.shape
+    num_bytes = triton.cdiv(n, 8)
+    out = torch.empty(bs, n, num_bytes if packed else n, dtype=torch.uint8, device=parents.device)
+    if bs and n:
+        _tree_mask_kernel[(bs,)](
+            parents.contiguous(), out, n, num_bytes, BLOCK=max(8, next_power_of_2(n)), PACKED=packed
+        )
+    return out if packed else out.view(torch.bool)
+
+
+@triton.jit
+def _verify_greedy_kernel(tokens_ptr, parents_ptr, predict_ptr, index_ptr, len_ptr, n, width, BLOCK: tl.constexpr):
+    request = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BLOCK)
+    inside = rows < n
+    base = request * n
+    tokens = tl.load(tokens_ptr + base + rows, mask=inside, other=0)
+    parents = tl.load(parents_ptr + base + rows, mask=inside, other=-1)
+    node = tl.zeros([], dtype=tl.int32)
+    length = tl.full([], 1, dtype=tl.int32)
+    tl.store(index_ptr + request * width, base)
+    for depth in range(1, width):
+        wanted = tl.load(predict_ptr + base + node)
+        child = tl.min(tl.where(inside & (parents == node) & (tokens == wanted), rows, BLOCK), axis=0)
+        found = (length == depth) & (child < BLOCK)  # still walking, and a child matches
+        tl.store(index_ptr + request * width + depth, tl.where(found, base + child, -1))
+        node = tl.where(found, child, node)
+        length += found.to(tl.int32)
+    tl.store(len_ptr + request, length.to(tl.int64))
+
+
+def verify_greedy(
+    tokens: torch.Tensor, parents: torch.Tensor, predict: torch.Tensor, accept_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract and shapes as `TorchBackend.verify_greedy`."""
+    bs, n = tokens.shape
+    accept_index = torch.empty(bs, accept_width, dtype=torch.long, device=tokens.device)
+    accept_len = torch.empty(bs, dtype=torch.long, device=tokens.device)
+    if bs:
+        _verify_greedy_kernel[(bs,)](
+            tokens.contiguous(),
+            parents.contiguous(),
+            predict.contiguous(),
+            accept_index,
+            accept_len,
+            n,
+            accept_width,
+            BLOCK=next_power_of_2(n),
+        )
+    return accept_index, accept_len
