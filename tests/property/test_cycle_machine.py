@@ -35,6 +35,8 @@ def configs(draw) -> SpecConfig:
 
 
 class CycleMachine(RuleBasedStateMachine):
+    backend = None  # the registry's choice (torch on CPU); tests/kernels runs this machine on the Triton kernels
+
     @initialize(
         config=configs(),
         family=st.sampled_from(["shifted", "aligned", "lookup", "ngram"]),
@@ -80,7 +82,9 @@ class CycleMachine(RuleBasedStateMachine):
             self.submitted[self.next_id] = requests[-1]
             self.expected_pages[self.next_id] = self._pages(len(prompt) + self.offset)
             self.next_id += 1
-        admitted = run_cycle(Admitted(config=self.config, requests=tuple(requests)), self.ports, checked=True)
+        admitted = run_cycle(
+            Admitted(config=self.config, requests=tuple(requests)), self.ports, self.backend, checked=True
+        )
         self._absorb(admitted)
         self.ready = admitted if self.ready is None else merge_ready(self.ready, admitted)
 
@@ -91,7 +95,7 @@ class CycleMachine(RuleBasedStateMachine):
         for request, L in zip(self.ready.requests, self.ready.seq_lens.tolist()):
             rid = request.request_id
             self.expected_pages[rid] = max(self.expected_pages[rid], self._pages(L + reserve))
-        self.ready = run_cycle(self.ready, self.ports, checked=True)
+        self.ready = run_cycle(self.ready, self.ports, self.backend, checked=True)
         self._absorb(self.ready)
 
     @invariant()
