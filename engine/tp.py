@@ -226,8 +226,14 @@ def load_tp_engine(
 
     config, weights, path = load_model(model, dtype)
     head = eagle_head
-    if draft == "eagle" and eagle_head is not None and not isinstance(eagle_head, EagleHead):
-        head = EagleHead.load(eagle_head, dtype, tp.device)
+    if draft == "eagle" and head is None:  # as Engine.load: the head speccycle ships for this model, if any
+        from .drafters.eagle_heads import shipped_eagle_head
+
+        head = shipped_eagle_head(path)
+        if head is None:
+            raise ValueError(f"--draft eagle needs an EAGLE head and speccycle ships none for {path.name}: pass one")
+    if draft == "eagle" and not isinstance(head, EagleHead):
+        head = EagleHead.load(head, dtype, tp.device)
     small = None
     if draft == "model" and draft_model is not None:
         dconfig, dweights, _ = load_model(draft_model, dtype)
@@ -272,13 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = SpecConfig(
         num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size
     )
-    draft = args.draft if args.draft != "eagle" or args.eagle_head else None
-    if draft is None:
-        raise ValueError("--draft eagle needs --eagle-head PATH (an EagleHead .safetensors file)")
     engine = load_tp_engine(
         tp,
         args.model,
-        draft,
+        args.draft,
         dtype=dtype,
         eagle_head=args.eagle_head,
         draft_model=args.draft_model,
