@@ -22,7 +22,11 @@ same configuration's AR and to TP=1's AR (bf16: the numerics of a split matmul d
 communication time per cycle (CUDA events around each collective, waiting for the peer included),
 collectives per cycle, and the cost of the checked-mode rank comparison per cycle (the measure for
 comparing once per cycle against broadcasting decisions from rank 0, a collective of the same size).
-``--eagle``: an 8B-shaped random EAGLE-1 head, replicated vs sharded: draft and verify time per cycle.
+With the EAGLE comparison (on unless ``--no-eagle``): a random EAGLE-1 head of the model's shape,
+replicated vs sharded, draft and verify time per cycle.
+
+``--lossless PROMPTS.jsonl``: SmolLM2 in float32 on a prompts file, one ragged batch per case, every
+TP=N output (autoregressive and speculative, each drafter, chain and tree) against TP=1 autoregressive.
 """
 
 from __future__ import annotations
@@ -315,11 +319,83 @@ def bench_model(name: str, tp: TPGroup, args, dtype: torch.dtype) -> dict:
     return entry
 
 
+LOSSLESS_CASES = [  # as bench/lossless_sweep.py, EAGLE (a random head) replicated and sharded
+    ("ngram", SpecConfig(num_steps=5, topk=1, page_size=1)),
+    ("ngram", SpecConfig(num_steps=4, topk=4, num_draft_tokens=32, page_size=16)),
+    ("layerskip", SpecConfig(num_steps=3, topk=1, page_size=16)),
+    ("layerskip", SpecConfig(num_steps=3, topk=4, num_draft_tokens=16, page_size=1)),
+    ("eagle-replicated", SpecConfig(num_steps=3, topk=1, page_size=1)),
+    ("eagle-sharded", SpecConfig(num_steps=4, topk=4, num_draft_tokens=32, page_size=16)),
+]
+
+
+def lossless(tp: TPGroup, args) -> dict:
+    """SmolLM2 in float32 on a prompts file, one ragged batch per case: TP=N output vs TP=1 autoregressive."""
+    from speccycle.engine.bench import load_prompts
+    from speccycle.engine.drafters.layerskip import LlamaDraft
+    from speccycle.engine.drafters.ngram import NgramDraft
+    from speccycle.engine.tokenizer import Tokenizer
+    from speccycle.engine.weights_gguf import default_model_path, load_gguf
+
+    path = default_model_path()
+    config, weights = load_gguf(path, dtype=torch.float32)
+    tokenizer = Tokenizer.from_gguf(path)
+    items = load_prompts(args.lossless, args.lossless_limit)
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p["text"]}]) for p in items]
+    n_new = args.lossless_tokens
+    kv_tokens = sum(map(len, ids)) + len(ids) * (n_new + 2 * 64 + 2 * 16)  # + reservations, partial pages
+    head = EagleHead.random(EagleConfig.for_target(config, 1), seed=1, device=tp.device)
+    record: dict = {"prompts": len(ids), "new_tokens": n_new, "dtype": "float32", "cases": []}
+    reference = None
+    if tp.rank == 0:
+        model = LlamaModel(config, weights, device=tp.device)
+        start = time.perf_counter()
+        reference = new_engine(model, SpecConfig(), None, kv_tokens).generate_autoregressive(ids, n_new)
+        record["tp1_ar_seconds"] = round(time.perf_counter() - start, 1)
+        del model
+        free_memory()
+    dist.barrier()
+    model = TPLlamaModel(config, weights, tp, dtype=torch.float32)
+    start = time.perf_counter()
+    outputs = new_engine(model, SpecConfig(), None, kv_tokens).generate_autoregressive(ids, n_new)
+    cases = [("autoregressive", None, outputs, 0.0, time.perf_counter() - start)]
+    for name, spec in LOSSLESS_CASES:
+
+        def draft(engine, name=name):
+            if name == "ngram":
+                return NgramDraft(config.vocab_size)
+            if name == "layerskip":
+                return LlamaDraft(engine.model, engine.pool, num_layers=8)
+            kind = ShardedEagleDraft if name == "eagle-sharded" else TPEagleDraft
+            return kind(head, engine.model, engine.pool)
+
+        engine = new_engine(model, spec, draft, kv_tokens)
+        start = time.perf_counter()
+        results, stats = engine.generate(ids, n_new, checked=args.lossless_checked)
+        cases.append((name, spec, [list(r.output) for r in results], stats.tau, time.perf_counter() - start))
+        del engine
+        free_memory()
+    if tp.rank == 0:
+        for name, spec, got, tau, seconds in cases:
+            same = [g == r for g, r in zip(got, reference)]
+            row = {"case": name, "identical_to_tp1_ar": sum(same), "prompts": len(same), "tau": round(tau, 3)}
+            if spec is not None:
+                row.update(S=spec.num_steps, K=spec.topk, N=spec.num_draft_tokens, P=spec.page_size)
+            row["first_mismatches"] = [items[i]["id"] for i, s in enumerate(same) if not s][:10]
+            row["seconds"] = round(seconds, 1)
+            record["cases"].append(row)
+            print(row, flush=True)
+    del model
+    free_memory()
+    dist.barrier()
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for the JSON result (rank 0 writes it)")
     parser.add_argument("--tiny", action="store_true", help="CPU, gloo, a tiny random shape: a smoke test")
-    parser.add_argument("--models", default=None, help="comma-separated: llama3-8b, smollm2, tiny")
+    parser.add_argument("--models", default=None, help="comma-separated: llama3-8b, smollm2, tiny; none: skip")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per configuration (default 4; tiny 2)")
     parser.add_argument("--prompt-len", type=int, default=None, help="random prompts' length (default 128; tiny 12)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per prompt (default 128; tiny 12)")
@@ -329,6 +405,10 @@ def main() -> None:
     parser.add_argument("--tree-tokens", type=int, default=16, help="N of the tree runs")
     parser.add_argument("--no-eagle", dest="eagle", action="store_false", help="skip the EAGLE head comparison")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lossless", default=None, help="prompts JSONL: SmolLM2 float32 TP=N vs TP=1 AR sweep")
+    parser.add_argument("--lossless-limit", type=int, default=None, help="first N prompts of --lossless")
+    parser.add_argument("--lossless-tokens", type=int, default=32, help="new tokens per prompt in the sweep")
+    parser.add_argument("--lossless-checked", action="store_true", help="checked mode (rank checks) in the sweep")
     args = parser.parse_args()
     tiny = args.tiny
     args.models = args.models or ("tiny" if tiny else "llama3-8b,smollm2")
@@ -348,8 +428,11 @@ def main() -> None:
         "forced_acceptance": "OracleDraft: each configuration's own AR greedy output, each token right with p",
         "models": {},
     }
-    for name in args.models.split(","):
-        payload["models"][name] = bench_model(name.strip(), tp, args, dtype)
+    if args.lossless:
+        payload["lossless"] = lossless(tp, args)
+    for name in filter(None, (m.strip() for m in args.models.split(","))):
+        if name != "none":
+            payload["models"][name] = bench_model(name, tp, args, dtype)
     if tp.rank == 0:
         path = write_result("tp_bench", payload, str(tp.device), directory=args.out)
         print(f"wrote {path}", flush=True)
