@@ -7,8 +7,9 @@
    into a static ``[max_requests, W]`` buffer (``W`` pages: the whole pool), the fed hidden states
    into a static ``[max_rows, F]`` buffer;
 2. the forward runs over views of those buffers: on CUDA a graph captured for the key
-   ``(Tb, M, logits rows?, hidden in?)`` is replayed (captured on first use), otherwise (or with
-   ``graphs=False``) the same function runs eagerly on the same buffers;
+   ``(Tb, M, Rb, hidden in?)`` (``Rb``: the bucket of the logits rows, 0 for all rows) is replayed
+   (captured on first use), otherwise (or with ``graphs=False``) the same function runs eagerly on
+   the same buffers;
 3. the outputs (``logits [R, V]``, ``hidden [T, F]``) are cloned out of the graph's memory.
 
 A padding row reads token 0 at position 0, writes no KV (``out_slot = -1``) and attends nothing
@@ -150,7 +151,8 @@ class ForwardGraphs:
         self.eager_calls = 0
 
     # ---- layout ----------------------------------------------------------------------------------
-    def _views(self, rows: int, extra: int, with_rows: bool) -> RowInputs:
+    def _views(self, rows: int, extra: int, logit_rows: int) -> RowInputs:
+        """Views of the packed buffer for ``rows`` rows, ``extra`` extra slots, ``logit_rows`` logits rows (0: all)."""
         p = self.packed
         extra_view = p[5 * rows : 5 * rows + rows * extra].view(rows, extra)
         end = 5 * rows + rows * extra
@@ -165,7 +167,7 @@ class ForwardGraphs:
             page_table=self.table,
             page_size=self.page_size,
             kv_bound=bound,
-            logits_rows=p[end : end + rows] if with_rows else None,
+            logits_rows=p[end : end + logit_rows] if logit_rows else None,
         )
 
     def fits(self, batch: ForwardBatch) -> bool:
@@ -179,8 +181,8 @@ class ForwardGraphs:
             and batch.page_size == self.page_size
         )
 
-    def _load(self, batch: ForwardBatch, rows: int, hidden_in: torch.Tensor | None) -> None:
-        """Copy the batch into the static buffers, padding rows ``T .. rows - 1``."""
+    def _load(self, batch: ForwardBatch, rows: int, logit_rows: int, hidden_in: torch.Tensor | None) -> None:
+        """Copy the batch into the static buffers, padding rows ``T .. rows - 1`` (logits rows to ``logit_rows``)."""
         t, m = batch.num_rows, batch.extra_slots.shape[1]
         pad = rows - t
         z, minus = self._zeros, self._minus
@@ -188,10 +190,9 @@ class ForwardGraphs:
         parts += [batch.out_slots, minus[:pad], batch.prefix_lens, z[:pad]]
         if m:
             parts += [batch.extra_slots.reshape(-1), minus[: pad * m]]
-        if batch.logits_rows is not None:
-            r = batch.logits_rows.shape[0]
-            parts += [batch.logits_rows, z[: rows - r]]
-        total = 5 * rows + rows * m + (rows if batch.logits_rows is not None else 0)
+        if logit_rows:
+            parts += [batch.logits_rows, z[: logit_rows - batch.logits_rows.shape[0]]]
+        total = 5 * rows + rows * m + logit_rows
         torch.cat(parts, out=self.packed[:total])
         bs, width = batch.page_table.shape
         self.table[:bs, :width].copy_(batch.page_table)
@@ -205,14 +206,17 @@ class ForwardGraphs:
         if t == 0 or rows is None or rows > self.max_rows or not self.fits(batch):
             return self._eager(batch, hidden_in)
         m = batch.extra_slots.shape[1]
-        with_rows = batch.logits_rows is not None
-        self._load(batch, rows, hidden_in)
-        inputs = self._views(rows, m, with_rows)
+        r = t if batch.logits_rows is None else batch.logits_rows.shape[0]
+        logit_rows = 0 if batch.logits_rows is None else bucket(max(r, 1))
+        if logit_rows is None or logit_rows > rows:
+            return self._eager(batch, hidden_in)
+        self._load(batch, rows, logit_rows, hidden_in)
+        inputs = self._views(rows, m, logit_rows)
         if not self.use_graphs and self.needs_kv_bound:  # no capture: a tight bound is allowed
             inputs = attrs.evolve(inputs, kv_bound=max(1, int(batch.prefix_lens.max())))
         hidden = None if self.hidden is None or hidden_in is None else self.hidden[:rows]
         if self.use_graphs:
-            key = (rows, m, with_rows, hidden is not None)
+            key = (rows, m, logit_rows, hidden is not None)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(inputs, hidden)
             graph, logits, out_hidden = self._graphs[key]
@@ -222,7 +226,6 @@ class ForwardGraphs:
             with torch.no_grad():
                 logits, out_hidden = self.compute(inputs, hidden)
             self.eager_calls += 1
-        r = batch.logits_rows.shape[0] if with_rows else t
         return ModelOutput(logits=logits[:r].clone(), hidden=None if out_hidden is None else out_hidden[:t].clone())
 
     def _capture(self, inputs: RowInputs, hidden: torch.Tensor | None):
