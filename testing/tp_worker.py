@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 from pathlib import Path
 
@@ -77,6 +78,8 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0"
     )
+    if sys.platform == "linux":  # gloo otherwise picks the interface the hostname resolves to, absent in some sandboxes
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     result: dict = {}
     try:

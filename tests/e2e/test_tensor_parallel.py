@@ -59,10 +59,14 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def single_process() -> list[list[int]]:
     """TP=1: the plain engine's autoregressive greedy output."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = LlamaModel(tp_worker.CONFIG, tp_worker.weights())
-    engine = Engine(model, PagedKVPool(num_pages=512, page_size=4), None, SpecConfig())
-    return engine.generate_autoregressive(list(tp_worker.PROMPTS), tp_worker.NEW_TOKENS)
+    try:
+        model = LlamaModel(tp_worker.CONFIG, tp_worker.weights())
+        engine = Engine(model, PagedKVPool(num_pages=512, page_size=4), None, SpecConfig())
+        return engine.generate_autoregressive(list(tp_worker.PROMPTS), tp_worker.NEW_TOKENS)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_shards_split_heads_by_kv_group_and_pad_the_vocabulary(ranks):
