@@ -48,7 +48,8 @@ from speccycle.engine.engine import Engine
 from speccycle.engine.kv_pool import PagedKVPool
 from speccycle.engine.llama import LlamaModel
 from speccycle.engine.tp import TPEngine, init_tp, shared_generator
-from speccycle.engine.tp_model import CommTimer, TPGroup, TPLlamaModel
+from speccycle.engine.tp_group import CommTimer, TPGroup
+from speccycle.engine.tp_model import TPLlamaModel
 from speccycle.engine.weights_gguf import LlamaConfig, expected_shapes
 
 from .common import write_result

@@ -37,7 +37,8 @@ from .drafters.ngram import NgramDraft
 from .engine import DRAFTS, Engine, GenerationStats, load_model
 from .errors import ModelLoadError
 from .kv_pool import PagedKVPool
-from .tp_model import RankDivergenceError, TPGroup, TPLlamaModel, TPTarget, check_same_on_ranks, digest
+from .tp_group import RankDivergenceError, TPGroup, check_same_on_ranks, digest
+from .tp_model import TPLlamaModel, TPTarget
 from .weights_gguf import LlamaConfig
 
 __all__ = [
@@ -142,11 +143,14 @@ class TPEngine(Engine):
                 if _user is not None:
                     _user(record)
 
-        self.model.check_inputs = check
+        sharded = [m for m in (self.model, getattr(self.draft, "model", None)) if isinstance(m, TPLlamaModel)]
+        for model in sharded:  # the target, and a separately sharded draft model
+            model.check_inputs = check
         try:
             results, stats = super().generate(prompts, max_new_tokens, on_tokens, checked=checked, on_step=hook)
         finally:
-            self.model.check_inputs = False
+            for model in sharded:
+                model.check_inputs = False
         if check:
             outputs = [t for r in results for t in (len(r.output), *r.output)]
             check_same_on_ranks(self.tp, digest(outputs), "the final outputs")

@@ -10,7 +10,8 @@ from speccycle.engine.drafters.oracle import OracleDraft
 from speccycle.engine.greedy import extend_batch
 from speccycle.engine.kv_pool import PagedKVPool
 from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.tp_model import TPGroup, TPLlamaModel, digest, plan_shard
+from speccycle.engine.tp_group import TPGroup, digest
+from speccycle.engine.tp_model import TPLlamaModel, plan_shard
 from speccycle.testing.tp_worker import CONFIG
 
 
