@@ -34,6 +34,7 @@ from speccycle.backends.torch.sampling import (
     verify_chain_sampling,
 )
 from speccycle.backends.torch.sampling_tree import verify_tree_sampling
+from speccycle.testing.stats import chi_square_pvalue, chi_square_sf
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 STAT_EXAMPLES = 30 if THOROUGH else 1  # generated configs per statistical test, beside the @example ones
@@ -45,38 +46,6 @@ CHUNK_ELEMENTS = 1 << 22  # trials per chunk * N * V: keeps each [chunk, N, V] t
 stat_settings = settings(max_examples=STAT_EXAMPLES)
 
 # ---- chi-square ------------------------------------------------------------------------------
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square goodness of fit; cells expecting < 5 are pooled. Asserts no zero-probability cell.
-
-    Shapes: ``counts [C]``, ``probs [C]`` -> p-value.
-    """
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    probs = probs / probs.sum()
-    assert counts[probs <= 0].sum() == 0, "a token of target probability 0 was committed"
-    n = counts.sum()
-    expected, observed = probs[probs > 0] * n, counts[probs > 0]
-    small = expected < 5
-    if bool(small.any()):
-        pool_e, pool_o = expected[small].sum(), observed[small].sum()
-        expected, observed = expected[~small], observed[~small]
-        if pool_e < 5 and expected.numel():  # still too small: merge it into the smallest regular cell
-            i = int(expected.argmin())
-            expected[i] += pool_e
-            observed[i] += pool_o
-        else:
-            expected = torch.cat([expected, pool_e[None]])
-            observed = torch.cat([observed, pool_o[None]])
-    df = expected.numel() - 1
-    if df < 1:
-        return 1.0
-    return chi_square_sf(float(((observed - expected) ** 2 / expected).sum()), df)
-
-
-def chi_square_sf(stat: float, df: int) -> float:
-    """``P(chi2_df >= stat)``: the regularized upper incomplete gamma ``Q(df / 2, stat / 2)`` (no scipy needed)."""
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 def _sample_size(p_root: torch.Tensor) -> tuple[int, bool]:
