@@ -20,6 +20,8 @@ fast path is tested equal to them (tests/unit/test_fast_path.py, bench/gpu_check
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from ..core.ports import ForwardBatch, ModelOutput
 from .drafters.eagle import EagleDraft
 from .drafters.layerskip import LlamaDraft
-from .graphs import BUCKETS, ForwardGraphs, GreedyDecodeGraphs, RowInputs
+from .graphs import BUCKETS, ForwardGraphs, GreedyDecodeGraphs, RowInputs, batch_inputs, bucket, graph_pool
 from .kernels import TorchOps, default_ops
 from .kv_pool import LayerKV, PagedKVPool
 from .llama import LlamaModel, rope_cos_sin
@@ -195,6 +197,112 @@ def _rope_for(model_or_head, pool: PagedKVPool, head_dim: int, theta: float, dty
     return RopeTables(max(max_position, pool.num_slots) + 1, head_dim, theta, dtype, pool.device)
 
 
+# ---- the draft loop ---------------------------------------------------------------------------------------
+
+
+class GraphedDraftLevels:
+    """Runs the cycle's greedy draft loop (`statemachine.transitions.draft_levels`) as one CUDA graph.
+
+    One graph per key ``(bs bucket, S, K, N, fed hidden?)``: the loop's inputs (``L``, page table,
+    draft slots, the first level's top-K and hidden state) are copied into static buffers padded to
+    the bucket (a padding request has ``L = 0`` and draft slots ``-1``: it writes no KV), the whole
+    loop of ``S - 1`` draft forwards, top-K and EAGLE-2 rescoring replays at once, and its outputs are
+    cloned out. While the loop is captured the draft's ``step`` runs its forward directly on the
+    loop's tensors. Without CUDA (or with ``graphs=False``) the same code runs eagerly over the same
+    padded buffers (what the CPU tests check).
+    """
+
+    def _init_levels(self, pool: PagedKVPool, options: FastOptions, hidden_width: int | None) -> None:
+        self._levels: dict[tuple, dict] = {}
+        self._in_levels = False
+        self._levels_width = math.ceil(pool.num_slots / pool.page_size)
+        self._levels_page_size = pool.page_size
+        self._levels_hidden = hidden_width
+        self.level_runs = 0  # loops run over the static buffers (replayed or eager)
+
+    def _direct(self, batch: ForwardBatch, hidden: torch.Tensor | None, graphs: ForwardGraphs) -> ModelOutput:
+        """The forward on the batch's own tensors (inside the loop's capture: no buffers, no clone)."""
+        bound = self._levels_width * self._levels_page_size
+        logits, out_hidden = graphs.compute(batch_inputs(batch, bound), hidden)
+        return ModelOutput(logits=logits, hidden=out_hidden)
+
+    def run_draft_levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
+                         draft_hidden):  # fmt: skip
+        bs, width = L.shape[0], page_table.shape[1]
+        rows = bucket(bs)
+        args = (ports, backend, cfg, ids)
+        fits = rows is not None and rows <= self.options.max_requests and width <= self._levels_width
+        key = (rows, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, draft_hidden is not None)
+        if not fits or self._levels.get(key, {}).get("failed"):
+            return fn(*args, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
+        entry = self._levels.get(key)
+        if entry is None:
+            entry = self._levels[key] = self._level_buffers(rows, cfg, topk_p, topk_index, draft_hidden, L.device)
+        b = entry["inputs"]
+        b["L"][:bs].copy_(L)
+        b["table"][:bs, :width].copy_(page_table)
+        b["slots"][:bs].copy_(draft_slots)
+        b["topk_p"][:bs].copy_(topk_p)
+        b["topk_index"][:bs].copy_(topk_index)
+        if draft_hidden is not None:
+            b["hidden"][:bs].copy_(draft_hidden)
+        if entry["bs"] != bs:  # padding requests: L 0, no slot; untouched while bs stays the same
+            b["L"][bs:].zero_()
+            b["slots"][bs:].fill_(-1)
+            b["topk_p"][bs:].fill_(1.0)
+            b["topk_index"][bs:].zero_()
+            entry["bs"] = bs
+        static = (ports, backend, cfg, tuple(ids) + (-1,) * (rows - bs), b["L"], b["table"], b["slots"],
+                  b["topk_p"], b["topk_index"], b.get("hidden"))  # fmt: skip
+        if not (self.options.graphs and L.device.type == "cuda"):  # the same buffers, eagerly
+            self._in_levels = True
+            try:
+                with torch.no_grad():
+                    outputs = fn(*static)
+            finally:
+                self._in_levels = False
+            self.level_runs += 1
+            return tuple(out[:bs].clone() for out in outputs)
+        if "graph" not in entry:
+            try:
+                entry["graph"], entry["outputs"] = self._capture_levels(fn, static, L.device)
+            except RuntimeError as err:  # a backend op that syncs cannot be captured: stay eager
+                entry["failed"] = True
+                warnings.warn(f"draft loop not captured ({err}); running it eagerly", stacklevel=2)
+                return fn(*args, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
+        entry["graph"].replay()
+        self.level_runs += 1
+        return tuple(out[:bs].clone() for out in entry["outputs"])
+
+    def _level_buffers(self, rows, cfg, topk_p, topk_index, draft_hidden, device) -> dict:
+        k = cfg.topk
+        inputs = {
+            "L": torch.zeros(rows, dtype=torch.long, device=device),
+            "table": torch.full((rows, self._levels_width), -1, dtype=torch.long, device=device),
+            "slots": torch.full((rows, cfg.num_steps - 1, k), -1, dtype=torch.long, device=device),
+            "topk_p": torch.ones((rows, k), dtype=topk_p.dtype, device=device),
+            "topk_index": torch.zeros((rows, k), dtype=topk_index.dtype, device=device),
+        }
+        if draft_hidden is not None:
+            inputs["hidden"] = torch.zeros((rows, draft_hidden.shape[-1]), dtype=draft_hidden.dtype, device=device)
+        return {"inputs": inputs, "bs": rows}
+
+    def _capture_levels(self, fn, static, device):
+        self._in_levels = True
+        try:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream), torch.no_grad():
+                fn(*static)  # warm-up: the same draft KV writes the replay repeats
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=graph_pool(device)), torch.no_grad():
+                outputs = fn(*static)
+        finally:
+            self._in_levels = False
+        return graph, outputs
+
+
 # ---- ports ---------------------------------------------------------------------------------------
 class FastTarget(LlamaTarget):
     """`LlamaTarget` whose forward runs through static buffers and CUDA graphs."""
@@ -215,7 +323,7 @@ class FastTarget(LlamaTarget):
         return self.graphs(batch)
 
 
-class FastLlamaDraft(LlamaDraft):
+class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
     """`LlamaDraft` (layer skip or a smaller model) through static buffers and CUDA graphs."""
 
     def __init__(self, draft: LlamaDraft, pool: PagedKVPool, options: FastOptions) -> None:
@@ -229,16 +337,19 @@ class FastLlamaDraft(LlamaDraft):
         self.options = options
         self.rope = _rope_for(self.model, pool, c.head_dim, c.rope_theta, self.model.dtype, c.max_position)
         self.graphs = options.runner(self._compute, pool, c.vocab_size)
+        self._init_levels(pool, options, None)
 
     def _compute(self, inputs: RowInputs, hidden_in=None):
         return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs,
                                   num_layers=self.num_layers, want_hidden=False)  # fmt: skip
 
     def _forward(self, batch: ForwardBatch) -> ModelOutput:
+        if self._in_levels:
+            return ModelOutput(logits=self._direct(batch, None, self.graphs).logits, hidden=None)
         return ModelOutput(logits=self.graphs(batch).logits, hidden=None)
 
 
-class FastEagleDraft(EagleDraft):
+class FastEagleDraft(GraphedDraftLevels, EagleDraft):
     """`EagleDraft` through static buffers and CUDA graphs: one runner for extends, one for steps."""
 
     def __init__(self, draft: EagleDraft, pool: PagedKVPool, options: FastOptions) -> None:
@@ -257,6 +368,7 @@ class FastEagleDraft(EagleDraft):
         step = functools.partial(self._compute, from_target=False)
         self.extend_graphs = options.runner(extend, pool, self.vocab_size, features, self.head.dtype)
         self.step_graphs = options.runner(step, pool, self.vocab_size, c.hidden_size, self.head.dtype)
+        self._init_levels(pool, options, c.hidden_size)
 
     def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool):
         return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target)
@@ -269,6 +381,8 @@ class FastEagleDraft(EagleDraft):
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
         if parent_hidden is None:
             raise ValueError("an EAGLE draft step needs its parent's hidden state")
+        if self._in_levels:
+            return self._direct(batch, parent_hidden.to(self.head.dtype), self.step_graphs)
         return self.step_graphs(batch, parent_hidden.to(self.head.dtype))
 
 

@@ -367,32 +367,35 @@ def _reserve_cycle(rec: Ready, ports: Ports, backend) -> tuple[tuple[int, ...], 
     return ids, page_table, verify_slots
 
 
-def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
-    """``S - 1`` draft forwards over the frontier, EAGLE-2 rescoring, global rerank to ``N - 1``.
+def draft_levels(
+    ports: Ports,
+    backend,
+    cfg: SpecConfig,
+    ids: tuple[int, ...],
+    L: torch.Tensor,
+    page_table: torch.Tensor,
+    draft_slots: torch.Tensor,
+    topk_p: torch.Tensor,
+    topk_index: torch.Tensor,
+    draft_hidden: torch.Tensor | None,
+    rows=None,
+    draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``S - 1`` draft forwards of `draft_tree`: every candidate level, EAGLE-2 rescored.
 
-    Sampled requests draw each node's children without replacement from ``q`` and keep their tree in
-    level order, never reranked (`statemachine.sampling`); their ``q`` per row goes to the verify.
+    Returns ``cand_tokens, cand_scores, cand_parents [bs, C]`` (level order, ``C = K + (S - 1) K^2``;
+    a chain: ``C = S``) and ``draft_positions [bs, S - 1]``. Greedy (``rows`` None), it has no host
+    sync and no data-dependent shape, so an engine may capture it whole in a CUDA graph; sampled
+    ``rows`` draw children and fill ``draft_probs`` in place.
     """
-    cfg, bs = rec.config, len(rec.requests)
-    S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
-    ids, page_table, verify_slots = _reserve_cycle(rec, ports, backend)
-    L, device = rec.seq_lens, rec.seq_lens.device
+    S, K = cfg.num_steps, cfg.topk
+    bs, device = L.shape[0], L.device
     offset = draft_offset(ports, cfg)
-    scratch = draft_scratch_positions(L, S, K, offset)  # [bs, S-1, K]
-    draft_slots = backend.slots_for_positions(page_table, scratch, P)
     row_request = torch.arange(bs, device=device).repeat_interleave(K)
-
-    frontier_scores, frontier_tokens = rec.topk_p, rec.topk_index  # [bs, K]
-    rows = sampling.sampled_rows(rec.requests, device)
-    draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
-    if rows is not None:
-        if rec.draft_probs is None:
-            raise CycleError("sampled requests reached the draft without the draft extend's draft_probs")
-        draft_probs = rec.draft_probs.new_zeros((bs, N, rec.draft_probs.shape[-1]))
-        draft_probs[:, 0] = rec.draft_probs
+    frontier_scores, frontier_tokens = topk_p, topk_index  # [bs, K]
     parent_hidden = None
-    if rec.draft_hidden is not None:
-        parent_hidden = rec.draft_hidden[:, None, :].expand(bs, K, rec.draft_hidden.shape[-1])
+    if draft_hidden is not None:
+        parent_hidden = draft_hidden[:, None, :].expand(bs, K, draft_hidden.shape[-1])
     cand_tokens, cand_scores, cand_parents = (
         [frontier_tokens],
         [frontier_scores],
@@ -446,12 +449,50 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
             parent_hidden = hidden.gather(1, parent_k[:, :, None].expand(-1, -1, hidden.shape[-1]))
         path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)
         path_slots = path_slots.gather(1, parent_k[:, :, None].expand(-1, -1, path_slots.shape[2]))
+    draft_positions = (
+        torch.stack(positions_per_step, 1)
+        if positions_per_step
+        else torch.empty((bs, 0), dtype=torch.long, device=device)
+    )
+    if K == 1:
+        return torch.cat(cand_tokens, 1), cand_scores[0], cand_parents[0], draft_positions
+    return torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), draft_positions
+
+
+def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
+    """``S - 1`` draft forwards over the frontier, EAGLE-2 rescoring, global rerank to ``N - 1``.
+
+    Sampled requests draw each node's children without replacement from ``q`` and keep their tree in
+    level order, never reranked (`statemachine.sampling`); their ``q`` per row goes to the verify.
+    """
+    cfg, bs = rec.config, len(rec.requests)
+    S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
+    ids, page_table, verify_slots = _reserve_cycle(rec, ports, backend)
+    L, device = rec.seq_lens, rec.seq_lens.device
+    offset = draft_offset(ports, cfg)
+    scratch = draft_scratch_positions(L, S, K, offset)  # [bs, S-1, K]
+    draft_slots = backend.slots_for_positions(page_table, scratch, P)
+
+    rows = sampling.sampled_rows(rec.requests, device)
+    draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
+    if rows is not None:
+        if rec.draft_probs is None:
+            raise CycleError("sampled requests reached the draft without the draft extend's draft_probs")
+        draft_probs = rec.draft_probs.new_zeros((bs, N, rec.draft_probs.shape[-1]))
+        draft_probs[:, 0] = rec.draft_probs
+    levels = (ports, backend, cfg, ids, L, page_table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden)
+    # A draft may run the greedy loop as one captured CUDA graph (engine.fast), calling draft_levels itself.
+    graphed = getattr(ports.draft, "run_draft_levels", None) if rows is None else None
+    if graphed is not None:
+        cand_tokens, cand_scores, cand_parents, draft_positions = graphed(draft_levels, *levels)
+    else:
+        cand_tokens, cand_scores, cand_parents, draft_positions = draft_levels(*levels, rows, draft_probs)
 
     if K == 1:
-        tokens, parents = chain_tree(rec.root_tokens, torch.cat(cand_tokens, dim=1))
+        tokens, parents = chain_tree(rec.root_tokens, cand_tokens)
         scores, depths = None, torch.arange(N, device=device).expand(bs, N)
     else:
-        cands = (rec.root_tokens, torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), N)
+        cands = (rec.root_tokens, cand_tokens, cand_scores, cand_parents, N)
         tokens, parents, scores = backend.rerank_tree(*cands)
         if rows is not None:  # sampled requests: level order, no rerank (a rerank makes the verify lossy)
             sampled = torch.zeros(bs, dtype=torch.bool, device=device).index_fill_(0, rows.index, True)[:, None]
@@ -463,9 +504,6 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     padding = None
     if rows is not None and bool((tokens < 0).any()):
         padding, tokens = tokens < 0, tokens.clamp(min=0)
-    draft_positions = (
-        torch.stack(positions_per_step, 1) if positions_per_step else torch.empty((bs, 0), dtype=torch.long)
-    )
     return Drafted(
         config=cfg,
         requests=rec.requests,

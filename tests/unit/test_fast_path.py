@@ -216,7 +216,7 @@ def test_graph_stepped_decode_equals_greedy_decode(weights, ops):
     ],
 )
 def test_fast_engine_is_lossless(weights, draft, spec):
-    prompts = [tokens_of(11, 8) * 2, tokens_of(12, 5)]
+    prompts = [tokens_of(11, 8) * 2, tokens_of(12, 5), tokens_of(13, 4)]  # 3 requests: one padding request
     model = LlamaModel(TINY, weights)
     pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
 
@@ -235,6 +235,49 @@ def test_fast_engine_is_lossless(weights, draft, spec):
     ar = engine.generate_autoregressive(prompts, 16)
     results, stats = engine.generate(prompts, 16, checked=True)
     assert [list(r.output) for r in results] == ar
+    if draft != "ngram":  # the draft loop ran over the padded static buffers
+        assert engine.draft.level_runs > 0
     assert pool.num_free_pages == pool.num_pages
     reference = Engine(LlamaModel(TINY, weights), PagedKVPool(num_pages=512, page_size=1), None, SpecConfig())
     assert reference.generate_autoregressive(prompts, 16) == ar
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_static_draft_loop_equals_the_state_machine_loop(weights, topk):
+    """`draft_levels` over padded static buffers == run directly, for 3 requests then 1 (padding grows)."""
+    from speccycle.backends.torch import TorchBackend
+    from speccycle.core import Ports
+    from speccycle.core.tree import draft_scratch_positions
+    from speccycle.engine.drafters.ngram import NgramDraft
+    from speccycle.statemachine.transitions import draft_levels
+
+    spec = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=4 if topk == 1 else 6, page_size=2)
+    model = LlamaModel(TINY, weights)
+    outs = []
+    for fast in (False, True):
+        pool = PagedKVPool(num_pages=128, page_size=2)
+        draft = LlamaDraft(model, pool, num_layers=2)
+        if fast:
+            draft = FastLlamaDraft(draft, pool, FastOptions("cpu", graphs=False, max_rows=16))
+        ports = Ports(target=NgramDraft(TINY.vocab_size), draft=draft, kv_pool=pool)
+        prompts = [tokens_of(20 + i, 5 + 2 * i) for i in range(3)]
+        lengths = torch.tensor([len(p) for p in prompts])
+        for rid, p in enumerate(prompts):  # the draft's KV of each prompt (aligned: root included)
+            draft.extend(extend_batch(pool, [rid], [p], [0]), None)
+            pool.allocate(rid, len(p) + 8)
+        got = []
+        for ids in ((0, 1, 2), (1,)):
+            L = lengths[list(ids)] - 1
+            table = pool.page_table(list(ids))
+            slots = pool.slots_for(list(ids), draft_scratch_positions(L, spec.num_steps, topk, 1).reshape(len(ids), -1))
+            slots = slots.view(len(ids), spec.num_steps - 1, topk)
+            top_p = torch.full((len(ids), topk), 0.5)
+            top_i = torch.arange(topk).repeat(len(ids), 1) + 3
+            args = (ports, TorchBackend(), spec, ids, L, table, slots, top_p, top_i, None)
+            got.append(draft.run_draft_levels(draft_levels, *args) if fast else draft_levels(*args))
+        outs.append(got)
+        if fast:
+            assert draft.level_runs == 2
+    for want, got in zip(*outs):
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
