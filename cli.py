@@ -77,6 +77,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--fast",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="fast path: static buffers, Triton kernels, CUDA graphs (engine.fast); off: the reference path",
+    )
 
 
 def _cuda() -> bool:
@@ -108,6 +114,7 @@ def _load_engine(args: argparse.Namespace):
         layerskip_layers=args.layerskip_layers,
         eagle_head=args.eagle_head,
         draft_model=args.draft_model,
+        fast=args.fast,
     )
 
 
