@@ -24,6 +24,8 @@ Parts (``--parts``, comma separated; each fits a few minutes, progress printed a
 * ``cpu``: per speculative cycle on the fast path (SmolLM2, layer skip chain): wall time, GPU time of
   the forwards (CUDA events), the rest (the state machine's host work and small ops: an upper bound
   on its CPU cost), and each transition's host time.
+* ``lossless``: bfloat16, batch 1, every prompt of ``--prompts``: speculative output == fast
+  autoregressive output, per ``--lossless-configs`` entry (the issue's 240-prompt goal).
 * ``attention``: the paged attention kernels timed alone: Triton, the reference (plan + SDPA), and
   FlexAttention over gathered keys, decode and tree-verify rows, SmolLM2 and 8B shapes.
 
@@ -461,6 +463,51 @@ def part_batch(args, prompts: list[dict]) -> None:
     RECORD["batch"] = {"dtype": "bfloat16", "max_new_tokens": new, "rows": rows}
 
 
+# ---- lossless at batch 1, every prompt ------------------------------------------------------------
+def part_lossless(args) -> None:
+    from speccycle.engine.bench import load_prompts
+    from speccycle.engine.engine import Engine
+
+    dtype = torch.bfloat16
+    prompts = load_prompts(args.prompts, args.lossless_prompts or None)
+    new = args.lossless_new_tokens
+    probe = Engine.load(draft="none", device="cuda", dtype=dtype, kv_tokens=1024)
+    ids = [probe.chat_prompt(p["text"]) for p in prompts]
+    free(probe)
+    kv_tokens = max(len(x) for x in ids) + new + 1024
+    fast = Engine.load(draft="none", device="cuda", dtype=dtype, kv_tokens=kv_tokens, fast=True)
+    start = time.time()
+    ar = [fast.generate_autoregressive([x], new)[0] for x in ids]
+    say(f"[lossless] fast autoregressive over {len(ids)} prompts: {time.time() - start:.0f} s")
+    free(fast)
+    head = eagle_head_path(args.eagle_head)
+    rows = []
+    for text in args.lossless_configs.split(","):
+        draft, spec = parse_config(text)
+        if draft == "eagle" and head is None:
+            say("[lossless] eagle skipped: no --eagle-head and no shipped head")
+            continue
+        kwargs = {"layerskip_layers": args.layerskip_layers} if draft == "layerskip" else {}
+        if draft == "eagle":
+            kwargs["eagle_head"] = head
+        engine = Engine.load(draft=draft, spec=spec, device="cuda", dtype=dtype, kv_tokens=kv_tokens, fast=True,
+                             **kwargs)  # fmt: skip
+        start = time.time()
+        same, mismatched = 0, []
+        for item, x, want in zip(prompts, ids, ar):
+            results, _ = engine.generate([x], new)
+            if list(results[0].output) == want:
+                same += 1
+            else:
+                mismatched.append(item["id"])
+        row = {"config": text, "identical_to_ar": same, "prompts": len(ids), "first_mismatches": mismatched[:10],
+               "seconds": round(time.time() - start, 1)}  # fmt: skip
+        rows.append(row)
+        say("[lossless]", row)
+        free(engine)
+    RECORD["lossless"] = {"dtype": "bfloat16", "batch": 1, "max_new_tokens": new, "rows": rows}
+
+
 # ---- CPU cost per cycle -----------------------------------------------------------------------------
 def part_cpu(args, prompts: list[dict]) -> None:
     from speccycle.core import Admitted, Ports, Request, SamplingParams
@@ -659,6 +706,9 @@ def main() -> None:
     parser.add_argument("--batch-configs", default="layerskip:S4")
     parser.add_argument("--batch-new-tokens", type=int, default=128)
     parser.add_argument("--cpu-config", default="layerskip:S4")
+    parser.add_argument("--lossless-configs", default="ngram:S5,layerskip:S4,layerskip:S3K4N12,eagle:S4")
+    parser.add_argument("--lossless-prompts", type=int, default=0, help="0: every prompt of --prompts")
+    parser.add_argument("--lossless-new-tokens", type=int, default=128)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_bench needs a CUDA device")
@@ -675,6 +725,7 @@ def main() -> None:
         "batch": lambda: part_batch(args, prompts),
         "cpu": lambda: part_cpu(args, prompts),
         "attention": lambda: part_attention(args),
+        "lossless": lambda: part_lossless(args),
     }
     for part in parts:
         if part not in runners:
