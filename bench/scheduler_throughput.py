@@ -1,0 +1,155 @@
+"""Scheduler throughput: speculative vs autoregressive at batch sizes 1..64, with and without adaptive speculation.
+
+For each batch size ``bs``, ``bs`` requests (the prompts, cycled) are submitted at once and run to
+completion by the continuous-batching `Scheduler` over one engine (same model, pool and device),
+once per mode:
+
+* ``ar``: ``speculation="off"``, the drafter never runs: one token per request per target forward;
+* ``spec``: ``speculation="on"``, every cycle drafts;
+* ``adaptive``: `AdaptiveSpeculation()`: drafting while the measured tau beats the measured cost ratio.
+
+Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
+``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. One
+warm-up run per mode precedes the timed ones.
+
+    python -m bench.scheduler_throughput --device cuda --batch-sizes 1,2,4,8,16,32,64 --max-new-tokens 128
+    .venv/bin/python -m bench.scheduler_throughput --batch-sizes 1,4,8 --max-new-tokens 16   # CPU, small
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import attrs
+import torch
+from speccycle.core import SamplingParams, SpecConfig
+from speccycle.engine.adaptive import AdaptiveSpeculation
+from speccycle.engine.bench import load_prompts
+from speccycle.engine.engine import Engine
+from speccycle.engine.scheduler import Scheduler
+from speccycle.engine.tokenizer import Tokenizer
+from speccycle.engine.weights_gguf import default_model_path
+
+from .common import write_result
+
+MODES = ("ar", "spec", "adaptive")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_mode(engine: Engine, mode: str, prompts: list[list[int]], bs: int, new_tokens: int, device: str) -> dict:
+    speculation = {"ar": "off", "spec": "on", "adaptive": AdaptiveSpeculation()}[mode]
+    scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs)
+    params = SamplingParams(max_new_tokens=new_tokens)
+    _sync(device)
+    start = time.perf_counter()
+    ids = [scheduler.submit(prompts[i % len(prompts)], params) for i in range(bs)]
+    scheduler.run()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    outputs = [list(scheduler.finished[rid].output) for rid in ids]
+    errors = [scheduler.finished[rid].error for rid in ids if scheduler.finished[rid].finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{mode} at bs={bs}: {len(errors)} requests errored, first: {errors[0]}")
+    tokens = sum(len(o) for o in outputs)
+    stats = scheduler.stats
+    return {
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 2),
+        "tau": round(stats.tau, 3) if stats.verifies else None,
+        "spec_cycles": stats.spec_cycles,
+        "plain_cycles": stats.plain_cycles,
+        "retractions": stats.retractions,
+        "outputs": outputs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--draft", default="ngram", choices=["ngram", "layerskip", "eagle"])
+    parser.add_argument("--layerskip-layers", type=int, default=8)
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", default=None, help="Spec-Bench JSONL; default: the 13-prompt sample shipped")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--num-steps", type=int, default=4)
+    parser.add_argument("--topk", type=int, default=1)
+    parser.add_argument("--num-draft-tokens", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown or "ar" not in modes:
+        raise SystemExit(f"--modes: choose from {MODES} and include 'ar' (the reference); got {modes}")
+    spec = SpecConfig(
+        num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, page_size=args.page_size
+    )
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    items = load_prompts(args.prompts)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p["text"]}]) for p in items]
+    longest = max(len(p) for p in prompts)
+    per_request = args.page_size * math.ceil(
+        (longest + args.max_new_tokens + 2 * spec.reserve_len("aligned")) / args.page_size
+    )
+    kv_tokens = max(batch_sizes) * per_request  # every request fits at once: this measures batching, not retraction
+    dtype = getattr(torch, args.dtype)
+    engine = Engine.load(
+        draft=args.draft,
+        spec=spec,
+        device=args.device,
+        dtype=dtype,
+        kv_tokens=kv_tokens,
+        layerskip_layers=args.layerskip_layers,
+    )
+    for mode in modes:  # warm-up: lazy initialization, allocator, kernels
+        run_mode(engine, mode, prompts, 2, 4, args.device)
+
+    rows = []
+    for bs in batch_sizes:
+        results = {mode: run_mode(engine, mode, prompts, bs, args.max_new_tokens, args.device) for mode in modes}
+        ar_outputs = results["ar"].pop("outputs")
+        row = {"batch_size": bs}
+        for mode, r in results.items():
+            outputs = ar_outputs if mode == "ar" else r.pop("outputs")
+            r["identical_to_ar"] = sum(a == b for a, b in zip(outputs, ar_outputs))
+            if mode != "ar":
+                r["speedup_vs_ar"] = round(r["tokens_per_s"] / results["ar"]["tokens_per_s"], 3)
+            row[mode] = r
+        rows.append(row)
+        print(
+            f"bs={bs:>3} "
+            + " ".join(f"{m}={row[m]['tokens_per_s']:.1f}tok/s" for m in modes)
+            + " "
+            + " ".join(f"{m}_identical={row[m]['identical_to_ar']}/{bs}" for m in modes if m != "ar")
+        )
+    policy = AdaptiveSpeculation()
+    payload = {
+        "model": f"{default_model_path().name} ({args.dtype})",
+        "draft": args.draft,
+        "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
+        "num_prompts": len(prompts),
+        "adaptive_policy": {
+            f.name: getattr(policy, f.name) for f in attrs.fields(AdaptiveSpeculation) if f.name != "min_tau"
+        },
+        "rows": rows,
+    }
+    path = write_result("scheduler_throughput", payload, args.device)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
