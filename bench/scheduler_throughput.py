@@ -42,9 +42,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(engine: Engine, mode: str, prompts: list[list[int]], bs: int, new_tokens: int, device: str) -> dict:
+def run_mode(
+    engine: Engine, mode: str, prompts: list[list[int]], bs: int, new_tokens: int, device: str, prefill: int | None
+) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": AdaptiveSpeculation()}[mode]
-    scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs)
+    scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
     params = SamplingParams(max_new_tokens=new_tokens)
     _sync(device)
     start = time.perf_counter()
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -114,11 +117,14 @@ def main() -> None:
         layerskip_layers=args.layerskip_layers,
     )
     for mode in modes:  # warm-up: lazy initialization, allocator, kernels
-        run_mode(engine, mode, prompts, 2, 4, args.device)
+        run_mode(engine, mode, prompts, 2, 4, args.device, args.max_prefill_tokens)
 
     rows = []
     for bs in batch_sizes:
-        results = {mode: run_mode(engine, mode, prompts, bs, args.max_new_tokens, args.device) for mode in modes}
+        results = {
+            mode: run_mode(engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens)
+            for mode in modes
+        }
         ar_outputs = results["ar"].pop("outputs")
         row = {"batch_size": bs}
         for mode, r in results.items():
@@ -140,6 +146,7 @@ def main() -> None:
         "draft": args.draft,
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
+        "max_prefill_tokens": args.max_prefill_tokens,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "num_prompts": len(prompts),
         "adaptive_policy": {

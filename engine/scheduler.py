@@ -74,6 +74,7 @@ class SchedulerStats:
 class Scheduler:
     """Continuous batching of greedy speculative decoding over one set of ports.
 
+    ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
     ``speculation``: ``"on"`` (always draft), ``"off"`` (never: the drafter is not run at all, plain
     decoding through the cycle), ``"adaptive"`` or an `AdaptiveSpeculation` (draft while it pays).
     ``eos_token_ids`` are added to every request's ``stop_token_ids``. ``on_tokens(request_id,
@@ -88,6 +89,7 @@ class Scheduler:
         *,
         backend=None,
         max_batch_size: int = 64,
+        max_prefill_tokens: int | None = None,
         speculation: Speculation | AdaptiveSpeculation = "on",
         eos_token_ids: Sequence[int] = (),
         checked: bool = False,
@@ -101,6 +103,10 @@ class Scheduler:
             raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be an int >= 1")
+        if max_prefill_tokens is not None and (
+            not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1
+        ):
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be None or an int >= 1")
         target_vocab = getattr(ports.target, "vocab_size", None)
         draft_vocab = getattr(ports.draft, "vocab_size", None)
         if not isinstance(target_vocab, int) or target_vocab < 1:
@@ -120,6 +126,7 @@ class Scheduler:
             raise ValueError(f"speculation={speculation!r}: choose 'on', 'off', 'adaptive' or an AdaptiveSpeculation")
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
         self.config, self.checked, self.max_batch_size = config, checked, max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.backend = backend if backend is not None else get_backend(getattr(ports.target, "device", None))
         self.plain_ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab))
         self.ports = self.plain_ports if speculation == "off" else ports
@@ -214,8 +221,11 @@ class Scheduler:
         reserve = self._reserve_len(self.ports)
         budget = self.ports.kv_pool.num_free_pages - self._growth(self.running, reserve)
         batch: list[Request] = []
+        prefill_tokens = 0
         while self.waiting and self.num_running + len(batch) < self.max_batch_size:
             request = self.waiting[0]
+            if batch and self.max_prefill_tokens and prefill_tokens + len(request.tokens) > self.max_prefill_tokens:
+                break  # the rest waits for the next step's prefill
             need = self._pages(len(request.tokens) + reserve)
             if need > self.capacity:
                 self.waiting.popleft()
@@ -243,6 +253,7 @@ class Scheduler:
                     continue
                 break
             budget -= need
+            prefill_tokens += len(request.tokens)
             batch.append(self.waiting.popleft())
         if not batch:
             return

@@ -79,10 +79,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         agreement=st.sampled_from([0.0, 0.6, 0.9]),
         pool_tokens=st.integers(10, 64),
         max_batch=st.integers(1, 6),
+        max_prefill=st.none() | st.integers(1, 16),
         speculation=speculations,
         first=st.lists(request_specs(), min_size=1, max_size=4),
     )
-    def setup(self, config, family, agreement, pool_tokens, max_batch, speculation, first) -> None:
+    def setup(self, config, family, agreement, pool_tokens, max_batch, max_prefill, speculation, first) -> None:
         self.config = config
         self.pool = FingerprintPool(num_pages=math.ceil(pool_tokens / config.page_size), page_size=config.page_size)
         self.target = HashedNgramTarget(self.pool, vocab_size=VOCAB, n=3)
@@ -102,6 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             ports,
             config,
             max_batch_size=max_batch,
+            max_prefill_tokens=max_prefill,
             speculation=speculation,
             checked=True,
             on_tokens=lambda rid, tokens: self.streamed.setdefault(rid, []).extend(tokens),
