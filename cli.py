@@ -67,7 +67,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=1, help="K: branching per draft step (1: chain)")
     p.add_argument("--draft-tokens", type=int, default=None, help="N: verify rows per request (tree)")
     p.add_argument("--page-size", type=int, default=16, help="P: tokens per KV page")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the cycle verifies greedily)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: lossless sampling")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass to keep (1: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling: seed for reproducible output")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument(
@@ -99,8 +102,6 @@ def _load_engine(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.temperature != 0.0:
-        raise ValueError("--temperature > 0 needs sampling verification, which is not in this release; use 0")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     spec = SpecConfig(
         num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size
@@ -119,6 +120,8 @@ def _load_engine(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from .core import SamplingParams
+
     engine = _load_engine(args)
     if engine.tokenizer is None:
         raise ValueError("this model has no tokenizer in its file: generate needs one")
@@ -129,7 +132,8 @@ def _generate(args: argparse.Namespace) -> int:
         text = decoder.push(tokens)
         print(text, end="", flush=True)
 
-    results, stats = engine.generate([ids], args.max_new_tokens, on_tokens=show)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    results, stats = engine.generate([ids], args.max_new_tokens, on_tokens=show, sampling=sampling)
     print()
     print(
         f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, "
@@ -145,6 +149,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .engine.bench import device_label, format_table, load_prompts, run_bench
 
+    if args.temperature != 0.0:
+        raise ValueError(
+            "speccycle bench compares speculative with greedy autoregressive output: use --temperature 0 "
+            "(bench/sampling_tau.py measures tau under sampling)"
+        )
     prompts = load_prompts(args.prompts, args.limit, args.categories.split(",") if args.categories else None)
     engine = _load_engine(args)
     summary = run_bench(engine, prompts, args.max_new_tokens, progress=not args.quiet)

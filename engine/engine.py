@@ -181,12 +181,17 @@ class Engine:
         on_tokens: Callable[[int, list[int]], None] | None = None,
         checked: bool = False,
         on_step: Callable[[object], None] | None = None,
+        sampling: SamplingParams | None = None,
     ) -> tuple[list[Request], GenerationStats]:
-        """Speculative greedy decoding of a batch. ``on_tokens(index, new_tokens)`` streams output.
+        """Speculative decoding of a batch. ``on_tokens(index, new_tokens)`` streams output.
 
         ``on_step(record)`` sees the record after every transition (tensor parallelism checks there
-        that every rank committed the same tokens).
+        that every rank committed the same tokens). ``sampling``: temperature, top-k, top-p, seed and
+        logprobs of every prompt (prompt ``i`` gets ``seed + i``; ``max_new_tokens`` and the EOS stops
+        are added); None decodes greedily. Sampling is lossless (docs: sampling).
         """
+        if self.draft is None and sampling is not None and not sampling.greedy:
+            raise ValueError("--draft none is the greedy autoregressive baseline: sample with a draft")
         if self.draft is None:
             start = time.perf_counter()
             outputs = self.generate_autoregressive(prompts, max_new_tokens)
@@ -201,8 +206,10 @@ class Engine:
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
         ids = [next(self._ids) for _ in prompts]
         index = {rid: i for i, rid in enumerate(ids)}
+        per_prompt = [params if sampling is None else _sampling_for(sampling, params, i) for i in range(len(prompts))]
         record = Admitted(
-            config=self.spec, requests=tuple(Request(rid, tuple(p), params) for rid, p in zip(ids, prompts))
+            config=self.spec,
+            requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
         )
         ports = Ports(target=self.target, draft=self.draft, kv_pool=self.pool)
         done: dict[int, Request] = {}
@@ -248,6 +255,16 @@ class Engine:
         return greedy_decode(
             self.target, self.pool, prompts, max_new_tokens, self.stop_token_ids, first_request_id=first
         )
+
+
+def _sampling_for(sampling: SamplingParams, engine_params: SamplingParams, index: int) -> SamplingParams:
+    """Prompt ``index``'s parameters: the caller's sampling with the engine's length and EOS stops."""
+    return attrs.evolve(
+        sampling,
+        max_new_tokens=engine_params.max_new_tokens,
+        stop_token_ids=tuple(dict.fromkeys(engine_params.stop_token_ids + sampling.stop_token_ids)),
+        seed=None if sampling.seed is None else sampling.seed + index,
+    )
 
 
 def _tokenizer(path: Path):
