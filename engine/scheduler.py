@@ -42,7 +42,7 @@ import attrs
 import torch
 
 from ..backends.registry import get_backend
-from ..core import Admitted, Compacted, Ports, Ready, Request, SamplingParams, SpecConfig, Verified
+from ..core import Admitted, Compacted, KVPoolExhausted, Ports, Ready, Request, SamplingParams, SpecConfig, Verified
 from ..statemachine import step as run_step
 from ..statemachine.batching import merge_ready, select_ready
 from .adaptive import AdaptiveSpeculation, SpeculationController, ZeroDraft
@@ -141,6 +141,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
+        self._admit_one = False
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> Scheduler:
@@ -223,6 +224,8 @@ class Scheduler:
         batch: list[Request] = []
         prefill_tokens = 0
         while self.waiting and self.num_running + len(batch) < self.max_batch_size:
+            if batch and self._admit_one:
+                break
             request = self.waiting[0]
             if batch and self.max_prefill_tokens and prefill_tokens + len(request.tokens) > self.max_prefill_tokens:
                 break  # the rest waits for the next step's prefill
@@ -259,9 +262,21 @@ class Scheduler:
             return
         in_flight += batch
         self.stats.prefills += 1
-        record = run_step(
-            Admitted(config=self.config, requests=tuple(batch)), self.ports, self.backend, checked=self.checked
-        )
+        try:
+            record = run_step(
+                Admitted(config=self.config, requests=tuple(batch)), self.ports, self.backend, checked=self.checked
+            )
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): defer the batch
+            for request in batch:
+                self._free(request.request_id)
+            in_flight.clear()
+            if self.num_running == 0 and len(batch) == 1:
+                finished.append(self._error(batch[0], "the KV pool refused its prompt's pages with nothing running"))
+            else:
+                self.waiting.extendleft(reversed(batch))
+                self._admit_one = True  # retry one request at a time until a prefill fits
+            return
+        self._admit_one = False
         self._stream(record.requests)
         ready = self._to_ready(record, finished)
         in_flight.clear()
@@ -275,7 +290,11 @@ class Scheduler:
             return
         batch_size = self.num_running
         start = time.perf_counter()
-        record = run_step(self.running, ports, self.backend, event="draft", checked=self.checked)
+        try:
+            record = run_step(self.running, ports, self.backend, event="draft", checked=self.checked)
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
+            self._retract_newest(self._reserve_len(ports), finished)
+            return
         verified = run_step(record, ports, self.backend, checked=self.checked)
         assert isinstance(verified, Verified)
         accepted = run_step(verified, ports, self.backend, checked=self.checked)
@@ -307,26 +326,29 @@ class Scheduler:
     # ---- KV pressure -------------------------------------------------------------------------
     def _make_room(self, reserve: int, finished: list[Request]) -> None:
         """Retract the newest running requests until the next cycle's reservation fits."""
-        pool = self.ports.kv_pool
-        while self.num_running and self._growth(self.running, reserve) > pool.num_free_pages:
-            requests = self.running.requests
-            if len(requests) == 1:
-                request, L = requests[0], int(self.running.seq_lens[0])
-                message = (
-                    f"its next cycle needs {self._pages(L + reserve)} KV pages ({L} tokens committed, {reserve} "
-                    f"reserved) and the pool has {self.capacity} in all, {pool.num_free_pages} of them free: lower "
-                    "max_new_tokens or build the pool with more pages"
-                )
-                self._free(request.request_id)
-                self.running = select_ready(self.running, [])
-                finished.append(self._error(request, message))
-                return
-            newest = max(range(len(requests)), key=lambda i: self._arrival[requests[i].request_id])
-            victim = requests[newest]
-            self._free(victim.request_id)
-            self.running = select_ready(self.running, [i for i in range(len(requests)) if i != newest])
-            self.waiting.appendleft(victim)  # committed output kept: readmission recomputes its KV
-            self.stats.retractions += 1
+        while self.num_running and self._growth(self.running, reserve) > self.ports.kv_pool.num_free_pages:
+            self._retract_newest(reserve, finished)
+
+    def _retract_newest(self, reserve: int, finished: list[Request]) -> None:
+        """Retract the running request that arrived last; alone, it cannot run: it finishes with an error."""
+        requests, pool = self.running.requests, self.ports.kv_pool
+        if len(requests) == 1:
+            request, L = requests[0], int(self.running.seq_lens[0])
+            message = (
+                f"its next cycle needs {self._pages(L + reserve)} KV pages ({L} tokens committed, {reserve} "
+                f"reserved) and the pool has {self.capacity} in all, {pool.num_free_pages} of them free: lower "
+                "max_new_tokens or build the pool with more pages"
+            )
+            self._free(request.request_id)
+            self.running = select_ready(self.running, [])
+            finished.append(self._error(request, message))
+            return
+        newest = max(range(len(requests)), key=lambda i: self._arrival[requests[i].request_id])
+        victim = requests[newest]
+        self._free(victim.request_id)
+        self.running = select_ready(self.running, [i for i in range(len(requests)) if i != newest])
+        self.waiting.appendleft(victim)  # committed output kept: readmission recomputes its KV
+        self.stats.retractions += 1
 
     def _growth(self, ready: Ready | None, reserve: int) -> int:
         """Pages the batch must add to reserve ``[0, L + reserve)`` for every request."""
