@@ -17,8 +17,9 @@ length join and leave between cycles.
 cover its prompt plus one cycle's reservation after the running batch's own next reservation. When
 the running batch later outgrows the pool, the requests that arrived last are *retracted*: every
 page they hold is freed and they go back to the front of the queue with their committed output; on
-readmission the prefill recomputes prompt + output and decoding goes on where it stopped (greedy
-decoding is deterministic, so the output equals an uninterrupted run). The oldest request always
+readmission the prefill recomputes prompt + output and decoding goes on where it stopped (a greedy
+request's output equals an uninterrupted run; a sampled one goes on with its seeded stream, another
+draw from the same distribution). The oldest request always
 keeps running, so every request finishes. A request that cannot fit even alone (its prompt, or later
 its prompt and output, plus one cycle's reservation exceeds the whole pool) finishes with
 ``finish_reason="error"`` and a message; the rest go on.
@@ -72,7 +73,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Continuous batching of greedy speculative decoding over one set of ports.
+    """Continuous batching of speculative decoding (greedy and sampled requests) over one set of ports.
 
     ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
     ``speculation``: ``"on"`` (always draft), ``"off"`` (never: the drafter is not run at all, plain

@@ -11,6 +11,7 @@ every transition; the machine checks what needs the whole run:
 * a finished output equals autoregressive greedy decoding with the same stop rules (an independent,
   quadratic oracle below), a retracted-and-resumed request included;
 * errors only where expected (NaN logits, invalid prompt, a request too big for the pool);
+* sampled requests (temperature > 0, mixed into the batches) stop exactly at their first stop;
 * pages: the running requests hold exactly what the pool has lent, and it returns to empty.
 """
 
@@ -26,6 +27,7 @@ from speccycle.core import Ports, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
 from speccycle.engine.adaptive import AdaptiveSpeculation
 from speccycle.engine.scheduler import Scheduler
+from speccycle.statemachine.stops import stop_text_reference
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
 from speccycle.testing.text import ToyDetokenizer
 
@@ -74,7 +76,7 @@ def request_specs():
         st.integers(1, 24),
         st.lists(st.integers(0, VOCAB - 1), max_size=2).map(tuple),
         st.lists(st.sampled_from(STOP_STRINGS), max_size=2).map(tuple),
-        st.sampled_from([None] * 10 + ["nan", "empty", "vocab"]),
+        st.sampled_from([None] * 10 + ["nan", "empty", "vocab", "sampled", "sampled"]),
     )
 
 
@@ -132,7 +134,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prompt = []
             elif trouble == "vocab":
                 prompt = prompt + [VOCAB + 3]
-            params = SamplingParams(max_new_tokens=max_new, stop_token_ids=stop_ids, stop_strings=stop_strings)
+            temperature, seed = (0.8, len(self.submitted)) if trouble == "sampled" else (0.0, None)
+            params = SamplingParams(
+                max_new_tokens=max_new,
+                stop_token_ids=stop_ids,
+                stop_strings=stop_strings,
+                temperature=temperature,
+                seed=seed,
+            )
             rid = self.scheduler.submit(prompt, params)
             if trouble == "nan":
                 self.target.nan_requests.add(rid)
@@ -162,6 +171,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, request in self.scheduler.finished.items():
             prompt, params, trouble = self.submitted[rid]
             assert self.streamed.get(rid, []) == list(request.output), f"request {rid}: streamed != output"
+            if trouble == "sampled":  # no token oracle (sampling is another test's): the stop rules still hold
+                self.check_stops(rid, request, prompt, params)
+                continue
             if trouble is not None:
                 assert request.finish_reason == "error" and request.error, f"request {rid} ({trouble}) did not error"
                 continue
@@ -174,6 +186,23 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             assert list(request.output) == expected, f"request {rid}: {request.output} != greedy {expected}"
             assert request.finish_reason == reason, f"request {rid}: {request.finish_reason} != {reason}"
+
+    def check_stops(self, rid, request, prompt, params) -> None:
+        output = list(request.output)
+        fits = math.ceil((len(prompt) + params.max_new_tokens + self.reserve) / self.config.page_size)
+        if request.finish_reason == "error":
+            assert fits > self.pool.num_pages and "pool" in request.error, f"request {rid}: {request.error}"
+            return
+        assert 1 <= len(output) <= params.max_new_tokens and all(0 <= t < VOCAB for t in output)
+        hit = stop_text_reference(output, params.stop_strings, self.detokenizer) if params.stop_strings else None
+        stop_ids = [i for i, t in enumerate(output) if t in params.stop_token_ids]
+        first_stop = min([i for i in [hit, *stop_ids] if i is not None], default=None)
+        if request.finish_reason == "stop":
+            assert first_stop == len(output) - 1, (
+                f"request {rid}: stopped at {len(output) - 1}, first stop {first_stop}"
+            )
+        else:
+            assert request.finish_reason == "length" and len(output) == params.max_new_tokens and first_stop is None
 
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
