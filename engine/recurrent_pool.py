@@ -376,6 +376,14 @@ class RecurrentPool:
         """Lengths at which a tracking snapshot of the request is kept, ascending."""
         return sorted(length for rid, length in self._snapshots if rid == request_id)
 
+    def snapshot_state(self, *, request_id: int, length: int) -> dict[str, torch.Tensor]:
+        """The tracking snapshot of ``request_id`` after ``length`` tokens: ``{name: [layers, *shape]}``."""
+        key = (request_id, length)
+        if key not in self._snapshots:
+            have = self.snapshots(request_id=request_id)
+            raise RecurrentStateError(f"no snapshot of request {request_id} after {length} tokens; it has {have}")
+        return {name: state.clone() for name, state in self._snapshots[key].items()}
+
     def restore(self, *, request_id: int, from_request_id: int, length: int) -> None:
         """Start ``request_id`` from the snapshot of ``from_request_id`` after ``length`` tokens.
 
