@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
+    parser.add_argument("--fast", action="store_true", help="the engine's fast path (CUDA graphs, Triton kernels)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
@@ -115,6 +116,7 @@ def main() -> None:
         dtype=dtype,
         kv_tokens=kv_tokens,
         layerskip_layers=args.layerskip_layers,
+        fast=args.fast,
     )
     for mode in modes:  # warm-up: lazy initialization, allocator, kernels
         run_mode(engine, mode, prompts, 2, 4, args.device, args.max_prefill_tokens)
@@ -144,6 +146,7 @@ def main() -> None:
     payload = {
         "model": f"{default_model_path().name} ({args.dtype})",
         "draft": args.draft,
+        "fast": args.fast,
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
         "max_prefill_tokens": args.max_prefill_tokens,
