@@ -118,13 +118,19 @@ INVARIANT_DOCS: dict[int, dict] = {
     },
     12: {
         "statement": "`last_correct_step_indices` lies in `[0, N)` and equals `accept_len - 1` for chains.",
-        "tests": [f"{PROPERTY}/test_tree_math.py::test_invariant_5_greedy_verify_matches_the_walk"],
+        "tests": [
+            f"{PROPERTY}/test_tree_math.py::test_invariant_5_greedy_verify_matches_the_walk",
+            f"{PROPERTY}/test_recurrent_block.py::TestRecurrentCycleMachine",
+            "tests/e2e/test_hybrid_lossless.py::test_hybrid_tree_commits_rows_off_the_first_branch",
+        ],
+        "checked": "a recurrent pool that reports `state_lens` holds exactly `L` tokens per live request, with "
+        "no uncommitted verify rows",
     },
     13: {
         "statement": "Block drafts (DFlash): `correct_len = cumprod(cand[:, 1:] == target[:, :-1]).sum()`, "
         "in `[0, B - 1]`.",
-        "tests": [],
-        "open": "hybrid and block (DFlash) drafts are not built yet",
+        "tests": [f"{PROPERTY}/test_recurrent_block.py::TestRecurrentCycleMachine"],
+        "checked": "every block verify: `accept_len == correct_len + 1`, the accepted rows are `0..correct_len`",
     },
     14: {
         "statement": "Every fast kernel equals its reference (exactly for integer outputs).",
