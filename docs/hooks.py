@@ -110,11 +110,12 @@ INVARIANT_DOCS: dict[int, dict] = {
         "statement": "Lossless, sampling: the committed-token distribution equals the target's (statistical test, "
         "fixed seeds).",
         "tests": [
+            "tests/property/test_cycle_sampling.py::test_committed_tokens_follow_the_target_through_the_cycle",
+            "tests/property/test_cycle_sampling.py::test_detects_a_reranked_sampled_tree",
             "tests/property/test_sampling.py::test_chain_first_token_follows_target",
             "tests/property/test_sampling.py::test_tree_first_token_follows_target",
             "tests/property/test_sampling.py::test_first_two_tokens_follow_target_jointly",
         ],
-        "open": "the reference ops and their statistics are in; wiring them into the cycle's verify is open",
     },
     12: {
         "statement": "`last_correct_step_indices` lies in `[0, N)` and equals `accept_len - 1` for chains.",
