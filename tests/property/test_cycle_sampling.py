@@ -66,7 +66,7 @@ CASES = {
     "chain-shifted": Case("shifted", 3, 1, 4),
     "chain-aligned-q-equals-p": Case("aligned", 2, 1, 3, temperature=0.5, top_k=3, mix=0.0),
     "tree-aligned-truncated": Case("aligned", 3, 3, 8, temperature=0.7, top_k=5),
-    "tree-shifted-padding": Case("shifted", 3, 2, 7, top_p=0.6, mix=0.3),
+    "tree-shifted-padding": Case("shifted", 3, 3, 9, temperature=1.5, top_p=0.6, mix=0.3),  # 13% padding rows
     "tree-lookup-point-mass": Case("lookup", 3, 2, 6, temperature=1.3),
     "chain-lookup-point-mass": Case("lookup", 3, 1, 4, temperature=0.8, top_p=0.9),
 }
