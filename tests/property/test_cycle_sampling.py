@@ -259,3 +259,31 @@ def test_sampled_requests_are_refused_by_block_drafts():
     ports = Ports(target=HashedNgramTarget(pool, vocab_size=24), draft=Block(), kv_pool=pool)
     record = step(Admitted(config=config, requests=(Request(0, (1, 2), SamplingParams(temperature=0.8)),)), ports)
     assert record.requests[0].finish_reason == "error" and "block drafts verify greedily" in record.requests[0].error
+
+
+def test_sampled_transitions_call_only_the_ops_their_rows_name():
+    """The table stays honest with sampled requests in the batch (tree, forward draft, mixed batch)."""
+    from speccycle.backends.torch import TorchBackend
+    from speccycle.statemachine import select
+
+    calls: list[str] = []
+
+    class Recording(TorchBackend):
+        def __getattribute__(self, name):
+            attr = object.__getattribute__(self, name)
+            if callable(attr) and not name.startswith("_") and name in dir(TorchBackend):
+                calls.append(name)
+            return attr
+
+    config = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=2)
+    ports, _ = _hashed_ports(config, "shifted")
+    params = [SamplingParams(temperature=t, seed=1, max_new_tokens=8) for t in (0.9, 0.0)]
+    record = Admitted(config=config, requests=tuple(Request(i, (1, 2, 3), p) for i, p in enumerate(params)))
+    seen = set()
+    while record.requests:
+        row = select(record, ports)
+        calls.clear()
+        record = step(record, ports, Recording(), checked=True)
+        assert set(calls) <= set(row.ops), f"{row.event} called {set(calls) - set(row.ops)}"
+        seen.update(calls)
+    assert {"process_logits", "sample_without_replacement", "verify_tree_sampling"} <= seen
