@@ -70,7 +70,8 @@ def _fill_bonus_kernel(tokens_ptr, accept_len_ptr, out_ptr, bs, stride, BLOCK: t
     requests = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = requests < bs
     length = tl.load(accept_len_ptr + requests, mask=inside, other=1)
-    tl.store(out_ptr + requests, tl.load(tokens_ptr + requests.to(tl.int64) * stride + length - 1, mask=inside))
+    bonus = tl.load(tokens_ptr + requests.to(tl.int64) * stride + length - 1, mask=inside)
+    tl.store(out_ptr + requests, bonus, mask=inside)
 
 
 def fill_bonus(accept_tokens: torch.Tensor, accept_len: torch.Tensor, stride: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_power_of_2
+from .launch import ROWS_PER_PROGRAM, interpreted, next_power_of_2
 
 MAX_MOVES = 1024  # moves held in one program's registers; the backend moves larger plans in torch
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -32,17 +32,26 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @triton.jit
 def _slots_kernel(
-    page_table_ptr, table_stride, max_pages, positions_ptr, out_ptr, width, page_size, BLOCK: tl.constexpr
+    page_table_ptr,
+    table_stride,
+    max_pages,
+    positions_ptr,
+    out_ptr,
+    bs,
+    width,
+    page_size,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    request = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < width
-    position = tl.load(positions_ptr + request * width + cols, mask=inside, other=0).to(tl.int64)
+    requests = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    inside = (requests < bs) & (cols < width)
+    position = tl.load(positions_ptr + requests * width + cols, mask=inside, other=0).to(tl.int64)
     page_index = position // page_size
     valid = inside & (position >= 0) & (page_index < max_pages)
-    page = tl.load(page_table_ptr + request * table_stride + page_index, mask=valid, other=-1).to(tl.int64)
+    page = tl.load(page_table_ptr + requests * table_stride + page_index, mask=valid, other=-1).to(tl.int64)
     slot = tl.where(valid & (page >= 0), page * page_size + position % page_size, -1)
-    tl.store(out_ptr + request * width + cols, slot, mask=inside)
+    tl.store(out_ptr + requests * width + cols, slot, mask=inside)
 
 
 def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -55,8 +64,18 @@ def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_
         if page_table.stride(1) != 1:
             page_table = page_table.contiguous()
         block = min(1024, next_power_of_2(width))
-        _slots_kernel[(bs, triton.cdiv(width, block))](
-            page_table, page_table.stride(0), page_table.shape[1], flat, out, width, page_size, BLOCK=block
+        block_r = min(next_power_of_2(bs), ROWS_PER_PROGRAM if interpreted() else max(1, 1024 // block))
+        _slots_kernel[(triton.cdiv(bs, block_r), triton.cdiv(width, block))](
+            page_table,
+            page_table.stride(0),
+            page_table.shape[1],
+            flat,
+            out,
+            bs,
+            width,
+            page_size,
+            BLOCK_R=block_r,
+            BLOCK=block,
         )
         if bool((out < 0).any()):
             raise IndexError("a position lies past the pages its request holds; reserve before assigning slots")

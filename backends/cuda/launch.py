@@ -46,5 +46,10 @@ def target_programs(device: torch.device) -> int:
     return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Under the interpreter every program, and every reduction inside one, costs milliseconds of Python:
+# kernels over many short rows take this many rows per program there.
+ROWS_PER_PROGRAM = 256
+
+
 def next_power_of_2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_power_of_2
+from .launch import ROWS_PER_PROGRAM, interpreted, next_power_of_2
 
 _NONE = 2147483647
 _BLOCK = 2048
@@ -31,6 +31,7 @@ _NATIVE = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _topk_block_kernel(
     logits_ptr,
+    num_rows,
     row_stride,
     vocab_size,
     max_ptr,
@@ -39,28 +40,31 @@ def _topk_block_kernel(
     cand_index_ptr,
     num_blocks,
     K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
     NONE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_inside = rows < num_rows
     part = tl.program_id(1)
-    cols = part * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < vocab_size
-    x = tl.load(logits_ptr + row * row_stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    cols = (part * BLOCK + tl.arange(0, BLOCK))[None, :]
+    inside = row_inside[:, None] & (cols < vocab_size)
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * row_stride + cols, mask=inside, other=float("-inf"))
+    x = x.to(tl.float32)
     x = tl.where(x != x, float("-inf"), x)
-    top = tl.max(x, axis=0)
-    total = tl.sum(tl.where(inside, tl.exp(x - top), 0.0), axis=0)
-    total = tl.where(top == float("-inf"), 0.0, total)  # a block of -inf adds nothing (not NaN)
-    slot = row * num_blocks + part
-    tl.store(max_ptr + slot, top)
-    tl.store(sum_ptr + slot, total)
+    top = tl.max(x, axis=1)
+    shift = tl.where(top == float("-inf"), 0.0, top)  # a block of -inf adds 0, not NaN
+    total = tl.sum(tl.where(inside, tl.exp(x - shift[:, None]), 0.0), axis=1)
+    slot = rows.to(tl.int64) * num_blocks + part
+    tl.store(max_ptr + slot, top, mask=row_inside)
+    tl.store(sum_ptr + slot, total, mask=row_inside)
     free = inside
     for k in tl.static_range(K):
-        value = tl.max(tl.where(free, x, float("-inf")), axis=0)
-        index = tl.min(tl.where(free & (x == value), cols, NONE), axis=0)
-        free = free & (cols != index)
-        tl.store(cand_value_ptr + slot * K + k, value)
-        tl.store(cand_index_ptr + slot * K + k, index)
+        value = tl.max(tl.where(free, x, float("-inf")), axis=1)
+        index = tl.min(tl.where(free & (x == value[:, None]), cols, NONE), axis=1)
+        free = free & (cols != index[:, None])
+        tl.store(cand_value_ptr + slot * K + k, value, mask=row_inside)
+        tl.store(cand_index_ptr + slot * K + k, index, mask=row_inside)
 
 
 @triton.jit
@@ -71,31 +75,40 @@ def _topk_merge_kernel(
     cand_index_ptr,
     probs_ptr,
     ids_ptr,
+    num_rows,
     num_blocks,
     K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NONE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    parts = tl.arange(0, BLOCK_B)
-    part_inside = parts < num_blocks
-    block_max = tl.load(max_ptr + row * num_blocks + parts, mask=part_inside, other=float("-inf"))
-    block_sum = tl.load(sum_ptr + row * num_blocks + parts, mask=part_inside, other=0.0)
-    top = tl.max(block_max, axis=0)
-    scale = tl.where(block_max == float("-inf"), 0.0, tl.exp(block_max - top))
-    denominator = tl.sum(block_sum * scale, axis=0)
-    cands = tl.arange(0, BLOCK_C)
-    cand_inside = cands < num_blocks * K
-    value = tl.load(cand_value_ptr + row * num_blocks * K + cands, mask=cand_inside, other=float("-inf"))
-    index = tl.load(cand_index_ptr + row * num_blocks * K + cands, mask=cand_inside, other=NONE)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_inside = rows < num_rows
+    flat_rows = rows.to(tl.int64)
+    rows64 = flat_rows[:, None]
+    parts = tl.arange(0, BLOCK_B)[None, :]
+    part_inside = row_inside[:, None] & (parts < num_blocks)
+    block_max = tl.load(max_ptr + rows64 * num_blocks + parts, mask=part_inside, other=float("-inf"))
+    block_sum = tl.load(sum_ptr + rows64 * num_blocks + parts, mask=part_inside, other=0.0)
+    top = tl.max(block_max, axis=1)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    denominator = tl.sum(block_sum * tl.exp(block_max - shift[:, None]), axis=1)
+    # A row of -inf (or NaN) logits has no distribution: NaN, as the reference's softmax gives.
+    safe = tl.where(denominator > 0.0, denominator, 1.0)
+    cands = tl.arange(0, BLOCK_C)[None, :]
+    cand_inside = row_inside[:, None] & (cands < num_blocks * K)
+    where = rows64 * num_blocks * K + cands
+    value = tl.load(cand_value_ptr + where, mask=cand_inside, other=float("-inf"))
+    index = tl.load(cand_index_ptr + where, mask=cand_inside, other=NONE)
     free = cand_inside & (index != NONE)
     for k in tl.static_range(K):
-        best = tl.max(tl.where(free, value, float("-inf")), axis=0)
-        chosen = tl.min(tl.where(free & (value == best), index, NONE), axis=0)
-        free = free & (index != chosen)
-        tl.store(probs_ptr + row * K + k, tl.exp(best - top) / denominator)
-        tl.store(ids_ptr + row * K + k, chosen.to(tl.int64))
+        best = tl.max(tl.where(free, value, float("-inf")), axis=1)
+        chosen = tl.min(tl.where(free & (value == best[:, None]), index, NONE), axis=1)
+        free = free & (index != chosen[:, None])
+        prob = tl.where(denominator > 0.0, tl.exp(best - shift) / safe, float("nan"))
+        tl.store(probs_ptr + flat_rows * K + k, prob, mask=row_inside)
+        tl.store(ids_ptr + flat_rows * K + k, chosen.to(tl.int64), mask=row_inside)
 
 
 def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +135,17 @@ def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.T
         return probs, ids
     block = min(_BLOCK, max(next_power_of_2(vocab), 16))
     num_blocks = triton.cdiv(vocab, block)
+    # Rows per program: one for a real vocabulary, several for a short one, all under the interpreter.
+    block_r = min(next_power_of_2(rows), ROWS_PER_PROGRAM if interpreted() else max(1, _BLOCK // block))
+    block_c = next_power_of_2(num_blocks * topk)
+    merge_r = min(next_power_of_2(rows), ROWS_PER_PROGRAM if interpreted() else max(1, 1024 // block_c))
     block_max = torch.empty(rows * num_blocks, dtype=torch.float32, device=device)
     block_sum = torch.empty_like(block_max)
     cand_value = torch.empty(rows * num_blocks * topk, dtype=torch.float32, device=device)
     cand_index = torch.empty(rows * num_blocks * topk, dtype=torch.int32, device=device)
-    _topk_block_kernel[(rows, num_blocks)](
+    _topk_block_kernel[(triton.cdiv(rows, block_r), num_blocks)](
         logits,
+        rows,
         logits.stride(0),
         vocab,
         block_max,
@@ -136,20 +154,23 @@ def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.T
         cand_index,
         num_blocks,
         K=topk,
+        BLOCK_R=block_r,
         BLOCK=block,
         NONE=_NONE,
     )
-    _topk_merge_kernel[(rows,)](
+    _topk_merge_kernel[(triton.cdiv(rows, merge_r),)](
         block_max,
         block_sum,
         cand_value,
         cand_index,
         probs,
         ids,
+        rows,
         num_blocks,
         K=topk,
+        BLOCK_R=merge_r,
         BLOCK_B=next_power_of_2(num_blocks),
-        BLOCK_C=next_power_of_2(num_blocks * topk),
+        BLOCK_C=block_c,
         NONE=_NONE,
     )
     return probs, ids

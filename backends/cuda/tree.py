@@ -1,7 +1,9 @@
 """Triton kernels of the tree build and the greedy walk (references: `speccycle.core.tree`, `TorchBackend`).
 
-One program per request; every tree of the cycle is small (``K * K <= 256`` children per level, at
-most ``N <= 1 + K + (S - 1) K^2`` rows), so a request's whole tree lives in one program's registers.
+Every tree of the cycle is small (``K * K <= 256`` children per level, at most
+``N <= 1 + K + (S - 1) K^2`` rows), so a request's whole tree lives in one program's registers. A
+program takes one request on a GPU and a block of requests under the interpreter (where each program
+and each reduction costs milliseconds of Python).
 
 * `expand_frontier`: cumulative scores of the ``K * K`` children and the best ``K``. The reference
   is a float multiply, a stable sort and three gathers (six launches); here one launch.
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_power_of_2
+from .launch import interpreted, next_power_of_2
 
 MAX_CANDIDATES = 4096  # beyond this a one-program rank is too slow: the backend keeps the torch rerank
 
@@ -47,31 +49,38 @@ def _expand_frontier_kernel(
     keep_ptr,
     new_scores_ptr,
     new_tokens_ptr,
+    bs,
     K: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK: tl.constexpr,
     INNER: tl.constexpr,
 ):
-    request = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    inside = c < K * K
-    cum = tl.load(frontier_ptr + request * K + c // K, mask=inside, other=0.0) * tl.load(
-        child_p_ptr + request * K * K + c, mask=inside, other=0.0
+    requests = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)[:, None]  # [B, 1]
+    request_inside = requests < bs
+    c = tl.arange(0, BLOCK)[None, :]  # [1, C]
+    inside = request_inside & (c < K * K)
+    cum = tl.load(frontier_ptr + requests * K + c // K, mask=inside, other=0.0) * tl.load(
+        child_p_ptr + requests * K * K + c, mask=inside, other=0.0
     )
-    tl.store(cum_ptr + request * K * K + c, cum, mask=inside)
-    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    tl.store(cum_ptr + requests * K * K + c, cum, mask=inside)
+    rank = tl.zeros([BLOCK_B, BLOCK], dtype=tl.int32)
     for start in range(0, K * K, INNER):
-        o = start + tl.arange(0, INNER)
-        o_inside = o < K * K
-        other = tl.load(frontier_ptr + request * K + o // K, mask=o_inside, other=0.0) * tl.load(
-            child_p_ptr + request * K * K + o, mask=o_inside, other=0.0
+        o = start + tl.arange(0, INNER)[None, :]  # [1, I]
+        o_inside = request_inside & (o < K * K)
+        other = tl.load(frontier_ptr + requests * K + o // K, mask=o_inside, other=0.0) * tl.load(
+            child_p_ptr + requests * K * K + o, mask=o_inside, other=0.0
         )
-        before = _sorts_before(other[None, :], o[None, :], cum[:, None], c[:, None]) & o_inside[None, :]
-        rank += tl.sum(before.to(tl.int32), axis=1)
+        before = _sorts_before(other[:, None, :], o[:, None, :], cum[:, :, None], c[:, :, None])
+        rank += tl.sum((before & o_inside[:, None, :]).to(tl.int32), axis=2)
     kept = inside & (rank < K)
-    tl.store(keep_ptr + request * K + rank, c.to(tl.int64), mask=kept)
-    tl.store(new_scores_ptr + request * K + rank, cum, mask=kept)
-    tokens = tl.load(child_ids_ptr + request * K * K + c, mask=inside, other=0)
-    tl.store(new_tokens_ptr + request * K + rank, tokens, mask=kept)
+    tl.store(keep_ptr + requests * K + rank, c.to(tl.int64) + 0 * requests, mask=kept)
+    tl.store(new_scores_ptr + requests * K + rank, cum, mask=kept)
+    tokens = tl.load(child_ids_ptr + requests * K * K + c, mask=inside, other=0)
+    tl.store(new_tokens_ptr + requests * K + rank, tokens, mask=kept)
+
+
+def _requests_per_program(bs: int) -> int:
+    return min(next_power_of_2(bs), 16) if interpreted() else 1
 
 
 def expand_frontier(
@@ -87,7 +96,8 @@ def expand_frontier(
     new_tokens = torch.empty(bs, topk, dtype=child_ids.dtype, device=device)
     if bs:
         block = next_power_of_2(kk)
-        _expand_frontier_kernel[(bs,)](
+        block_b = _requests_per_program(bs)
+        _expand_frontier_kernel[(triton.cdiv(bs, block_b),)](
             frontier_scores.contiguous(),
             child_p.contiguous(),
             child_ids.contiguous(),
@@ -95,9 +105,11 @@ def expand_frontier(
             keep,
             new_scores,
             new_tokens,
+            bs,
             K=topk,
+            BLOCK_B=block_b,
             BLOCK=block,
-            INNER=min(block, max(1, 2048 // block)),
+            INNER=block if interpreted() else min(block, max(1, 2048 // block)),
         )
     return cum, keep, new_scores, new_tokens
 
@@ -112,39 +124,42 @@ def _rerank_kernel(
     tokens_ptr,
     parents_ptr,
     scores_ptr,
+    bs,
     num_cands,
     num_rows,
+    BLOCK_B: tl.constexpr,
     BLOCK: tl.constexpr,
     INNER: tl.constexpr,
 ):
-    request = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    inside = c < num_cands
-    base = request * num_cands
+    requests = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)[:, None]  # [B, 1]
+    request_inside = requests < bs
+    c = tl.arange(0, BLOCK)[None, :]
+    inside = request_inside & (c < num_cands)
+    base = requests * num_cands
     score = tl.load(cand_scores_ptr + base + c, mask=inside, other=0.0)
-    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    rank = tl.zeros([BLOCK_B, BLOCK], dtype=tl.int32)
     for start in range(0, num_cands, INNER):
-        o = start + tl.arange(0, INNER)
-        o_inside = o < num_cands
+        o = start + tl.arange(0, INNER)[None, :]
+        o_inside = request_inside & (o < num_cands)
         other = tl.load(cand_scores_ptr + base + o, mask=o_inside, other=0.0)
-        before = _sorts_before(other[None, :], o[None, :], score[:, None], c[:, None]) & o_inside[None, :]
-        rank += tl.sum(before.to(tl.int32), axis=1)
+        before = _sorts_before(other[:, None, :], o[:, None, :], score[:, :, None], c[:, :, None])
+        rank += tl.sum((before & o_inside[:, None, :]).to(tl.int32), axis=2)
     kept = inside & (rank < num_rows - 1)
     # Kept candidates keep their candidate order: the k-th kept one (from 1) is verify row k.
-    row = tl.cumsum(kept.to(tl.int32), axis=0)
+    row = tl.cumsum(kept.to(tl.int32), axis=1)
     row_of = tl.where(kept, row, 0)  # 0: not kept; a kept node under a dropped parent hangs off the root
     tl.store(row_of_ptr + base + c, row_of, mask=inside)
     tl.debug_barrier()  # the parents' rows below are read by other threads of this program
     parent = tl.load(cand_parents_ptr + base + c, mask=inside, other=-1)
     parent_row = tl.load(row_of_ptr + base + tl.maximum(parent, 0), mask=kept & (parent >= 0), other=0)
-    out = request * num_rows + row
+    out = requests * num_rows + row
     tl.store(tokens_ptr + out, tl.load(cand_tokens_ptr + base + c, mask=inside, other=0), mask=kept)
     tl.store(parents_ptr + out, parent_row.to(tl.int64), mask=kept)
     tl.store(scores_ptr + out, score, mask=kept)
-    root = request * num_rows
-    tl.store(tokens_ptr + root, tl.load(root_ptr + request))
-    tl.store(parents_ptr + root, -1)
-    tl.store(scores_ptr + root, 1.0)
+    root = requests * num_rows
+    tl.store(tokens_ptr + root, tl.load(root_ptr + requests, mask=request_inside), mask=request_inside)
+    tl.store(parents_ptr + root, tl.full([BLOCK_B, 1], -1, tl.int64), mask=request_inside)
+    tl.store(scores_ptr + root, tl.full([BLOCK_B, 1], 1.0, tl.float32), mask=request_inside)
 
 
 def rerank_tree(
@@ -167,7 +182,8 @@ def rerank_tree(
     if bs:
         row_of = torch.empty(bs, num_cands, dtype=torch.int32, device=device)
         block = next_power_of_2(num_cands)
-        _rerank_kernel[(bs,)](
+        block_b = _requests_per_program(bs)
+        _rerank_kernel[(triton.cdiv(bs, block_b),)](
             root_tokens.contiguous(),
             cand_tokens.contiguous(),
             cand_scores.contiguous(),
@@ -176,35 +192,39 @@ def rerank_tree(
             tokens,
             parents,
             scores,
+            bs,
             num_cands,
             num_draft_tokens,
+            BLOCK_B=block_b,
             BLOCK=block,
-            INNER=min(block, max(1, 4096 // block)),
+            INNER=min(block, 256) if interpreted() else min(block, max(1, 4096 // block)),
         )
     return tokens, parents, scores
 
 
 @triton.jit
-def _tree_mask_kernel(parents_ptr, out_ptr, n, num_bytes, BLOCK: tl.constexpr, PACKED: tl.constexpr):
-    request = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK)
-    cols = tl.arange(0, BLOCK)
-    inside = rows < n
-    mask = rows[:, None] == cols[None, :]
-    node = tl.load(parents_ptr + request * n + rows, mask=inside, other=-1)
+def _tree_mask_kernel(
+    parents_ptr, out_ptr, bs, n, num_bytes, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, PACKED: tl.constexpr
+):
+    requests = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)[:, None, None]  # [B, 1, 1]
+    rows = tl.arange(0, BLOCK)[None, :, None]  # [1, N, 1]
+    cols = tl.arange(0, BLOCK)[None, None, :]  # [1, 1, N]
+    inside = (requests < bs) & (rows < n)  # [B, N, 1]
+    mask = (rows == cols) & (requests >= 0)
+    node = tl.load(parents_ptr + requests * n + rows, mask=inside, other=-1)  # [B, N, 1]
     # Parents precede children, so an ancestor chain has at most n - 1 links.
     for _ in range(n - 1):
-        mask = mask | ((cols[None, :] == node[:, None]) & (node >= 0)[:, None])
-        node = tl.load(parents_ptr + request * n + tl.maximum(node, 0), mask=node >= 0, other=-1)
+        mask = mask | ((cols == node) & (node >= 0))
+        node = tl.load(parents_ptr + requests * n + tl.maximum(node, 0), mask=node >= 0, other=-1)
     if PACKED:
-        bits = mask.to(tl.int32) << (cols % 8)[None, :]
-        packed = tl.sum(tl.reshape(bits, [BLOCK, BLOCK // 8, 8]), axis=2)
-        groups = tl.arange(0, BLOCK // 8)
-        where = out_ptr + request * n * num_bytes + rows[:, None] * num_bytes + groups[None, :]
-        tl.store(where, packed.to(tl.uint8), mask=inside[:, None] & (groups < num_bytes)[None, :])
+        bits = mask.to(tl.int32) << (cols % 8)
+        packed = tl.sum(tl.reshape(bits, [BLOCK_B, BLOCK, BLOCK // 8, 8]), axis=3)
+        groups = tl.arange(0, BLOCK // 8)[None, None, :]
+        where = out_ptr + requests * n * num_bytes + rows * num_bytes + groups
+        tl.store(where, packed.to(tl.uint8), mask=inside & (groups < num_bytes))
     else:
-        where = out_ptr + request * n * n + rows[:, None] * n + cols[None, :]
-        tl.store(where, mask.to(tl.uint8), mask=inside[:, None] & (cols < n)[None, :])
+        where = out_ptr + requests * n * n + rows * n + cols
+        tl.store(where, mask.to(tl.uint8), mask=inside & (cols < n))
 
 
 def tree_mask(parents: torch.Tensor, packed: bool = False) -> torch.Tensor:
@@ -216,31 +236,43 @@ def tree_mask(parents: torch.Tensor, packed: bool = False) -> torch.Tensor:
     num_bytes = triton.cdiv(n, 8)
     out = torch.empty(bs, n, num_bytes if packed else n, dtype=torch.uint8, device=parents.device)
     if bs and n:
-        _tree_mask_kernel[(bs,)](
-            parents.contiguous(), out, n, num_bytes, BLOCK=max(8, next_power_of_2(n)), PACKED=packed
+        block_b = _requests_per_program(bs)
+        _tree_mask_kernel[(triton.cdiv(bs, block_b),)](
+            parents.contiguous(),
+            out,
+            bs,
+            n,
+            num_bytes,
+            BLOCK_B=block_b,
+            BLOCK=max(8, next_power_of_2(n)),
+            PACKED=packed,
         )
     return out if packed else out.view(torch.bool)
 
 
 @triton.jit
-def _verify_greedy_kernel(tokens_ptr, parents_ptr, predict_ptr, index_ptr, len_ptr, n, width, BLOCK: tl.constexpr):
-    request = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BLOCK)
-    inside = rows < n
-    base = request * n
-    tokens = tl.load(tokens_ptr + base + rows, mask=inside, other=0)
-    parents = tl.load(parents_ptr + base + rows, mask=inside, other=-1)
-    node = tl.zeros([], dtype=tl.int32)
-    length = tl.full([], 1, dtype=tl.int32)
-    tl.store(index_ptr + request * width, base)
+def _verify_greedy_kernel(
+    tokens_ptr, parents_ptr, predict_ptr, index_ptr, len_ptr, bs, n, width, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr
+):
+    requests = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)  # [B]
+    request_inside = requests < bs
+    rows = tl.arange(0, BLOCK)[None, :]
+    inside = request_inside[:, None] & (rows < n)
+    base = requests * n
+    tokens = tl.load(tokens_ptr + base[:, None] + rows, mask=inside, other=0)
+    parents = tl.load(parents_ptr + base[:, None] + rows, mask=inside, other=-1)
+    node = tl.zeros([BLOCK_B], dtype=tl.int32)
+    length = tl.full([BLOCK_B], 1, dtype=tl.int32)
+    tl.store(index_ptr + requests * width, base, mask=request_inside)
     for depth in range(1, width):
-        wanted = tl.load(predict_ptr + base + node)
-        child = tl.min(tl.where(inside & (parents == node) & (tokens == wanted), rows, BLOCK), axis=0)
+        wanted = tl.load(predict_ptr + base + node, mask=request_inside, other=0)
+        matches = inside & (parents == node[:, None]) & (tokens == wanted[:, None])
+        child = tl.min(tl.where(matches, rows, BLOCK), axis=1)
         found = (length == depth) & (child < BLOCK)  # still walking, and a child matches
-        tl.store(index_ptr + request * width + depth, tl.where(found, base + child, -1))
+        tl.store(index_ptr + requests * width + depth, tl.where(found, base + child, -1), mask=request_inside)
         node = tl.where(found, child, node)
         length += found.to(tl.int32)
-    tl.store(len_ptr + request, length.to(tl.int64))
+    tl.store(len_ptr + requests, length.to(tl.int64), mask=request_inside)
 
 
 def verify_greedy(
@@ -251,14 +283,17 @@ def verify_greedy(
     accept_index = torch.empty(bs, accept_width, dtype=torch.long, device=tokens.device)
     accept_len = torch.empty(bs, dtype=torch.long, device=tokens.device)
     if bs:
-        _verify_greedy_kernel[(bs,)](
+        block_b = _requests_per_program(bs)
+        _verify_greedy_kernel[(triton.cdiv(bs, block_b),)](
             tokens.contiguous(),
             parents.contiguous(),
             predict.contiguous(),
             accept_index,
             accept_len,
+            bs,
             n,
             accept_width,
+            BLOCK_B=block_b,
             BLOCK=next_power_of_2(n),
         )
     return accept_index, accept_len
