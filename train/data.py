@@ -142,6 +142,15 @@ class SelfDistilledData:
                 meta=json.loads(bytes(f["meta"]).decode()) if "meta" in f else {},
             )
 
+    def subset(self, indices: Sequence[int]) -> SelfDistilledData:
+        return SelfDistilledData.from_sequences(
+            [self.items_at(int(i)) for i in indices], 1 << 16 if self.tokens.dtype == np.uint16 else 1 << 31, self.meta
+        )
+
+    def items_at(self, i: int) -> tuple[int, list[int], list[int]]:
+        seq, n = self.sequence(i).tolist(), int(self.prompt_lens[i])
+        return int(self.prompt_index[i]), seq[:n], seq[n:]
+
     def items(self) -> list[tuple[int, list[int], list[int]]]:
         out = []
         for i in range(len(self)):

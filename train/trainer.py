@@ -59,6 +59,7 @@ class TrainConfig:
     seed: int = 0
     save_every_s: float = 60.0
     log_every_s: float = 15.0
+    val_sequences: int = 256  # held out from training; teacher-forced accuracy on them at every save
     ce_chunk_rows: int = 4096
 
 
@@ -201,6 +202,36 @@ def batch_loss(
     return total, metrics
 
 
+def split_validation(data: SelfDistilledData, cfg: TrainConfig) -> tuple[SelfDistilledData, SelfDistilledData | None]:
+    """Hold out ``min(val_sequences, 5%)`` sequences (seeded); none when the data is tiny."""
+    count = min(cfg.val_sequences, len(data) // 20)
+    if count == 0:
+        return data, None
+    order = np.random.default_rng(cfg.seed + 1).permutation(len(data))
+    return data.subset(np.sort(order[count:])), data.subset(np.sort(order[:count]))
+
+
+@torch.no_grad()
+def validate(
+    head: TrainableEagleHead,
+    target: LlamaModel,
+    data: SelfDistilledData,
+    cfg: TrainConfig,
+    target_to_draft: torch.Tensor | None,
+) -> list[float]:
+    """Teacher-forced accuracy per draft step on held-out sequences (rows weighted)."""
+    correct = [0.0] * cfg.ttt_steps
+    rows = [0] * cfg.ttt_steps
+    for indices in make_batches(data, cfg, np.random.default_rng(0)):
+        ids, lengths, prompt_lens = collate(data, indices, cfg.max_len, target.device)
+        with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=target.device.type == "cuda"):
+            _, metrics = batch_loss(head, target, ids, lengths, prompt_lens, cfg, target_to_draft)
+        for s in range(cfg.ttt_steps):
+            correct[s] += metrics["acc"][s] * metrics["rows"][s]
+            rows[s] += metrics["rows"][s]
+    return [c / r if r else 0.0 for c, r in zip(correct, rows)]
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     """Linear warmup, then cosine from ``lr`` down to ``min_lr_ratio * lr`` at ``total``."""
     if step < cfg.warmup_steps:
@@ -252,6 +283,7 @@ def train_head(
     device = target.device
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
+    data, val_data = split_validation(data, cfg)
     hcfg = head_config(target.config, cfg)
     start_step, total_steps = 0, cfg.steps
     d2t = draft_vocabulary(data, cfg.draft_vocab_size, target.config.vocab_size) if cfg.version == 3 else None
@@ -294,13 +326,21 @@ def train_head(
     log(
         f"[train] EAGLE-{hcfg.version}: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters, "
         f"{head.num_bytes() / 2**20:.1f} MiB in bfloat16; intermediate {hcfg.intermediate_size}, features "
-        f"{hcfg.feature_layers}; {len(data)} sequences, {int(data.lengths.sum())} tokens"
+        f"{hcfg.feature_layers}; {len(data)} sequences, {int(data.lengths.sum())} tokens "
+        f"(+ {len(val_data) if val_data is not None else 0} held out)"
     )
 
     def record(step: int, history: dict) -> dict:
         return {**info, "step": step, "total_steps": total_steps, "config": attrs.asdict(cfg), **history}
 
     def save(step: int, history: dict) -> None:
+        if val_data is not None:
+            val_acc = validate(head, target, val_data, cfg, target_to_draft)
+            history.update(val_acc=[round(a, 4) for a in val_acc], val_tau=round(expected_accept_len(val_acc), 3))
+            log(
+                f"[train] step {step} held-out acc/step {' '.join(f'{a:.3f}' for a in val_acc)} "
+                f"(chain tau ~{history['val_tau']:.2f})"
+            )
         save_head(head, out_path, record(step, history))
         if checkpoint_path is not None:
             weights = {k: v.detach().cpu() for k, v in head.state().items()}

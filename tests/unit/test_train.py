@@ -155,7 +155,8 @@ def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, ve
 
 @pytest.mark.parametrize("version", [1, 3])
 def test_train_steps_lower_the_loss_on_a_repeated_batch(weights, sequences, version):
-    from speccycle.train.trainer import draft_vocabulary
+    import attrs
+    from speccycle.train.trainer import draft_vocabulary, validate
 
     torch.manual_seed(0)
     cfg = TrainConfig(version=version, ttt_steps=3, draft_vocab_size=512, intermediate_size=48, ce_chunk_rows=64)
@@ -178,6 +179,11 @@ def test_train_steps_lower_the_loss_on_a_repeated_batch(weights, sequences, vers
         losses.append(float(loss.detach()))
     assert metrics["rows"][0] > 0 and len(metrics["acc"]) == 3
     assert losses[-1] < 0.7 * losses[0], losses
+    # held-out style accuracy: any batching of the same sequences gives the same per-step accuracy
+    with torch.no_grad():
+        _, metrics = batch_loss(head, model, ids, lengths, prompt_lens, cfg, t2d)
+    small_batches = attrs.evolve(cfg, batch_tokens=int(lengths.max()) * 2)
+    assert validate(head, model, sequences, small_batches, t2d) == pytest.approx(metrics["acc"], abs=1e-6)
 
 
 def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model_path):
