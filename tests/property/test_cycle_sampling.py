@@ -3,10 +3,12 @@
 `test_sampling.py` checks the verify ops alone; here thousands of sampled requests run the whole
 cycle (prefill, draft extend, draft, verify, accept, compact) on `BatchedNgramTarget`, whose
 distribution after any prefix is known exactly (`HashedNgramTarget.next_logits`, processed by the
-request's temperature, top-k and top-p). Each request is one trial with its own seed; its first three
-output tokens ``t0`` (the prefill's sample), ``t1`` (the first verify's) and ``t2`` (the same verify's,
-or the next cycle's) are compared by chi-square tests with the exact distributions of ``t0`` and of
-the pair ``(t1, t2)`` (summed over ``t0``). Chains and trees, forward drafts (shifted and aligned
+request's temperature, top-k and top-p). Each request is one trial with its own seed; its first four
+output tokens ``t0`` (the prefill's sample), ``t1`` (the first verify's), ``t2`` and ``t3`` (the same
+verify's, or a later cycle's) are compared by chi-square tests with the exact distributions of ``t0``
+and of the pairs ``(t1, t2)`` and ``(t2, t3)`` (the earlier tokens summed out): the first committed
+token and the joint of two steps, then the steps that reach depth-2 and depth-3 draft nodes.
+Chains and trees, forward drafts (shifted and aligned
 pairing) and lookup drafts (point masses), with truncation, padding (a draft that runs out of mass)
 and a draft equal to the target.
 
@@ -18,6 +20,7 @@ fail the test. `test_detects_a_reranked_sampled_tree` shows the test catches EAG
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -58,7 +61,7 @@ class Case:
 
     def params(self, seed: int) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed, max_new_tokens=3
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed, max_new_tokens=4
         )
 
 
@@ -67,6 +70,7 @@ CASES = {
     "chain-aligned-q-equals-p": Case("aligned", 2, 1, 3, temperature=0.5, top_k=3, mix=0.0),
     "tree-aligned-truncated": Case("aligned", 3, 3, 8, temperature=0.7, top_k=5),
     "tree-shifted-padding": Case("shifted", 3, 3, 9, temperature=1.5, top_p=0.6, mix=0.3),  # 13% padding rows
+    "tree-shifted-deep": Case("shifted", 3, 2, 10, mix=0.2),  # depth 3: nodes under the frontier EAGLE-2 picks
     "tree-lookup-point-mass": Case("lookup", 3, 2, 6, temperature=1.3),
     "chain-lookup-point-mass": Case("lookup", 3, 1, 4, temperature=0.8, top_p=0.9),
 }
@@ -85,7 +89,7 @@ def _ports(case: Case, trials: int):
 
 
 def run_trials(case: Case, trials: int, seed: int) -> tuple[torch.Tensor, float]:
-    """The first three output tokens of ``trials`` sampled requests ``[trials, 3]``, and tau of the first verify."""
+    """The first four output tokens of ``trials`` sampled requests ``[trials, 4]``, and tau of the first verify."""
     outputs, committed, verifies = [], 0, 0
     for start in range(0, trials, CHUNK):
         count = min(CHUNK, trials - start)
@@ -102,18 +106,19 @@ def run_trials(case: Case, trials: int, seed: int) -> tuple[torch.Tensor, float]
     return torch.cat(outputs), committed / verifies
 
 
-def exact_distributions(target: HashedNgramTarget, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """``P(t0)`` ``[V]`` and ``P(t1, t2) = sum_t0 P(t0) P(t1 | t0) P(t2 | t0, t1)`` ``[V, V]``, exactly."""
+def exact_distributions(target: HashedNgramTarget, case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``P(t0)`` ``[V]``, ``P(t1, t2)`` and ``P(t2, t3)`` ``[V, V]``, exactly (earlier tokens summed out)."""
     vocab = case.vocab
 
-    def dist(contexts):
-        logits = torch.stack([target.next_logits(list(c)) for c in contexts])
-        return process_logits(logits, case.temperature, case.top_k, case.top_p).double()
+    def dist(depth: int) -> torch.Tensor:
+        """``P(t_depth | t_0 .. t_depth-1)`` over every prefix: ``[V] * depth + [V]``."""
+        prefixes = list(itertools.product(range(vocab), repeat=depth))
+        logits = torch.stack([target.next_logits(list(PROMPT + prefix)) for prefix in prefixes])
+        probs = process_logits(logits, case.temperature, case.top_k, case.top_p).double()
+        return probs.view(*([vocab] * depth), vocab)
 
-    p0 = dist([PROMPT])[0]
-    p1 = dist([PROMPT + (a,) for a in range(vocab)])  # [t0, t1]
-    p2 = dist([PROMPT + (a, b) for a in range(vocab) for b in range(vocab)]).view(vocab, vocab, vocab)
-    return p0, torch.einsum("a,ab,abc->bc", p0, p1, p2)
+    p0, p1, p2, p3 = (dist(d) for d in range(4))
+    return p0, torch.einsum("a,ab,abc->bc", p0, p1, p2), torch.einsum("a,ab,abc,abcd->cd", p0, p1, p2, p3)
 
 
 def _trials_for(joint: torch.Tensor) -> tuple[int, bool]:
@@ -127,7 +132,7 @@ def _trials_for(joint: torch.Tensor) -> tuple[int, bool]:
 def test_committed_tokens_follow_the_target_through_the_cycle(name):
     case = CASES[name]
     _, target = _ports(case, 1)
-    p0, joint = exact_distributions(target, case)
+    p0, joint, later = exact_distributions(target, case)
     trials, powered = _trials_for(joint)
     tokens, tau = run_trials(case, trials, seed=sorted(CASES).index(name) + 1)
     vocab = case.vocab
@@ -136,6 +141,7 @@ def test_committed_tokens_follow_the_target_through_the_cycle(name):
         ("t0", tokens[:, 0], p0),
         ("t1", tokens[:, 1], joint.sum(1)),
         ("(t1, t2)", tokens[:, 1] * vocab + tokens[:, 2], joint.flatten()),
+        ("(t2, t3)", tokens[:, 2] * vocab + tokens[:, 3], later.flatten()),
     ]:
         pvalue = chi_square_pvalue(torch.bincount(samples, minlength=probs.numel()), probs)
         assert pvalue >= ALPHA, f"{name}: {what} does not follow the target (p-value {pvalue:.2e}, n = {trials})"
@@ -150,9 +156,9 @@ def test_detects_a_reranked_sampled_tree(monkeypatch):
     """EAGLE-2's global rerank on sampled trees: the rerank keeps drawn children by their own q, so it is lossy."""
     case = Case("aligned", 3, 3, 5, mix=0.7)
     _, target = _ports(case, 1)
-    _, joint = exact_distributions(target, case)
+    _, joint, _ = exact_distributions(target, case)
     monkeypatch.setattr(sampling, "level_order_tree", _rerank_by_score)
-    tokens, _ = run_trials(case, 8000, seed=11)
+    tokens, _ = run_trials(case, CI_TRIALS, seed=11)  # p-value ~1e-19 at 4,000 trials
     pvalue = chi_square_pvalue(torch.bincount(tokens[:, 1], minlength=case.vocab), joint.sum(1))
     assert pvalue < ALPHA, f"a reranked sampled tree passed the test (p-value {pvalue:.2e})"
 
