@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per batch (B x T)")
     t.add_argument("--max-len", type=int, default=640, help="sequences are cut to this many tokens")
     t.add_argument("--ttt-steps", type=int, default=6, help="draft steps unrolled in training (>= the S you run)")
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--draft-vocab", type=int, default=3072, help="EAGLE-3 draft vocabulary size")
     t.add_argument("--v3-intermediate", type=int, default=384, help="EAGLE-3 MLP width (keeps the head < 10 MB)")

@@ -45,7 +45,7 @@ class TrainConfig:
     batch_tokens: int = 32768  # padded tokens per batch (B x T)
     max_seqs: int = 128
     max_len: int = 640
-    lr: float = 3e-4
+    lr: float = 5e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
     steps: int = 2000  # upper bound; a time budget may lower it (decided once, at step `measure_at`)
@@ -385,7 +385,7 @@ def train_head(
                     torch.cuda.synchronize()
                 per_step = (time.perf_counter() - timed_from) / (cfg.measure_at - 5)
                 left = cfg.time_budget_s - (time.perf_counter() - start)
-                fits = step + int(left / per_step)
+                fits = step + int(0.93 * left / per_step)  # checkpoints and held-out checks take the rest
                 if fits < total_steps:
                     total_steps = max(step + 1, fits)
                     if bar is not None:
