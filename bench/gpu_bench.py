@@ -523,21 +523,29 @@ def part_cpu(args, prompts: list[dict]) -> None:
     engine.generate([ids], 16)  # warm-up
     forward_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    depth = [0]  # only the outermost call is timed (the draft loop calls step inside)
+
     def timed(fn):
         def wrapper(*a, **k):
+            if depth[0]:
+                return fn(*a, **k)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = fn(*a, **k)
-            end.record()
+            depth[0] += 1
+            try:
+                start.record()
+                result = fn(*a, **k)
+                end.record()
+            finally:
+                depth[0] -= 1
             forward_events.append((start, end))
             return result
 
         return wrapper
 
     engine.target.forward = timed(engine.target.forward)
-    if hasattr(engine.draft, "step"):
-        engine.draft.step = timed(engine.draft.step)
-        engine.draft.extend = timed(engine.draft.extend)
+    for name in ("step", "extend", "run_draft_levels"):  # the captured draft loop replays in the last
+        if hasattr(engine.draft, name):
+            setattr(engine.draft, name, timed(getattr(engine.draft, name)))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=())
     record = Admitted(config=engine.spec, requests=(Request(10**6, tuple(ids), params),))
     ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
