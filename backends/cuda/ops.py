@@ -17,8 +17,10 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | `slots_for_positions` | `kv.slots_for_positions` (``P == 1`` and ``P > 1``) | gather, div, mod |
 | `plan_kv_move` | `kv.plan_kv_move` | ten small ops |
 | `move_kv` | `kv.move_kv`: gather-then-scatter in one launch, bitwise | ``buf[dst] = buf[src]`` |
+| `verify_chain_sampling`, `verify_tree_sampling` | `sampling` (the `SamplingKernels` mixin) | the torch walks |
 
-Kept in torch: `last_correct_step_indices` (one gather; a kernel saves nothing).
+Kept in torch: `last_correct_step_indices` (one gather; a kernel saves nothing); not fused yet:
+`process_logits`, `sample_without_replacement` and `verify_block`.
 
 Why the tree build is fused although its tensors are tiny: each of those ops is a chain of 6 to 15
 launches of a few microseconds of work each, on the critical path of every draft step; one launch
@@ -41,6 +43,7 @@ from ..torch import TorchBackend
 from . import accept, argmax, kv, tree
 from . import topk as topk_ops
 from .launch import runs_triton
+from .sampling import SamplingKernels
 
 FP8_DTYPES = tuple(
     getattr(torch, name)
@@ -50,7 +53,7 @@ FP8_DTYPES = tuple(
 KERNEL_LOGITS = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 
 
-class CudaBackend(TorchBackend):
+class CudaBackend(SamplingKernels, TorchBackend):
     """Triton kernels for the cycle's ops; see the module docstring for which ops are fused."""
 
     name = "cuda"
