@@ -17,14 +17,16 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | `slots_for_positions` | `kv.slots_for_positions` (``P == 1`` and ``P > 1``) | gather, div, mod |
 | `plan_kv_move` | `kv.plan_kv_move` | ten small ops |
 | `move_kv` | `kv.move_kv`: gather-then-scatter in one launch, bitwise | ``buf[dst] = buf[src]`` |
+| `verify_block` | `dflash.verify_block`: leading matches of the block | cumprod, sum, gather |
 | `verify_chain_sampling`, `verify_tree_sampling` | `sampling` (the `SamplingKernels` mixin) | the torch walks |
 
 Kept in torch: `last_correct_step_indices` (one gather; a kernel saves nothing); not fused yet:
-`process_logits`, `sample_without_replacement` and `verify_block`.
+`process_logits` and `sample_without_replacement`.
 
 Why the tree build is fused although its tensors are tiny: each of those ops is a chain of 6 to 15
 launches of a few microseconds of work each, on the critical path of every draft step; one launch
-per op is what a kernel buys there (measured by ``bench/kernels.py``).
+per op is what a kernel buys there (``bench/kernels.py`` measures it against the reference on a GPU;
+no GPU timing of these kernels is recorded yet).
 
 Every op runs its kernel on CUDA tensors, and on CPU tensors when Triton interprets
 (``TRITON_INTERPRET=1``, how CI tests them); otherwise, and for inputs a kernel does not take
@@ -40,7 +42,7 @@ import torch
 
 from ..registry import register_backend
 from ..torch import TorchBackend
-from . import accept, argmax, kv, tree
+from . import accept, argmax, dflash, kv, tree
 from . import topk as topk_ops
 from .launch import runs_triton
 from .sampling import SamplingKernels
@@ -118,6 +120,12 @@ class CudaBackend(SamplingKernels, TorchBackend):
         if not runs_triton(tokens, parents, predict):
             return super().verify_greedy(tokens, parents, predict, accept_width)
         return tree.verify_greedy(tokens, parents, predict, accept_width)
+
+    def verify_block(self, candidates: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block drafts (DFlash): ``correct_len`` and ``bonus``. Shapes: ``[bs, B]`` each -> ``[bs]``, ``[bs]``."""
+        if not runs_triton(candidates, target):
+            return super().verify_block(candidates, target)
+        return dflash.verify_block(candidates, target)
 
     # ---- accept ------------------------------------------------------------------------------
     def gather_accepted(self, rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:

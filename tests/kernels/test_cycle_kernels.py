@@ -201,6 +201,14 @@ def test_gather_accepted_and_fill_bonus(seed, bs):
         fast.fill_bonus(predict, accept_len, n)  # the N stride of SGLang PR 26866
 
 
+def test_verify_block_routes_to_its_kernel():
+    gen = _gen(4)
+    candidates = torch.randint(0, 2, (5, 6), generator=gen).to(DEVICE)
+    target = torch.randint(0, 2, (5, 6), generator=gen).to(DEVICE)
+    for got, want in zip(fast.verify_block(candidates, target), ref.verify_block(candidates, target)):
+        assert _equal(got, want)
+
+
 # ---- slots and compaction ---------------------------------------------------------------------------
 def _page_table(rng: random.Random, bs: int, tokens: int, page_size: int) -> torch.Tensor:
     pages_each = -(-tokens // page_size)
