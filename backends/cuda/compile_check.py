@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import accept, argmax, kv, topk, tree
+from . import accept, argmax, dflash, kv, topk, tree
 
 NONE = 2147483647
 TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "hip": GPUTarget("hip", "gfx942", 64)}
@@ -69,6 +69,9 @@ def _kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]]]]:
         (kv._plan_kernel,
          dict(accept_index_ptr=i64, accept_len_ptr=i64, slots_ptr=i64, src_ptr=i64, dst_ptr=i64, n=i32, width=i32),
          [dict(BLOCK=16)]),
+        (dflash._verify_block_kernel,
+         dict(cand_ptr=i64, target_ptr=i64, correct_ptr=i64, bonus_ptr=i64, block_size=i32),
+         [dict(BLOCK=8)]),
         (kv._move_kv_kernel,
          dict(buf_ptr="*i16", src_ptr=i64, dst_ptr=i64, num_moves=i32, slot_stride=i32, group_stride="i64",
               inner=i32, row_numel=i32),
