@@ -46,6 +46,7 @@ MARKER = re.compile(r"^<!-- speccycle:([a-z-]+)(?::([\w.-]+))? -->[ \t]*$", re.M
 # invariant n automatically. `checked` says how checked mode covers it beyond the `require(..., n)`
 # calls found in statemachine/checks.py.
 PROPERTY = "tests/property"
+KERNELS = "tests/kernels"
 INVARIANT_DOCS: dict[int, dict] = {
     1: {
         "statement": "`K == 1` implies `N == S + 1`; `N - 1 <= K + (S - 1) K^2`; invalid configs raise a clear error.",
@@ -69,7 +70,7 @@ INVARIANT_DOCS: dict[int, dict] = {
     4: {
         "statement": "Parents precede children; each mask row is prefix + ancestors + self; every packed form "
         "equals the full mask.",
-        "tests": [],
+        "tests": [f"{KERNELS}/test_cycle_kernels.py::test_tree_mask_full_and_packed"],
     },
     5: {
         "statement": "`accept_index[b, 0]` is the root; entries stay in the request's block, strictly increase, "
@@ -135,8 +136,16 @@ INVARIANT_DOCS: dict[int, dict] = {
     },
     14: {
         "statement": "Every fast kernel equals its reference (exactly for integer outputs).",
-        "tests": [],
-        "open": "the CUDA and ROCm backends are being built; their kernel tests go in `tests/kernels/`",
+        "tests": [
+            f"{KERNELS}/test_cycle_kernels.py::test_argmax_equals_torch_with_ties",
+            f"{KERNELS}/test_cycle_kernels.py::test_topk_equals_softmax_topk",
+            f"{KERNELS}/test_cycle_kernels.py::test_rerank_tree_equals_reference",
+            f"{KERNELS}/test_cycle_kernels.py::test_verify_greedy_equals_reference",
+            f"{KERNELS}/test_cycle_kernels.py::test_plan_and_move_kv_equal_reference",
+            f"{KERNELS}/test_backend_choice.py::test_rocm_fp8_logits_take_softmax_max_and_others_the_argmax_kernel",
+            f"{KERNELS}/test_recurrent_kernels.py::test_invariant_14_selective_scan_tree_kernel_equals_reference",
+            f"{KERNELS}/test_sampling_kernels.py::test_tree_kernel_equals_reference",
+        ],
     },
 }
 # Not an invariant of its own: the K == 1 fast path (see backends.md).
