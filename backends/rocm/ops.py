@@ -18,8 +18,8 @@ index). The verify's `greedy_predict` is not gated: it defines the target's gree
 kernel widens FP8 to float32 (exactly) before its argmax.
 
 No AMD GPU is at hand: the tests force the platform (``get_backend(platform="rocm")``) and run these
-choices on CPU under ``TRITON_INTERPRET=1``. HIP graphs are the engine's (its CUDA-graph code runs on
-ROCm builds of torch unchanged).
+choices on CPU under ``TRITON_INTERPRET=1``. HIP graphs are the engine's: on ROCm builds of torch,
+``torch.cuda.CUDAGraph`` records HIP graphs (not run here either).
 """
 
 from __future__ import annotations
