@@ -1,8 +1,9 @@
 """The ROCm backend: the CUDA backend's Triton kernels, with one gate for FP8 draft logits.
 
 Triton compiles the same kernels for AMD GPUs, so `RocmBackend` inherits every op of `CudaBackend`
-(all of them are plain loads, stores, reductions and a CTA barrier; nothing NVIDIA-specific). One
-choice differs: the ``K == 1`` draft step.
+(all of them are plain loads, stores, reductions and a CTA barrier; nothing NVIDIA-specific; each
+compiles for ``gfx942``, see `speccycle.backends.cuda.compile_check`). One choice differs: the
+``K == 1`` draft step.
 
 **The FP8 gate.** On CUDA the chain draft takes the argmax of the logits and skips the full-vocabulary
 softmax. On ROCm, when the logits are FP8 (``float8_e4m3fn``, ``float8_e4m3fnuz``, ``float8_e5m2``,
