@@ -162,7 +162,7 @@ def evaluate_heads(
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    """Two panels: tau per category (one bar per head x config), acceptance rate per draft position."""
+    """Two panels: tau per category (a table of head x config rows), acceptance rate per draft position."""
     try:
         import matplotlib
 
@@ -171,31 +171,37 @@ def plot(result: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     runs = [
-        (f"{name} S{c['S']}K{c['K']}N{c['N']}", c) for name, entry in result["heads"].items() for c in entry["configs"]
+        (f"{name} S{c['S']} K{c['K']} N{c['N']}", c)
+        for name, entry in result["heads"].items()
+        for c in entry["configs"]
     ]
     if not runs:
         return None
-    cats = sorted({cat for _, c in runs for cat in c["tau_by_category"]}) + ["MT-bench", "all"]
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(18, 6), gridspec_kw={"width_ratios": [2.2, 1]})
-    width = 0.8 / len(runs)
-    for i, (label, c) in enumerate(runs):
-        values = [c["tau_by_category"].get(cat) for cat in cats[:-2]] + [c["tau_mt_bench"], c["tau"]]
-        xs = [j + (i - len(runs) / 2 + 0.5) * width for j in range(len(cats))]
-        bars.bar(xs, [v or 0 for v in values], width, label=label)
-        lines.plot(
-            range(1, len(c["accept_rate_by_position"]) + 1), c["accept_rate_by_position"], marker="o", label=label
-        )
-    bars.set_xticks(range(len(cats)), cats, rotation=40, ha="right")
-    bars.set_ylabel("tau (tokens per verify)")
-    bars.set_title(f"tau per Spec-Bench category ({result['prompts']} prompts, {result['new_tokens']} new tokens)")
-    bars.legend(fontsize=7, ncol=2)
-    bars.grid(axis="y", alpha=0.3)
+    cats = sorted({cat for _, c in runs for cat in c["tau_by_category"]})
+    columns = [*cats, "MT-bench", "all"]
+    table = [[c["tau_by_category"].get(cat) for cat in cats] + [c["tau_mt_bench"], c["tau"]] for _, c in runs]
+    height = max(4.5, 0.42 * len(runs) + 2)
+    fig, (grid, lines) = plt.subplots(1, 2, figsize=(20, height), gridspec_kw={"width_ratios": [2.3, 1]})
+    values = [[float("nan") if v is None else v for v in row] for row in table]
+    image = grid.imshow(values, cmap="viridis", aspect="auto")
+    for i, row in enumerate(table):
+        for j, v in enumerate(row):
+            if v is not None:
+                grid.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white")
+    grid.set_xticks(range(len(columns)), columns, rotation=40, ha="right")
+    grid.set_yticks(range(len(runs)), [label for label, _ in runs], fontsize=8)
+    grid.set_title(f"tau per Spec-Bench category ({result['prompts']} prompts, {result['new_tokens']} new tokens)")
+    fig.colorbar(image, ax=grid, fraction=0.03, label="tau (tokens per verify)")
+    for label, c in runs:
+        rates = c["accept_rate_by_position"]
+        lines.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
     lines.set_xlabel("draft position d")
     lines.set_ylabel("P(depth d accepted | depth d-1 accepted)")
     lines.set_title("acceptance rate per draft position")
     lines.set_ylim(0, 1)
+    lines.xaxis.get_major_locator().set_params(integer=True)
     lines.grid(alpha=0.3)
-    lines.legend(fontsize=7)
+    lines.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

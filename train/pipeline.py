@@ -301,7 +301,7 @@ def stage_eval(args, log: Log) -> None:
             log(f"[eval] wrote {path} (commit it under bench/results/)")
         except ImportError:  # installed without the bench folder: OUT/eval.json is the record
             pass
-    png = plot(result, out / "eval.png")
+    png = plot(result, out / "eval.png") or "no plot (matplotlib is not installed: --stage plot elsewhere)"
     if result.get("best"):
         (out / "HEAD_README.md").write_text(head_readme(result, heads[result["best"]]))
     log(
@@ -359,7 +359,7 @@ def stage_plot(args, log: Log) -> None:
         raise ValueError("--stage plot needs --eval-json (an eval.json of the eval stage)")
     result = json.loads(Path(args.eval_json).read_text())
     png = plot(result, Path(args.out) / "eval.png")
-    log(f"[plot] {png or 'matplotlib is not installed: no plot'}")
+    log(f"[plot] {png or 'no plot: matplotlib is not installed'}")
 
 
 def run(args: argparse.Namespace) -> int:

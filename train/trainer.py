@@ -367,7 +367,7 @@ def train_head(
     window: list[tuple[float, list[float]]] = []
     start = last_save = last_log = time.perf_counter()
     timed_from = None
-    step = start_step
+    step = saved_at = start_step
     epoch = 0
     tokens_seen = 0
     done = False
@@ -422,10 +422,11 @@ def train_head(
                 window, last_log = [], now
             if now - last_save > cfg.save_every_s:
                 save(step, history)
-                last_save = now
+                last_save, saved_at = now, step
         epoch += 1
     if bar is not None:
         bar.close()
-    save(step, history)
+    if saved_at != step:
+        save(step, history)
     log(f"[train] wrote {out_path} after {step} steps, {time.perf_counter() - start:.0f}s")
     return head, record(step, history)

@@ -267,3 +267,14 @@ def test_transformers_generator_answers_like_the_engine(tmp_path, weights, token
     hf = HFGenerator(model_dir, "cpu", torch.float32, TINY.eos_token_ids)
     engine = EngineGenerator(TINY, weights, "cpu", torch.float32, TINY.eos_token_ids)
     assert hf(prompts, 8, 0.0) == engine(prompts, 8, 0.0)
+
+
+def test_the_head_shipped_for_smollm2_loads_and_stays_lossless(model_path):
+    """Runs once a trained head is shipped in engine/data/eagle (skipped before)."""
+    if eagle_heads.shipped_eagle_head(model_path) is None:
+        pytest.skip("no EAGLE head shipped for SmolLM2 yet (speccycle train-draft, then engine/data/eagle/)")
+    engine = Engine.load(None, draft="eagle", spec=SpecConfig(num_steps=4, page_size=16), kv_tokens=4096)
+    prompts = [engine.chat_prompt("What is the capital of France?")]
+    results, stats = engine.generate(prompts, 16)
+    assert list(results[0].output) == engine.generate_autoregressive(prompts, 16)[0]
+    assert stats.tau > 1.0, "a trained head should get some drafts accepted"
