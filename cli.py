@@ -61,7 +61,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft", default="ngram", choices=["ngram", "layerskip", "eagle", "model", "none"])
     p.add_argument(
-        "--eagle-head", default=None, help="EAGLE head .safetensors (for --draft eagle; default: the one shipped for the model)"
+        "--eagle-head",
+        default=None,
+        help="EAGLE head .safetensors (for --draft eagle; default: the one shipped for the model)",
     )
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
     p.add_argument("--layerskip-layers", type=int, default=None, help="layers of the target the layerskip draft runs")
