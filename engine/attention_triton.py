@@ -16,6 +16,11 @@ decoding reproduce autoregressive decoding in bfloat16 (together with GEMMs of o
 `engine.graphs`). One program per (row, KV head) handles the ``H / Hkv`` query heads of that KV head
 (Hugging Face's ``repeat_kv`` order), so a row's result never depends on the other rows.
 
+Precision: float32 models compute both products in IEEE float32; bfloat16 / float16 models use the
+tensor cores (QK^T products exact, float32 accumulation, the softmax probabilities rounded to the
+value dtype for P V, as flash attention does). Under ``TRITON_INTERPRET=1`` (whose ``tl.dot`` does not
+handle bfloat16) the same roundings are applied and the products taken in float32.
+
 `paged_attention_rows_torch` is the reference-style twin used where Triton is not (CPU): it gathers
 every row's keys up to a static bound ``kv_bound`` (positions) and computes in float32.
 """
@@ -23,6 +28,7 @@ every row's keys up to a static bound ``kv_bound`` (positions) and computes in f
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -109,6 +115,8 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        LOW_PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -152,7 +160,13 @@ if triton is not None:
                 mask=valid[:, None] & (d[None, :] < HEAD_DIM),
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            elif LOW_PRECISION:
+                s = tl.dot(q, tl.trans(k))  # bfloat16 / float16 tensor cores, float32 accumulation
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = s * scale  # [BLOCK_G, BLOCK_N]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -164,7 +178,15 @@ if triton is not None:
                 other=0.0,
             )
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            if LOW_PRECISION:  # probabilities rounded to the value dtype for the tensor cores (as flash attention)
+                p_low = p.to(v.dtype)
+                if UPCAST:
+                    pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p_low, v)
+            else:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -243,6 +265,8 @@ def paged_attention_rows_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=BLOCK_N,
         BLOCK_M=max(16, triton.next_power_of_2(max(num_extra, 1))),
+        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
     return out

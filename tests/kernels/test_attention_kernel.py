@@ -89,15 +89,21 @@ def _rows_args(batch: ForwardBatch, device):
     return [t.to(device) for t in (batch.row_request, batch.prefix_lens, batch.extra_slots, batch.page_table)]
 
 
-@pytest.mark.parametrize("page_size,heads", [(1, (4, 2)), (3, (6, 2)), (4, (4, 4)), (16, (9, 3))])
-def test_kernel_equals_reference_and_torch_twin(page_size, heads):
+@pytest.mark.parametrize(
+    "page_size,heads,dtype",
+    [(1, (4, 2), torch.float32), (3, (6, 2), torch.float32), (4, (4, 4), torch.float32), (16, (9, 3), torch.float32),
+     (3, (6, 2), torch.bfloat16), (16, (9, 3), torch.bfloat16)],
+)  # fmt: skip
+def test_kernel_equals_reference_and_torch_twin(page_size, heads, dtype):
     batch, q, k_cache, v_cache = _case(7 + page_size, page_size, *heads)
-    reference = paged_attention(plan_attention(batch), q, k_cache, v_cache)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    reference = paged_attention(plan_attention(batch), q, k_cache, v_cache).float()
     twin = paged_attention_rows_torch(q, k_cache, v_cache, *_rows_args(batch, "cpu"), page_size, kv_bound=32)
     fast = paged_attention_rows_triton(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
                                        *_rows_args(batch, DEVICE), page_size).cpu()  # fmt: skip
-    torch.testing.assert_close(twin, reference, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: outputs and P rounded to the dtype
+    torch.testing.assert_close(twin.float(), reference, atol=tol, rtol=tol)
+    torch.testing.assert_close(fast.float(), reference, atol=tol, rtol=tol)
 
 
 def test_padding_rows_attend_nothing_and_return_zeros():
