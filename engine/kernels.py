@@ -143,10 +143,6 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
 
     @triton.jit
-    def _round(x, DTYPE: tl.constexpr):
-        return x.to(DTYPE).to(tl.float32)
-
-    @triton.jit
     def _rope_write_kv_kernel(
         qkv_ptr,
         pos_ptr,
@@ -176,7 +172,7 @@ if triton is not None:
         base = qkv_ptr + row * stride_qkv + head * (2 * HALF)
         x1 = tl.load(base + i, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + i, mask=mask, other=0.0)
-        dtype = x1.dtype
+        dtype = qkv_ptr.dtype.element_ty
         slot = tl.load(slot_ptr + row)
         if head >= NUM_HEADS + NUM_KV_HEADS:  # V: copied as is
             kv = head - NUM_HEADS - NUM_KV_HEADS
@@ -193,8 +189,12 @@ if triton is not None:
             a1 = x1.to(tl.float32)
             a2 = x2.to(tl.float32)
             # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
-            out1 = (_round(a1 * c1, dtype) + _round(-a2 * s1, dtype)).to(dtype)
-            out2 = (_round(a2 * c2, dtype) + _round(a1 * s2, dtype)).to(dtype)
+            p1 = (a1 * c1).to(dtype).to(tl.float32)
+            p2 = (-a2 * s1).to(dtype).to(tl.float32)
+            p3 = (a2 * c2).to(dtype).to(tl.float32)
+            p4 = (a1 * s2).to(dtype).to(tl.float32)
+            out1 = (p1 + p2).to(dtype)
+            out2 = (p3 + p4).to(dtype)
             if head < NUM_HEADS:
                 dst = q_out_ptr + row * stride_qt + head * stride_qh
                 tl.store(dst + i, out1, mask=mask)
