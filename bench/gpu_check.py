@@ -149,6 +149,25 @@ def check_graphs(device: str, prompts: list[str]) -> None:
                    "max_diff": (eager.logits - first.logits).abs().max().item()})  # fmt: skip
     pool.free(999)
     pool.free(998)
+    # a first speed reading (bfloat16, batch 1): autoregressive and layer-skip speculative
+    runs = {
+        "autoregressive": lambda: engine.generate_autoregressive([ids], 128)[0],
+        "speculative layerskip S4": lambda: list(engine.generate([ids], 128)[0][0].output),
+    }
+    for label, run in runs.items():
+        run()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens = run()
+        torch.cuda.synchronize()
+        log(
+            "graphs",
+            {
+                "speed": label,
+                "tokens": len(tokens),
+                "tokens_per_s": round(len(tokens) / (time.perf_counter() - start), 1),
+            },
+        )
     # the decode graphs: a replay leaves its input parity untouched
     loop = engine.fast_decoder.loop
     engine.generate_autoregressive([ids], 8)
