@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
         "sampling": "temperature only (top_k 0, top_p 1); prompt i gets seed + i",
-        "runs": runs,
+        "note": "tau = tokens committed per verify; an untrained (random) EAGLE head is near 1 by construction",
+        "rows": runs,
     }
     path = write_result("sampling_tau", payload, device=args.device, directory=args.out)
     print(f"wrote {path}")
