@@ -149,11 +149,13 @@ if triton is not None:
             prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
             e = n - prefix_len  # index among the valid extra slots
             pick = (rank[None, :] == e[:, None]) & has_extra[None, :]
-            extra_slot = tl.sum(tl.where(pick, extra[None, :], 0), axis=1)
-            extra_found = tl.sum(pick.to(tl.int32), axis=1) > 0
-            slot = tl.where(in_prefix, prefix_slot, tl.where(extra_found, extra_slot, -1))
-            valid = (n < total) & (slot >= 0)
-            safe = tl.where(valid, slot, 0).to(tl.int64)
+            # the extra slot of rank e (one column at most), plus one: 0 when none, so slot -1 then
+            extra_slot = tl.sum(tl.where(pick, extra[None, :] + 1, 0), axis=1) - 1
+            slot = tl.where(in_prefix, prefix_slot, extra_slot)
+            # slot >= 0 implies n < total. Kept to one select on `slot`: Triton 3.6's layout pass
+            # (TritonGPURemoveLayoutConversions) fails on `tl.where((n < total) & (slot >= 0), slot, 0)`.
+            valid = slot >= 0
+            safe = tl.maximum(slot, 0).to(tl.int64)
 
             k = tl.load(
                 k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],

@@ -3,9 +3,11 @@
 Every op reproduces the rounding of `engine.llama`'s reference ops (float32 math where the reference
 computes in float32, a rounding to the model dtype wherever the reference's tensor is in that dtype),
 so the fast forward tracks the reference closely; the only differences are reduction orders (RMSNorm's
-mean of squares) and ``exp``. Each op works row by row with a block size that does not depend on the
-number of rows, so a row's result never depends on the other rows of the batch (what keeps the verify
-and the decode forwards of one token bitwise equal).
+mean of squares) and ``exp``. RoPE and the residual add are bitwise torch's: their bfloat16 roundings
+are done in integer arithmetic (`_round_to_bfloat16`) and the RoPE kernel is compiled without
+multiply-add contraction, so no rounding of torch's is skipped on a GPU. Each op works row by row
+with a block size that does not depend on the number of rows, so a row's result never depends on the
+other rows of the batch (what keeps the verify and the decode forwards of one token bitwise equal).
 
 * `rms_norm(x, w, eps)` and `add_rms_norm(x, r, w, eps) -> (x + r, norm(x + r))`: RMSNorm like
   `llama.RMSNorm` (the fused one also returns the residual sum, written where asked).
@@ -112,6 +114,20 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _round_to_bfloat16(x):
+        """float32 -> bfloat16, round to nearest even, in integer arithmetic.
+
+        Why not ``x.to(tl.bfloat16)``: on a GPU, LLVM narrows ``fptrunc(fmul(fpext a, fpext b))`` to a
+        bfloat16 multiply and then contracts it with the following add into ``fma.rn.bf16``, which skips
+        the product's rounding that torch does (seen on an H100, Triton 3.6: RoPE's Q off by an ulp);
+        and Triton's interpreter truncates instead of rounding. Integer rounding is opaque to both, so
+        the kernel gives torch's bits on a GPU and under ``TRITON_INTERPRET=1`` alike. NaN stays NaN.
+        """
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         r_ptr,
@@ -133,7 +149,10 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the reference's dtype add
+            if x_ptr.dtype.element_ty == tl.bfloat16:  # the reference's dtype add
+                x = _round_to_bfloat16(x.to(tl.float32) + r.to(tl.float32))
+            else:
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
         x32 = x.to(tl.float32)
         mean_square = tl.sum(x32 * x32, axis=0) / hidden
@@ -189,12 +208,20 @@ if triton is not None:
             a1 = x1.to(tl.float32)
             a2 = x2.to(tl.float32)
             # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
-            p1 = (a1 * c1).to(dtype).to(tl.float32)
-            p2 = (-a2 * s1).to(dtype).to(tl.float32)
-            p3 = (a2 * c2).to(dtype).to(tl.float32)
-            p4 = (a1 * s2).to(dtype).to(tl.float32)
-            out1 = (p1 + p2).to(dtype)
-            out2 = (p3 + p4).to(dtype)
+            if dtype == tl.bfloat16:
+                p1 = _round_to_bfloat16(a1 * c1).to(tl.float32)
+                p2 = _round_to_bfloat16(-a2 * s1).to(tl.float32)
+                p3 = _round_to_bfloat16(a2 * c2).to(tl.float32)
+                p4 = _round_to_bfloat16(a1 * s2).to(tl.float32)
+                out1 = _round_to_bfloat16(p1 + p2)
+                out2 = _round_to_bfloat16(p3 + p4)
+            else:
+                p1 = (a1 * c1).to(dtype).to(tl.float32)
+                p2 = (-a2 * s1).to(dtype).to(tl.float32)
+                p3 = (a2 * c2).to(dtype).to(tl.float32)
+                p4 = (a1 * s2).to(dtype).to(tl.float32)
+                out1 = (p1 + p2).to(dtype)
+                out2 = (p3 + p4).to(dtype)
             if head < NUM_HEADS:
                 dst = q_out_ptr + row * stride_qt + head * stride_qh
                 tl.store(dst + i, out1, mask=mask)
@@ -275,6 +302,7 @@ def rope_write_kv_triton(
             qkv.stride(0), cos_table.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+            enable_fp_fusion=False,
         )  # fmt: skip
     return q
 

@@ -3,7 +3,12 @@
 The interpreter (how CI runs the kernels) checks what a kernel computes, not that the Triton compiler
 accepts it. This compiles each kernel, at the block sizes the backend picks on a GPU, down to a cubin
 for ``sm_90`` and a code object for ``gfx942`` (the ROCm backend's "kernels that port"), using the
-compilers that ship inside the triton wheel. Run it without ``TRITON_INTERPRET``:
+compilers that ship inside the triton wheel. The fast engine path's kernels (`engine.attention_triton`,
+`engine.kernels`) are compiled for ``sm_90`` too, at the constexprs, dtypes and argument
+specializations of real models (SmolLM2-135M: 9 / 3 heads of 64; Llama-3-8B: 32 / 8 of 128): the
+JIT marks 16-divisible pointers and integers and turns an integer equal to 1 (``page_size`` 1) into a
+constant, and Triton's layout passes have failed on one combination and not another. Run it without
+``TRITON_INTERPRET``:
 
     python -m speccycle.backends.cuda.compile_check [cuda] [hip]
 """
@@ -79,20 +84,108 @@ def _kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]]]]:
     ]  # fmt: skip
 
 
+def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
+    """The fast path's kernels: (kernel, types, constexpr sets, arguments the JIT marks 16-divisible).
+
+    A constexpr set may fix a runtime argument (``page_size=1``): the JIT makes an integer 1 a constant.
+    """
+    from ...engine import attention_triton as attention
+    from ...engine import kernels as fused
+
+    i64, i32 = "*i64", "i32"
+    out = []
+    for dt in ("fp32", "bf16"):
+        p = "*" + dt
+        strides = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_ot",
+                   "stride_oh", "stride_et", "stride_pt")  # fmt: skip
+        signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, row_request_ptr=i64, prefix_ptr=i64, extra_ptr=i64,
+                         table_ptr=i64, **{name: i32 for name in strides}, num_extra=i32, page_size=i32,
+                         table_width=i32, scale="fp32")  # fmt: skip
+        aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "row_request_ptr", "prefix_ptr", "extra_ptr", "table_ptr",
+                   *strides[:8], "page_size")  # fmt: skip
+        low = dt != "fp32"
+        sets = []
+        # SmolLM2-135M at page sizes 16 and 1, with 0-16 and 64 extra slots; Llama-3-8B at page size 16
+        for group, dim, block_m, page_one in ((3, 64, 16, False), (3, 64, 16, True), (3, 64, 64, False),
+                                              (4, 128, 16, False)):  # fmt: skip
+            ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
+                      BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False)  # fmt: skip
+            sets.append({**ce, "page_size": 1} if page_one else ce)
+        out.append((attention._paged_attention_kernel, signature, sets, aligned))
+        rope_strides = ("stride_qkv", "stride_table", "stride_qt", "stride_qh", "stride_ks", "stride_kh",
+                        "stride_vs", "stride_vh")  # fmt: skip
+        out.append(
+            (
+                fused._rope_write_kv_kernel,
+                dict(
+                    qkv_ptr=p,
+                    pos_ptr=i64,
+                    cos_ptr=p,
+                    sin_ptr=p,
+                    slot_ptr=i64,
+                    q_out_ptr=p,
+                    k_ptr=p,
+                    v_ptr=p,
+                    **{name: i32 for name in rope_strides},
+                ),
+                [dict(NUM_HEADS=9, NUM_KV_HEADS=3, HALF=32, BLOCK_HALF=32, enable_fp_fusion=False)],
+                ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", *rope_strides),
+            )
+        )
+        out.append(
+            (
+                fused._rms_norm_kernel,
+                dict(
+                    x_ptr=p,
+                    r_ptr=p,
+                    w_ptr=p,
+                    sum_ptr=p,
+                    y_ptr=p,
+                    stride_x=i32,
+                    stride_r=i32,
+                    stride_s=i32,
+                    stride_y=i32,
+                    hidden=i32,
+                    eps="fp32",
+                ),
+                [dict(HAS_RESIDUAL=False, BLOCK=1024), dict(HAS_RESIDUAL=True, BLOCK=1024)],
+                ("x_ptr", "r_ptr", "w_ptr", "sum_ptr", "y_ptr", "stride_x", "stride_r", "stride_s", "stride_y"),
+            )
+        )
+        out.append((fused._silu_mul_kernel, dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, inter=i32),
+                    [dict(BLOCK=1024)], ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter")))  # fmt: skip
+    return out
+
+
+def _compile(kernel, signature, constexprs, aligned, target) -> None:
+    """Compile one specialization; ``enable_fp_fusion`` in ``constexprs`` is the launch option of that name."""
+    options = {k: constexprs[k] for k in ("enable_fp_fusion",) if k in constexprs}
+    constexprs = {k: v for k, v in constexprs.items() if k not in options}
+    full = {**signature, **{key: "constexpr" for key in constexprs}}
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in constexprs}
+    source = ASTSource(kernel, signature=full, constexprs=constexprs, attrs=attrs)
+    triton.compile(source, target=target, options=options)
+
+
 def compile_all(target_names: list[str]) -> list[str]:
-    """Compile every kernel for each named target; returns the failures (empty when all compile)."""
+    """Compile every kernel for each named target; returns the failures (empty when all compile).
+
+    The fast engine path's kernels are compiled for ``cuda`` only (that path runs on CUDA devices).
+    """
     failures = []
     for name in target_names:
         target = TARGETS[name]
-        for kernel, signature, constexpr_sets in _kernels():
+        entries = [(*entry, ()) for entry in _kernels()]
+        if name == "cuda":
+            entries += _engine_kernels()
+        for kernel, signature, constexpr_sets, aligned in entries:
             if type(kernel).__name__ == "InterpretedFunction":
                 raise RuntimeError(
                     "TRITON_INTERPRET=1 is set: the kernels are interpreted, there is nothing to compile"
                 )
             for constexprs in constexpr_sets:
-                full = {**signature, **{key: "constexpr" for key in constexprs}}
                 try:
-                    triton.compile(ASTSource(kernel, signature=full, constexprs=constexprs), target=target)
+                    _compile(kernel, signature, constexprs, aligned, target)
                 except Exception as err:  # every failure is reported, not just the first
                     failures.append(f"{name} {kernel.__name__} {constexprs}: {type(err).__name__}: {err}")
     return failures

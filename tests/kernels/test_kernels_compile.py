@@ -3,6 +3,8 @@
 The other kernel tests run the kernels in Triton's interpreter, which never invokes the compiler; this
 runs `speccycle.backends.cuda.compile_check` in a subprocess without ``TRITON_INTERPRET`` so the
 compilers inside the triton wheel (ptxas, the AMD backend) see each kernel at a GPU's block sizes.
+The fast engine path's kernels (paged attention, fused ops) are compiled for sm_90 at real models'
+constexprs and the JIT's argument specializations (a Triton 3.6 layout-pass crash hid there).
 """
 
 from __future__ import annotations
