@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..core.ports import ForwardBatch, ModelOutput
 from .drafters.eagle import EagleDraft
 from .drafters.layerskip import LlamaDraft
-from .graphs import BUCKETS, ForwardGraphs, GreedyDecodeGraphs, RowInputs, batch_inputs, bucket, graph_pool
+from .graphs import BUCKETS, ForwardGraphs, GraphPool, GreedyDecodeGraphs, RowInputs, batch_inputs, bucket
 from .kernels import TorchOps, default_ops
 from .kv_pool import LayerKV, PagedKVPool
 from .llama import LlamaModel, rope_cos_sin
@@ -154,6 +154,9 @@ class FastOptions:
 
     ``min_target_rows``: the smallest row bucket of target forwards; the engine sets it to the verify
     rows of one request (``N``) so decode and verify share GEMM shapes (see `engine.graphs`).
+    ``graph_pool``: the CUDA graph memory pool of the engine these options accelerate (`accelerate`
+    makes one set of options per engine): its target, draft and decode graphs are captured into it,
+    and it keeps them alive until the engine and its options are dropped (`graphs.GraphPool`).
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class FastOptions:
         self.max_rows, self.max_requests, self.max_extra = max_rows, max_requests, max_extra
         self.min_target_rows = min_target_rows
         self.max_decode_steps = max_decode_steps
+        self.graph_pool = GraphPool(self.device)
 
     def runner(self, compute, pool: PagedKVPool, vocab_size: int, hidden_in=None, hidden_dtype=torch.float32,
                min_rows: int = 1) -> ForwardGraphs:  # fmt: skip
@@ -190,6 +194,7 @@ class FastOptions:
             min_rows=min_rows,
             graphs=self.graphs,
             needs_kv_bound=self.ops.needs_kv_bound,
+            graph_pool=self.graph_pool,
         )
 
 
@@ -296,7 +301,7 @@ class GraphedDraftLevels:
                 fn(*static)  # warm-up: the same draft KV writes the replay repeats
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=graph_pool(device)), torch.no_grad():
+            with self.options.graph_pool.capture(graph), torch.no_grad():
                 outputs = fn(*static)
         finally:
             self._in_levels = False
@@ -402,6 +407,7 @@ class FastGreedyDecoder:
             min_rows=options.min_target_rows,
             graphs=options.graphs,
             needs_kv_bound=options.ops.needs_kv_bound,
+            graph_pool=options.graph_pool,
         )
 
     def decode(

@@ -21,6 +21,9 @@ count from ``prefix_lens`` and ``extra_slots`` (see `attention_triton`).
 
 Batches too big for the buffers (a prefill of a long prompt) run eagerly on the batch's own tensors.
 
+Graphs are captured into a `GraphPool` that keeps them alive and dies with its owner (an engine), never
+into a process-wide pool handle: see `GraphPool` for why (a retired pool asserts in the allocator).
+
 `GreedyDecodeGraphs` captures one autoregressive decode step that also picks the next token: two
 graphs per bucket read ``(ids, positions, step)`` from one set of buffers and write the next
 ``(ids, positions, step)`` to the other, so decoding is one replay per token and no graph ever
@@ -35,6 +38,7 @@ keeps greedy speculative output identical to autoregressive output in bfloat16 a
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -71,19 +75,48 @@ class RowInputs:
 # compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
 Compute = Callable[[RowInputs, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
-_POOLS: dict[int, object] = {}
 
+class GraphPool:
+    """A CUDA graph memory pool and every graph captured into it, owned by whoever captures into it.
 
-def graph_pool(device: torch.device):
-    """One CUDA graph memory pool per device, shared by every captured forward.
+    Graphs captured into one pool share its memory: safe here, since they run one at a time on one
+    stream and what a graph returns is cloned out of the pool before any other graph runs. An engine
+    shares one `GraphPool` among its target, draft and decode graphs (`fast.FastOptions.graph_pool`);
+    a `ForwardGraphs` or `GreedyDecodeGraphs` built without one gets its own.
 
-    Sharing is safe here: graphs run one at a time on one stream, and what a graph returns is
-    cloned out of the pool before any other graph runs.
+    Lifetime: the caching allocator counts the live graphs of a pool (its ``use_count``); when the
+    last one is destroyed the pool is retired, and a later capture into the same handle fails with
+    ``use_count > 0 INTERNAL ASSERT FAILED``. So a pool handle must never outlive its graphs (a
+    module-global handle does, once an engine is dropped and a new one captures). Here the pool
+    keeps every graph captured into it, and the handle lives exactly as long as the pool object:
+    dropping the last owner frees the graphs and the handle together, and a new owner takes a new
+    pool. A capture that fails before any graph lives in the pool takes a fresh handle next time.
+    The handle is made on first capture, so building a pool touches no CUDA state.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._handle = None
+        self._graphs: list = []
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured into this pool (kept alive by it)."""
+        return len(self._graphs)
+
+    @contextlib.contextmanager
+    def capture(self, graph):
+        """``torch.cuda.graph(graph, pool=<this pool>)``; the graph is kept once its capture ends well."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=self._handle):
+                yield graph
+        except BaseException:
+            if not self._graphs:  # no live graph holds the pool: never capture into this handle again
+                self._handle = None
+            raise
+        self._graphs.append(graph)
 
 
 def batch_inputs(batch: ForwardBatch, kv_bound: int) -> RowInputs:
@@ -109,6 +142,7 @@ class ForwardGraphs:
     ``hidden_in``: width of the hidden states fed with the rows (a draft's target features or parent
     states), None if none. ``graphs``: capture on CUDA (False: the same buffers, eagerly).
     ``needs_kv_bound``: ``compute`` gathers keys up to ``RowInputs.kv_bound`` (the torch attention).
+    ``graph_pool``: the `GraphPool` to capture into (shared with other graphs of one owner); None: its own.
     """
 
     def __init__(
@@ -127,9 +161,11 @@ class ForwardGraphs:
         min_rows: int = 1,
         graphs: bool = True,
         needs_kv_bound: bool = False,
+        graph_pool: GraphPool | None = None,
     ) -> None:
         self.compute = compute
         self.device = torch.device(device)
+        self.graph_pool = graph_pool if graph_pool is not None else GraphPool(self.device)
         self.page_size = page_size
         self.table_width = math.ceil(num_slots / page_size)
         self.max_rows = bucket(max_rows) or BUCKETS[-1]
@@ -237,7 +273,7 @@ class ForwardGraphs:
             self.compute(inputs, hidden)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool(self.device)), torch.no_grad():
+        with self.graph_pool.capture(graph), torch.no_grad():
             logits, out_hidden = self.compute(inputs, hidden)
         return graph, logits, out_hidden
 
@@ -258,7 +294,8 @@ class GreedyDecodeGraphs:
 
     ``compute`` is a target forward (`ForwardGraphs`' contract); it runs over ``Tb`` rows, one per
     request (``Tb = bucket(max(bs, min_rows))``), with causal attention, logits of every row, and the
-    step writes ``argmax`` into the history ``[rows, max_steps]`` at column ``step``.
+    step writes ``argmax`` into the history ``[rows, max_steps]`` at column ``step``. ``graph_pool``:
+    as for `ForwardGraphs`.
     """
 
     def __init__(
@@ -273,9 +310,11 @@ class GreedyDecodeGraphs:
         min_rows: int = 1,
         graphs: bool = True,
         needs_kv_bound: bool = False,
+        graph_pool: GraphPool | None = None,
     ) -> None:
         self.compute = compute
         self.device = torch.device(device)
+        self.graph_pool = graph_pool if graph_pool is not None else GraphPool(self.device)
         self.page_size = page_size
         self.table_width = math.ceil(num_slots / page_size)
         self.max_batch = bucket(max(max_batch, min_rows)) or BUCKETS[-1]
@@ -388,7 +427,7 @@ class GreedyDecodeGraphs:
             self._step(rows, parity, bound)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool(self.device)), torch.no_grad():
+        with self.graph_pool.capture(graph), torch.no_grad():
             self._step(rows, parity, bound)
         for target, value in zip(state, saved):
             target.copy_(value)

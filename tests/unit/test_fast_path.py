@@ -285,3 +285,58 @@ def test_static_draft_loop_equals_the_state_machine_loop(weights, topk):
     for want, got in zip(*outs):
         for a, b in zip(want, got):
             torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
+
+
+def _layerskip_engine(weights, device="cpu"):
+    """A fast layer-skip engine (chain of 3) on its own model and KV pool."""
+    spec = SpecConfig(num_steps=3, topk=1, page_size=4)
+    model = LlamaModel(TINY, weights, device=device)
+    pool = PagedKVPool(num_pages=128, page_size=4, device=device)
+    return Engine(model, pool, lambda engine: LlamaDraft(model, pool, num_layers=2), spec, fast=True)
+
+
+def test_graph_pool_is_per_engine_and_dies_with_it(weights):
+    """Each engine captures into its own `GraphPool` (never a process-wide handle), shared by its target, draft
+    and decode graphs; dropping the engine frees the pool (and so every graph in it), and a new engine works."""
+    import gc
+    import weakref
+
+    from speccycle.engine.graphs import ForwardGraphs, GraphPool
+
+    prompts = [tokens_of(31, 6), tokens_of(32, 9)]
+    first = _layerskip_engine(weights)
+    pool = first.fast_options.graph_pool
+    assert isinstance(pool, GraphPool) and pool.num_graphs == 0  # made lazily: no CUDA state on CPU
+    owners = (first.target.graphs, first.draft.graphs, first.fast_decoder.loop)
+    assert all(owner.graph_pool is pool for owner in owners)
+    want = first.generate_autoregressive(prompts, 8)
+    second = _layerskip_engine(weights)
+    assert second.fast_options.graph_pool is not pool
+    alone = ForwardGraphs(second.target.graphs.compute, device="cpu", num_slots=64, page_size=4, vocab_size=64)
+    assert alone.graph_pool is not pool and alone.graph_pool is not second.fast_options.graph_pool
+    dead = weakref.ref(pool)
+    del first, owners, pool
+    gc.collect()
+    assert dead() is None, "a dropped engine must not keep its graph pool (and its graphs) alive"
+    results, _ = second.generate(prompts, 8, checked=True)
+    assert [list(r.output) for r in results] == want == second.generate_autoregressive(prompts, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_new_engine_captures_after_a_dropped_one(weights):
+    """On CUDA: build, run (captures), drop and collect an engine, then a new one captures again (the retired
+    pool of the dropped engine is never reused: the allocator asserts ``use_count > 0`` if it is)."""
+    import gc
+
+    prompts = [tokens_of(41, 6), tokens_of(42, 9), tokens_of(43, 4), tokens_of(44, 7)]
+    outputs = []
+    for _ in range(3):
+        engine = _layerskip_engine(weights, device="cuda")
+        ar = engine.generate_autoregressive(prompts[:1], 8) + engine.generate_autoregressive(prompts, 8)
+        results, _ = engine.generate(prompts, 8)
+        assert [list(r.output) for r in results] == ar[1:]
+        assert engine.fast_options.graph_pool.num_graphs > 0
+        outputs.append(ar)
+        del engine, results
+        gc.collect()  # the dropped engine's graphs die now; its pool is retired (no empty_cache)
+    assert outputs[0] == outputs[1] == outputs[2]
