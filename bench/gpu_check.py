@@ -11,9 +11,13 @@ Checks, each printed as it finishes and written to one JSON (``--out`` directory
 3. fast == reference: float32 SmolLM2 autoregressive tokens of the fast path equal the reference
    engine's; speculative == autoregressive on the fast path for ngram, layerskip and EAGLE (chain and
    tree) in float32 and bfloat16 (bfloat16 works because decode and verify share GEMM shapes and the
-   attention's key order).
+   attention's key order);
+4. rebuild: fast layer-skip engines built, run (capturing target, draft-loop and decode graphs, batch 1
+   and 4), dropped and collected, then built again in the same process, float32 and bfloat16: every
+   rebuilt engine captures again (a retired graph pool reused through a process-wide handle made the
+   allocator assert ``use_count > 0``) and gives the same tokens; the dropped engine's pool is freed.
 
-    python -m bench.gpu_check --out $OUT [--prompts spec_bench_dev.jsonl] [--skip-kernels]
+    python -m bench.gpu_check --out $OUT [--prompts spec_bench_dev.jsonl] [--skip-kernels] [--only rebuild]
 """
 
 from __future__ import annotations
@@ -231,6 +235,54 @@ def check_tokens(device: str, prompts: list[str], new_tokens: int) -> None:
             torch.cuda.empty_cache()
 
 
+# ---- 4. drop an engine, build another, capture again --------------------------------------------------
+def check_rebuild(device: str, prompts: list[str], new_tokens: int = 24) -> None:
+    import gc
+    import weakref
+
+    from speccycle.core import SpecConfig
+    from speccycle.engine.engine import Engine
+
+    spec = SpecConfig(num_steps=4, topk=1, page_size=16)
+    for dtype in (torch.float32, torch.bfloat16):
+        first = None
+        # round 1: the reference; round 2: after the first engine was collected without empty_cache (its pool
+        # retired but still known to the allocator: the case that asserted); round 3: after empty_cache.
+        for round_ in (1, 2, 3):
+            engine = Engine.load(draft="layerskip", spec=spec, device=device, dtype=dtype, layerskip_layers=8,
+                                 fast=True, kv_tokens=4096)  # fmt: skip
+            ids = [engine.chat_prompt(p) for p in prompts[:4]]
+            ids = [ids[i % len(ids)] for i in range(4)]
+            out, error = None, None
+            try:
+                out = {
+                    "ar_1": engine.generate_autoregressive(ids[:1], new_tokens),
+                    "ar_4": engine.generate_autoregressive(ids, new_tokens),
+                    "spec_1": [list(r.output) for r in engine.generate(ids[:1], new_tokens)[0]],
+                    "spec_4": [list(r.output) for r in engine.generate(ids, new_tokens)[0]],
+                }
+            except RuntimeError as err:
+                error = f"{type(err).__name__}: {err}"
+            first = out if first is None else first
+            graphs = engine.fast_options.graph_pool.num_graphs
+            pool = weakref.ref(engine.fast_options.graph_pool)
+            del engine
+            gc.collect()
+            if round_ == 2:
+                torch.cuda.empty_cache()
+            # batch 1: speculative == autoregressive is the fast path's claim; batch 4 runs verify and decode at
+            # different GEMM shapes, so there it is only reported
+            row = {"check": f"{str(dtype)[6:]} engine #{round_} of one process: captures, same tokens as #1, "
+                            "its graph pool freed when dropped", "graphs": graphs, "error": error,
+                   "same_tokens_as_first": out is not None and out == first, "pool_freed": pool() is None,
+                   "spec_equals_ar_batch_1": out is not None and out["spec_1"] == out["ar_1"],
+                   "spec_equals_ar_batch_4": out is not None and out["spec_4"] == out["ar_4"]}  # fmt: skip
+            row["ok"] = (
+                row["same_tokens_as_first"] and graphs > 0 and row["pool_freed"] and row["spec_equals_ar_batch_1"]
+            )
+            log("rebuild", row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for the JSON result")
@@ -239,6 +291,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-tokens", action="store_true")
+    parser.add_argument("--only", default=None, help="comma list of checks: kernels,graphs,tokens,rebuild")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_check needs a CUDA device")
@@ -256,8 +309,9 @@ def main() -> None:
         ("kernels", None if args.skip_kernels else lambda: check_kernels(device)),
         ("graphs", lambda: check_graphs(device, prompts)),
         ("tokens", None if args.skip_tokens else lambda: check_tokens(device, prompts, args.new_tokens)),
+        ("rebuild", lambda: check_rebuild(device, prompts)),
     ):
-        if fn is None:
+        if fn is None or (args.only and name not in args.only.split(",")):
             continue
         try:
             fn()

@@ -333,10 +333,11 @@ def test_new_engine_captures_after_a_dropped_one(weights):
     for _ in range(3):
         engine = _layerskip_engine(weights, device="cuda")
         ar = engine.generate_autoregressive(prompts[:1], 8) + engine.generate_autoregressive(prompts, 8)
-        results, _ = engine.generate(prompts, 8)
-        assert [list(r.output) for r in results] == ar[1:]
+        results, _ = engine.generate(prompts[:1], 8)
+        assert [list(r.output) for r in results] == ar[:1]
+        batch, _ = engine.generate(prompts, 8)  # a batch of 4: its prefill and verify graphs
         assert engine.fast_options.graph_pool.num_graphs > 0
-        outputs.append(ar)
-        del engine, results
+        outputs.append((ar, [list(r.output) for r in batch]))
+        del engine, results, batch
         gc.collect()  # the dropped engine's graphs die now; its pool is retired (no empty_cache)
     assert outputs[0] == outputs[1] == outputs[2]
