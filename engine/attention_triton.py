@@ -202,6 +202,9 @@ if triton is not None:
 BLOCK_N = 64
 
 
+MIN_TRITON_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
+
+
 def paged_attention_rows_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -221,6 +224,19 @@ def paged_attention_rows_triton(
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
     num_rows, num_heads, head_dim = q.shape
+    if q.is_cuda and head_dim < MIN_TRITON_HEAD_DIM:
+        # tl.dot needs K >= 16 on a GPU (the interpreter does not check): small test models take the twin
+        return paged_attention_rows_torch(
+            q,
+            k_cache,
+            v_cache,
+            row_request,
+            prefix_lens,
+            extra_slots,
+            page_table,
+            page_size,
+            page_table.shape[1] * page_size if kv_bound is None else kv_bound,
+        )
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
