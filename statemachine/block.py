@@ -21,7 +21,16 @@ from ..core.config import SpecConfig
 from ..core.ports import Ports
 from ..core.records import Compacted, Drafted, DraftTree, Ready, RowOutputs, Verified
 from ..core.tree import chain_tree
-from .transitions import CycleError, _batch, _check_logits, _errored, _ready, _reserve_cycle, _row_slots
+from .transitions import (
+    CycleError,
+    _batch,
+    _check_logits,
+    _errored,
+    _ready,
+    _reserve_cycle,
+    _row_slots,
+    target_verify_forward,
+)
 
 
 def check_block_config(cfg: SpecConfig, draft) -> None:
@@ -93,23 +102,9 @@ def verify_block(rec: Drafted, ports: Ports, backend) -> Verified:
     """One target forward over the block as a chain; ``correct_len`` by `verify_block`, greedy."""
     cfg, bs = rec.config, len(rec.requests)
     block = rec.tree.tokens.shape[1]
-    ids = tuple(r.request_id for r in rec.requests)
     L, device = rec.seq_lens, rec.seq_lens.device
     causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
-    extra = torch.where(causal, rec.verify_slots[:, None, :], -1).reshape(bs * block, block)
-    row_request = torch.arange(bs, device=device).repeat_interleave(block)
-    batch = _batch(
-        ports,
-        ids,
-        rec.tree.tokens.reshape(-1),
-        (L[:, None] + rec.tree.depths).reshape(-1),
-        row_request,
-        rec.verify_slots.reshape(-1),
-        L.repeat_interleave(block),
-        extra,
-        ports.kv_pool.page_table(ids),
-    )
-    out = ports.target.forward(batch)
+    out, row_request = target_verify_forward(rec, ports, causal.expand(bs, block, block))
     predict = backend.greedy_predict(out.logits)  # [bs * B]: target[i] of each block
     correct_len, _ = backend.verify_block(rec.tree.tokens, predict.view(bs, block))
     accept_len = correct_len + 1

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from ..core.config import SpecConfig
-from ..core.ports import ForwardBatch, KVPool, KVPoolExhausted, Ports
+from ..core.ports import ForwardBatch, KVPool, KVPoolExhausted, ModelOutput, Ports
 from ..core.records import (
     Accepted,
     Admitted,
@@ -556,20 +556,12 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
 
 
 # ---- verify ------------------------------------------------------------------------------------
-def verify(rec: Drafted, ports: Ports, backend) -> Verified:
-    """One target forward over ``[root, drafts]`` at ``L + depth`` with the tree mask; greedy walk.
-
-    Sampled requests replace their greedy walk with lossless rejection sampling (chain or tree) against
-    their processed target distribution (`statemachine.sampling.verify_sampled`).
-    """
-    cfg, bs = rec.config, len(rec.requests)
-    N = rec.tree.tokens.shape[1]  # cfg.num_draft_tokens, or fewer when a lookup draft had less to offer
+def target_verify_forward(rec: Drafted, ports: Ports, mask: torch.Tensor) -> tuple[ModelOutput, torch.Tensor]:
+    """The target forward over every verify row (``[bs * N]``) at ``L + depth``; ``mask [bs, N, N]`` says which
+    of its request's verify rows each row sees besides the prefix. Returns the output and ``row_request``."""
+    bs, N = rec.tree.tokens.shape
     ids = tuple(r.request_id for r in rec.requests)
     L, device = rec.seq_lens, rec.seq_lens.device
-    if cfg.is_chain:  # row i sees rows 0..i
-        mask = torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(bs, N, N)
-    else:
-        mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
     extra = torch.where(mask, rec.verify_slots[:, None, :], -1).reshape(bs * N, N)
     row_request = torch.arange(bs, device=device).repeat_interleave(N)
     batch = _batch(
@@ -583,7 +575,23 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
         extra,
         ports.kv_pool.page_table(ids),
     )
-    out = ports.target.forward(batch)
+    return ports.target.forward(batch), row_request
+
+
+def verify(rec: Drafted, ports: Ports, backend) -> Verified:
+    """One target forward over ``[root, drafts]`` at ``L + depth`` with the tree mask; greedy walk.
+
+    Sampled requests replace their greedy walk with lossless rejection sampling (chain or tree) against
+    their processed target distribution (`statemachine.sampling.verify_sampled`).
+    """
+    cfg, bs = rec.config, len(rec.requests)
+    N = rec.tree.tokens.shape[1]  # cfg.num_draft_tokens, or fewer when a lookup draft had less to offer
+    L, device = rec.seq_lens, rec.seq_lens.device
+    if cfg.is_chain:  # row i sees rows 0..i
+        mask = torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(bs, N, N)
+    else:
+        mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
+    out, row_request = target_verify_forward(rec, ports, mask)
     predict = backend.greedy_predict(out.logits)  # [bs * N]
     accept_index, accept_len = backend.verify_greedy(
         rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
