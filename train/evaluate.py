@@ -135,7 +135,12 @@ def evaluate_heads(
             result["autoregressive_s"] = round(time.perf_counter() - start, 2)
             del engine, pool
         size = head_path.stat().st_size
-        entry = {"head": str(head_path), "version": head.config.version, "file_mb": round(size / 2**20, 2)}
+        entry = {
+            "head": str(head_path),
+            "version": head.config.version,
+            "lm_head": "target" if head.config.target_lm_head else "own",
+            "file_mb": round(size / 2**20, 2),
+        }
         entry["configs"] = []
         for spec in configs:
             pool = PagedKVPool(num_pages=-(-kv_tokens // spec.page_size), page_size=spec.page_size, device=device)

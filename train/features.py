@@ -72,7 +72,9 @@ def target_outputs(
         x = _dense_layer(layer, x, cos, sin)
     captured[c.num_layers] = x
     flat = x.reshape(b * t, -1)
-    greedy = torch.cat([model.logits(rows).argmax(-1) for rows in flat.split(logits_chunk)])
+    # argmax of the logits in the model dtype: the float32 copy `LlamaModel.logits` makes holds the same values
+    head = model.lm_head_weight
+    greedy = torch.cat([F.linear(model.norm(rows), head).argmax(-1) for rows in flat.split(logits_chunk)])
     return TargetOutputs(
         features=torch.cat([captured[i] for i in feature_layers], -1), last=x, greedy=greedy.view(b, t)
     )

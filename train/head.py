@@ -54,7 +54,11 @@ def shift_left(x: torch.Tensor, by: int, fill: int | float | bool = 0) -> torch.
 
 
 class TrainableEagleHead(nn.Module):
-    """EAGLE-1 or EAGLE-3 head weights as float32 parameters, named as in the head's file."""
+    """EAGLE-1 or EAGLE-3 head weights as float32 parameters, named as in the head's file.
+
+    An EAGLE-3 head with ``draft_vocab_size == 0`` has no norm, LM head or id map of its own: its logits
+    come from the target's frozen final norm and LM head, as EAGLE-1's do (`lm_input`).
+    """
 
     def __init__(self, config: EagleConfig, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -70,7 +74,7 @@ class TrainableEagleHead(nn.Module):
                 if name != "draft_to_target"
             }
         )
-        if config.version == 3:
+        if not config.target_lm_head:
             self.register_buffer("draft_to_target", weights["draft_to_target"].detach().long().clone())
 
     @classmethod
@@ -101,7 +105,7 @@ class TrainableEagleHead(nn.Module):
     def state(self) -> dict[str, torch.Tensor]:
         """The weights under their file names."""
         out = {name.replace("__", "."): p.detach() for name, p in self.params.items()}
-        if self.config.version == 3:
+        if not self.config.target_lm_head:
             out["draft_to_target"] = self.draft_to_target
         return out
 
@@ -112,7 +116,7 @@ class TrainableEagleHead(nn.Module):
         """Size of the head's file in ``dtype`` (the id map stays int64)."""
         size = torch.tensor([], dtype=dtype).element_size()
         total = sum(p.numel() for p in self.params.values()) * size
-        return total + (self.draft_to_target.numel() * 8 if self.config.version == 3 else 0)
+        return total + (0 if self.config.target_lm_head else self.draft_to_target.numel() * 8)
 
     # ---- forward -------------------------------------------------------------------------------
     def _layer(self, x: torch.Tensor, embed: torch.Tensor, step: int, keys: list, values: list) -> torch.Tensor:
@@ -177,8 +181,16 @@ class TrainableEagleHead(nn.Module):
             outs.append(x)
         return outs
 
+    def lm_input(self, target: LlamaModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LM head's input and weight for head outputs ``hidden [N, H]``: ``(norm(hidden) [N, H], W [V', H])``.
+
+        The target's final norm and LM head where `EagleConfig.target_lm_head` (``V' = V``, frozen), else
+        the head's own norm and reduced-vocabulary LM head (``V' = draft_vocab_size``, trained).
+        """
+        if self.config.target_lm_head:
+            return target.norm(hidden), target.lm_head_weight
+        return rms_norm(hidden, self.w("norm.weight"), self.config.rms_norm_eps), self.w("lm_head.weight")
+
     def logits(self, target: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits of head outputs ``[N, H]``: EAGLE-1 full vocabulary ``[N, V]``, EAGLE-3 ``[N, Vd]``."""
-        if self.config.version == 1:
-            return F.linear(target.norm(hidden), target.lm_head_weight)
-        return F.linear(rms_norm(hidden, self.w("norm.weight"), self.config.rms_norm_eps), self.w("lm_head.weight"))
+        """Draft logits of head outputs ``[N, H]``: ``[N, V]`` over the target's LM head, else ``[N, Vd]``."""
+        return F.linear(*self.lm_input(target, hidden))

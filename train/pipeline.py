@@ -4,9 +4,11 @@ Stages (``--stage``):
 
 * ``generate``: the target answers training prompts (chat template, greedy by default), batched on
   the GPU with transformers (or the engine); token ids only -> ``OUT/data.npz`` (a few MB).
-* ``train``: EAGLE-1 and/or EAGLE-3 heads (``--versions 1,3``); target features are recomputed per
-  batch by a frozen target forward, never stored -> ``OUT/eagle1.safetensors``, ``OUT/eagle3.safetensors``
-  (bfloat16, the engine's `EagleHead` format, training record in the file's metadata).
+* ``train``: EAGLE-1 and/or EAGLE-3 heads (``--versions 1,3,3full``; ``3full`` is EAGLE-3 over the
+  target's own final norm and LM head, full vocabulary); target features are recomputed per batch by a
+  frozen target forward, never stored -> ``OUT/eagle1.safetensors``, ``OUT/eagle3.safetensors``,
+  ``OUT/eagle3full.safetensors`` (bfloat16, the engine's `EagleHead` format, training record in the
+  file's metadata). It needs only ``OUT/data.npz`` (or ``--data``) and the target.
 * ``eval``: tau per Spec-Bench category and acceptance per draft position, chains and trees, with the
   engine -> ``OUT/eval.json``, ``OUT/eval.png``, ``OUT/HEAD_README.md`` (for the best head) and the
   benchmark record ``OUT/train_draft_eval-DATE.json`` (device, commit; it belongs in bench/results/).
@@ -34,6 +36,9 @@ import time
 from pathlib import Path
 
 STAGES = ("generate", "train", "eval", "all", "plot")
+HEADS = ("1", "3", "3full")  # --versions items
+V3_INTERMEDIATE = 384  # EAGLE-3 with its own 3,072-token LM head: 4.87M parameters, 9.74 MB in bf16
+V3FULL_INTERMEDIATE = 1408  # EAGLE-3 over the target's LM head: 4.87M parameters, 9.74 MB in bf16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,21 +61,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long, keep the rest")
     g.add_argument("--data", default=None, help="generated data file (default: OUT/data.npz)")
     t = p.add_argument_group("train")
-    t.add_argument("--versions", default="1,3", help="EAGLE versions to train, e.g. 1 or 1,3")
+    t.add_argument(
+        "--versions",
+        default="1,3",
+        help="heads to train (and evaluate): 1 (EAGLE-1), 3 (EAGLE-3, own --draft-vocab LM head), 3full (EAGLE-3 "
+        "over the target's final norm and LM head: full vocabulary, nothing of it stored); e.g. 1,3 or 3full",
+    )
     t.add_argument("--steps", type=int, default=3000, help="optimizer steps per head (upper bound)")
-    t.add_argument("--train-minutes", type=float, default=None, help="time budget per head (lowers --steps)")
+    t.add_argument(
+        "--train-minutes",
+        type=float,
+        default=None,
+        help="time budget per head: the schedule is fitted to it and training stops in time (lowers --steps)",
+    )
     t.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per batch (B x T)")
     t.add_argument("--max-len", type=int, default=640, help="sequences are cut to this many tokens")
     t.add_argument("--ttt-steps", type=int, default=6, help="draft steps unrolled in training (>= the S you run)")
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--warmup-steps", type=int, default=50)
-    t.add_argument("--draft-vocab", type=int, default=3072, help="EAGLE-3 draft vocabulary size")
-    t.add_argument("--v3-intermediate", type=int, default=384, help="EAGLE-3 MLP width (keeps the head < 10 MB)")
+    t.add_argument(
+        "--draft-vocab", type=int, default=3072, help="EAGLE-3 draft vocabulary size (0: version 3 means 3full)"
+    )
+    t.add_argument(
+        "--v3-intermediate",
+        type=int,
+        default=None,
+        help=f"EAGLE-3 MLP width (default {V3_INTERMEDIATE} with its own 3,072-token LM head, "
+        f"{V3FULL_INTERMEDIATE} for 3full: either keeps the bf16 head under 10 MB)",
+    )
     t.add_argument("--v1-intermediate", type=int, default=None, help="EAGLE-1 MLP width (default: the target's)")
     t.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")
     e = p.add_argument_group("eval")
     e.add_argument("--eval-prompts", default=None, help="Spec-Bench JSONL (e.g. spec_bench_dev.jsonl)")
-    e.add_argument("--eval-limit", type=int, default=None)
+    e.add_argument("--eval-limit", type=int, default=None, help="the first N prompts")
+    e.add_argument(
+        "--eval-per-category", type=int, default=None, help="the first N prompts of each category (a shorter eval)"
+    )
     e.add_argument("--eval-new-tokens", type=int, default=128)
     e.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32")
     e.add_argument("--heads", default=None, help="comma-separated head files (default: OUT/eagle{v}.safetensors)")
@@ -195,11 +221,40 @@ def _command_line(args) -> str:
     return " ".join(["speccycle", *sys.argv[1:]])
 
 
-def _versions(args) -> list[int]:
-    versions = [int(v) for v in args.versions.split(",") if v.strip()]
-    if not versions or any(v not in (1, 3) for v in versions):
-        raise ValueError(f"--versions {args.versions!r}: choose from 1 and 3, e.g. 1,3")
-    return versions
+def _versions(args) -> list[str]:
+    """The heads ``--versions`` names: ``1``, ``3``, ``3full`` (``3`` with ``--draft-vocab 0`` is ``3full``)."""
+    items = [v.strip() for v in args.versions.split(",") if v.strip()]
+    if not items or any(v not in HEADS for v in items):
+        raise ValueError(f"--versions {args.versions!r}: choose from {', '.join(HEADS)}, e.g. 1,3 or 3full")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab {args.draft_vocab}: a vocabulary size, or 0 for the target's LM head")
+    names = ["3full" if v == "3" and args.draft_vocab == 0 else v for v in items]
+    return list(dict.fromkeys(names))
+
+
+def _train_config(args, name: str):
+    """The `TrainConfig` of head ``name`` (an item of `_versions`)."""
+    from .trainer import TrainConfig
+
+    version = int(name[0])
+    intermediate = args.v1_intermediate
+    if version == 3:
+        default = V3FULL_INTERMEDIATE if name == "3full" else V3_INTERMEDIATE
+        intermediate = args.v3_intermediate or default
+    return TrainConfig(
+        version=version,
+        ttt_steps=args.ttt_steps,
+        draft_vocab_size=0 if name == "3full" else args.draft_vocab,
+        intermediate_size=intermediate,
+        batch_tokens=args.batch_tokens,
+        max_len=args.max_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        steps=args.steps,
+        time_budget_s=args.train_minutes * 60 if args.train_minutes else None,
+        seed=args.seed,
+        save_every_s=args.save_every,
+    )
 
 
 def stage_train(args, log: Log) -> None:
@@ -208,7 +263,7 @@ def stage_train(args, log: Log) -> None:
     from ..engine.engine import load_model
     from ..engine.llama import LlamaModel
     from .data import SelfDistilledData
-    from .trainer import TrainConfig, train_head
+    from .trainer import train_head
 
     device = _device(args)
     data = SelfDistilledData.load(_data_path(args))
@@ -218,38 +273,24 @@ def stage_train(args, log: Log) -> None:
     del weights
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    for version in _versions(args):
+    for name in _versions(args):
         start = time.perf_counter()
-        cfg = TrainConfig(
-            version=version,
-            ttt_steps=args.ttt_steps,
-            draft_vocab_size=args.draft_vocab,
-            intermediate_size=args.v3_intermediate if version == 3 else args.v1_intermediate,
-            batch_tokens=args.batch_tokens,
-            max_len=args.max_len,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            steps=args.steps,
-            time_budget_s=args.train_minutes * 60 if args.train_minutes else None,
-            seed=args.seed,
-            save_every_s=args.save_every,
-        )
         info = {
             "command": _command_line(args),
             "data": {**data.meta, "sequences": len(data), "tokens": int(data.lengths.sum())},
             "target": model_path.name,
         }
         train_head(
-            cfg,
+            _train_config(args, name),
             data,
             target,
-            Path(args.out) / f"eagle{version}.safetensors",
-            checkpoint_path=work / f"eagle{version}-ckpt.pt",
+            Path(args.out) / f"eagle{name}.safetensors",
+            checkpoint_path=work / f"eagle{name}-ckpt.pt",
             resume=args.resume,
             info=info,
             log=log,
         )
-        log(f"[train] EAGLE-{version} done in {time.perf_counter() - start:.0f}s")
+        log(f"[train] eagle{name} done in {time.perf_counter() - start:.0f}s")
 
 
 def _trees(text: str) -> list[tuple[int, int, int]]:
@@ -280,7 +321,7 @@ def stage_eval(args, log: Log) -> None:
     if missing:
         raise ValueError(f"no head at {', '.join(missing)}: train first or pass --heads")
     device = _device(args)
-    prompts = load_prompts(args.eval_prompts, args.eval_limit)
+    prompts = per_category(load_prompts(args.eval_prompts, args.eval_limit), args.eval_per_category)
     configs = eval_configs([int(s) for s in args.chains.split(",") if s], _trees(args.trees))
     start = time.perf_counter()
     result = evaluate_heads(
@@ -312,6 +353,21 @@ def stage_eval(args, log: Log) -> None:
     )
 
 
+def per_category(prompts: list[dict], count: int | None) -> list[dict]:
+    """The first ``count`` prompts of each category, in file order (all where ``count`` is None)."""
+    if count is None:
+        return prompts
+    if count < 1:
+        raise ValueError(f"--eval-per-category {count}: pass a positive number of prompts")
+    seen: dict[str, int] = {}
+    kept = []
+    for p in prompts:
+        seen[p["category"]] = seen.get(p["category"], 0) + 1
+        if seen[p["category"]] <= count:
+            kept.append(p)
+    return kept
+
+
 def head_readme(result: dict, head_path: Path) -> str:
     """What ships beside a head: how it was trained (from its file's metadata) and what it measured."""
     from safetensors import safe_open
@@ -321,7 +377,8 @@ def head_readme(result: dict, head_path: Path) -> str:
     train = json.loads(meta.get("speccycle.train", "{}"))
     entry = next(e for e in result["heads"].values() if Path(e["head"]) == head_path)
     lines = [
-        f"# EAGLE-{entry['version']} head for {train.get('target', 'the target')}",
+        f"# EAGLE-{entry['version']} head for {train.get('target', 'the target')}"
+        + (" (logits from the target's final norm and LM head)" if entry.get("lm_head") == "target" else ""),
         "",
         f"File: `{head_path.name}` ({entry['file_mb']} MB, bfloat16; config in the safetensors metadata "
         "`speccycle.eagle`, training record in `speccycle.train`).",

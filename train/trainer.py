@@ -9,9 +9,14 @@ never accepted, so it need not be trained there. Losses, step ``s`` weighted ``s
 * EAGLE-1: ``reg_weight * smooth_l1(out / r, f_last[k + s + 1] / r) + ce_weight * CE(target head(out))``
   (feature regression, relative to the RMS ``r`` of the target feature's row, plus token
   cross-entropy through the target's frozen LM head);
-* EAGLE-3: ``CE`` over the reduced draft vocabulary (targets outside it are masked).
+* EAGLE-3: ``CE`` over the reduced draft vocabulary (targets outside it are masked: they count in
+  the mean and the accuracy, untrained);
+* EAGLE-3 over the target's LM head (``draft_vocab_size == 0``): ``CE`` over the target's full
+  vocabulary, through its frozen final norm and LM head.
 
-Cross-entropy runs in checkpointed row chunks: EAGLE-1 logits are ``rows x 49152`` per step.
+Cross-entropy runs over row chunks in `losses.linear_cross_entropy`, which computes its gradient in
+the forward (the logits GEMM once, float32 softmax per chunk, nothing ``[rows, V]`` kept): EAGLE-1
+logits are ``rows x 49152`` per step.
 """
 
 from __future__ import annotations
@@ -27,13 +32,13 @@ import attrs
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from ..engine.drafters.eagle import METADATA_KEY, EagleConfig
+from ..engine.drafters.eagle import EagleConfig, file_metadata
 from ..engine.llama import LlamaModel
 from .data import SelfDistilledData
 from .features import target_outputs
 from .head import TrainableEagleHead, shift_left
+from .losses import linear_cross_entropy
 
 
 @attrs.frozen
@@ -126,12 +131,6 @@ def collate(data: SelfDistilledData, indices: np.ndarray, max_len: int, device) 
     return tuple(torch.from_numpy(a).to(device) for a in (ids, lengths, prompt_lens))
 
 
-def _ce_chunk(head: TrainableEagleHead, target: LlamaModel, hidden: torch.Tensor, labels: torch.Tensor):
-    logits = head.logits(target, hidden).float()
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    return loss, (logits.argmax(-1) == labels).sum()
-
-
 def batch_loss(
     head: TrainableEagleHead,
     target: LlamaModel,
@@ -140,15 +139,20 @@ def batch_loss(
     prompt_lens: torch.Tensor,
     cfg: TrainConfig,
     target_to_draft: torch.Tensor | None = None,
+    timer: Callable[[str], None] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one batch and per-step accuracies (see the module docstring).
 
-    Shapes: ``ids [B, T]``, ``lengths, prompt_lens [B]``; ``target_to_draft [V]`` (EAGLE-3: the
-    draft id of each target id, -1 outside the draft vocabulary).
+    Shapes: ``ids [B, T]``, ``lengths, prompt_lens [B]``; ``target_to_draft [V]`` (EAGLE-3 with its own
+    LM head: the draft id of each target id, -1 outside the draft vocabulary). ``timer(name)`` marks
+    the end of the phases ``target``, ``head`` and ``loss`` (`PhaseTimer`).
     """
-    version = head.config.version
+    version, own_vocab = head.config.version, not head.config.target_lm_head
+    mark = timer or (lambda _name: None)
     out = target_outputs(target, ids, head.config.feature_layers)
+    mark("target")
     outs = head.unroll(target, ids, out.features, cfg.ttt_steps)
+    mark("head")
     b, t = ids.shape
     anchor = torch.arange(t, device=ids.device)[None, :]  # [1, T]
     agrees = torch.zeros_like(ids, dtype=torch.bool)  # agrees[k]: t[k + 1] is the target's greedy token at k
@@ -162,23 +166,20 @@ def batch_loss(
             on_path = on_path & shift_left(agrees, step, False)  # the depth-`step` token fed is greedy
         label_pos = anchor + step + 2
         valid = (label_pos < lengths[:, None]) & (label_pos >= prompt_lens[:, None]) & on_path  # [B, T]
-        labels = shift_left(out.greedy, step + 1)[valid]  # [N]
-        rows = hidden[valid]  # [N, H]
-        n = rows.shape[0]
+        labels = shift_left(out.greedy, step + 1)  # [B, T] target ids
+        if own_vocab:  # draft ids; a row whose label lies outside the draft vocabulary counts, untrained
+            n = int(valid.sum())
+            labels = target_to_draft[labels]
+            valid = valid & (labels >= 0)
+        labels = labels[valid]  # [N']
+        rows = hidden[valid]  # [N', H]
+        if not own_vocab:
+            n = rows.shape[0]
         rows_per_step.append(n)
         if n == 0:
             stats.append((zero, zero, zero))
             continue
-        if version == 3:
-            labels = target_to_draft[labels]
-            labels = torch.where(labels >= 0, labels, torch.full_like(labels, -100))
-        ce_sum, correct = zero, zero
-        for chunk, chunk_labels in zip(rows.split(cfg.ce_chunk_rows), labels.split(cfg.ce_chunk_rows)):
-            if torch.is_grad_enabled():
-                loss, hits = checkpoint(_ce_chunk, head, target, chunk, chunk_labels, use_reentrant=False)
-            else:
-                loss, hits = _ce_chunk(head, target, chunk, chunk_labels)
-            ce_sum, correct = ce_sum + loss, correct + hits
+        ce_sum, correct = linear_cross_entropy(*head.lm_input(target, rows), labels, cfg.ce_chunk_rows)
         ce = ce_sum / n
         weight = cfg.step_decay**step
         if version == 1:
@@ -192,6 +193,7 @@ def batch_loss(
             reg = zero
             total = total + weight * ce
         stats.append((ce.detach(), reg.detach(), correct.float()))
+    mark("loss")
     values = torch.stack([torch.stack(s) for s in stats]).tolist()  # [steps, 3]
     metrics = {
         "rows": rows_per_step,
@@ -257,11 +259,88 @@ def save_head(head: TrainableEagleHead, path: Path, info: dict, dtype: torch.dty
         k: (v.to(dtype) if k != "draft_to_target" else v.long()).detach().cpu().contiguous()
         for k, v in head.state().items()
     }
-    meta = {METADATA_KEY: json.dumps(attrs.asdict(head.config)), "speccycle.train": json.dumps(info)}
+    meta = {**file_metadata(head.config), "speccycle.train": json.dumps(info)}
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, str(tmp), metadata=meta)
     os.replace(tmp, path)
     return path
+
+
+def head_name(config: EagleConfig) -> str:
+    """``eagle1``, ``eagle3`` (own reduced-vocabulary LM head) or ``eagle3full`` (the target's LM head)."""
+    if config.version == 3 and config.target_lm_head:
+        return "eagle3full"
+    return f"eagle{config.version}"
+
+
+def _resumed(head: TrainableEagleHead, wanted: EagleConfig, source: Path) -> TrainableEagleHead:
+    """``head`` if it is the head this run trains; a clear error where ``source`` holds another one."""
+    if head.config != wanted:
+        raise ValueError(
+            f"--resume: {source} holds a {head_name(head.config)} head of config {attrs.asdict(head.config)}, not "
+            f"the {head_name(wanted)} head asked for ({attrs.asdict(wanted)}): drop --resume or use another --out "
+            "and --work-dir"
+        )
+    return head
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory(device: torch.device) -> str:
+    """GPU memory: peak allocated, and the caching allocator's retries (each one frees its cache: slow)."""
+    if device.type != "cuda":
+        return ""
+    stats = torch.cuda.memory_stats(device)
+    return (
+        f"; peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB, "
+        f"allocator retries {stats.get('num_alloc_retries', 0)}"
+    )
+
+
+class PhaseTimer:
+    """Where a training step's time goes: ``timer(name)`` marks the end of a phase; `summary` averages.
+
+    On a GPU the marks are CUDA events (no sync until `summary`); on a CPU the wall clock.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.steps: list[list[tuple[str, object]]] = []
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.steps.append([("start", self._now())])
+
+    def __call__(self, name: str) -> None:
+        if self.steps:
+            self.steps[-1].append((name, self._now()))
+
+    def phases(self) -> dict[str, float]:
+        """Mean milliseconds per phase over the timed steps."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        for marks in self.steps:
+            for (_, a), (name, b) in zip(marks, marks[1:]):
+                ms = a.elapsed_time(b) if self.cuda else (b - a) * 1000
+                totals[name] = totals.get(name, 0.0) + ms
+        return {name: ms / len(self.steps) for name, ms in totals.items()}
+
+    def summary(self) -> str:
+        phases = self.phases()
+        if not phases:
+            return "phases not timed"
+        parts = ", ".join(f"{name} {ms:.0f}" for name, ms in phases.items())
+        return f"phases (ms per step, mean of {len(self.steps)}): {parts}"
 
 
 def train_head(
@@ -286,12 +365,13 @@ def train_head(
     data, val_data = split_validation(data, cfg)
     hcfg = head_config(target.config, cfg)
     start_step, total_steps = 0, cfg.steps
-    d2t = draft_vocabulary(data, cfg.draft_vocab_size, target.config.vocab_size) if cfg.version == 3 else None
+    own_vocab = cfg.version == 3 and cfg.draft_vocab_size > 0
+    d2t = draft_vocabulary(data, cfg.draft_vocab_size, target.config.vocab_size) if own_vocab else None
     head = TrainableEagleHead.init(hcfg, d2t, seed=cfg.seed)
     optim_state = None
     if resume and checkpoint_path is not None and checkpoint_path.is_file():
         saved = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        head = TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"])
+        head = _resumed(TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"]), hcfg, checkpoint_path)
         optim_state, start_step, total_steps = saved["optimizer"], saved["step"], saved["total_steps"]
         log(f"[train] resumed from {checkpoint_path} at step {start_step}/{total_steps}")
     elif resume and out_path.is_file():
@@ -301,13 +381,13 @@ def train_head(
 
         with safe_open(str(out_path), framework="pt") as f:
             record = json.loads((f.metadata() or {}).get("speccycle.train", "{}"))
-        head = TrainableEagleHead.from_eagle_head(EagleHead.load(out_path))
+        head = _resumed(TrainableEagleHead.from_eagle_head(EagleHead.load(out_path)), hcfg, out_path)
         start_step, total_steps = int(record.get("step", 0)), int(record.get("total_steps", cfg.steps))
         log(f"[train] resumed weights from {out_path} at step {start_step}/{total_steps} (fresh AdamW moments)")
     elif resume:
         log("[train] --resume: no checkpoint found, starting fresh")
     head.to(device)
-    if head.config.version == 3:
+    if not head.config.target_lm_head:
         d2t = head.draft_to_target
         target_to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.long, device=device)
         target_to_draft[d2t] = torch.arange(len(d2t), device=device)
@@ -323,11 +403,12 @@ def train_head(
         optimizer.load_state_dict(optim_state)
     amp = device.type == "cuda"
     info = dict(info or {})
+    lm_head = "the target's LM head" if hcfg.target_lm_head else f"own LM head over {hcfg.draft_vocab_size} tokens"
     log(
-        f"[train] EAGLE-{hcfg.version}: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters, "
-        f"{head.num_bytes() / 2**20:.1f} MiB in bfloat16; intermediate {hcfg.intermediate_size}, features "
-        f"{hcfg.feature_layers}; {len(data)} sequences, {int(data.lengths.sum())} tokens "
-        f"(+ {len(val_data) if val_data is not None else 0} held out)"
+        f"[train] {head_name(hcfg)}: {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M parameters, "
+        f"{head.num_bytes() / 1e6:.2f} MB ({head.num_bytes() / 2**20:.2f} MiB) of tensors in bfloat16; intermediate "
+        f"{hcfg.intermediate_size}, features {hcfg.feature_layers}, {lm_head}; {len(data)} sequences, "
+        f"{int(data.lengths.sum())} tokens (+ {len(val_data) if val_data is not None else 0} held out)"
     )
 
     def record(step: int, history: dict) -> dict:
@@ -360,14 +441,18 @@ def train_head(
     try:
         from tqdm import tqdm
 
-        bar = tqdm(total=total_steps, initial=start_step, desc=f"train eagle{hcfg.version}", mininterval=5.0)
+        bar = tqdm(total=total_steps, initial=start_step, desc=f"train {head_name(hcfg)}", mininterval=5.0)
     except ImportError:
         bar = None
     history: dict = {"loss": None, "acc": None}
     window: list[tuple[float, list[float]]] = []
     start = last_save = last_log = time.perf_counter()
+    budget = cfg.time_budget_s
+    save_s = 10.0  # what the final held-out check and write take; measured at every save
+    step_s = 0.0  # the last step's wall time
+    timer = PhaseTimer(device)
     timed_from = None
-    step = saved_at = start_step
+    step = saved_at = logged_at = start_step
     epoch = 0
     tokens_seen = 0
     done = False
@@ -376,39 +461,52 @@ def train_head(
             if step >= total_steps:
                 done = True
                 break
+            now = step_began = time.perf_counter()
+            if budget is not None and step > start_step:
+                if now - start + step_s + 1.5 * save_s > budget:  # a hard stop: the call must end in time
+                    log(f"[train] time budget reached at step {step} of {total_steps}: stopping")
+                    total_steps, done = step, True
+                    break
             if step == start_step + 5:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                _sync(device)
                 timed_from = time.perf_counter()
-            if step == start_step + cfg.measure_at and cfg.time_budget_s is not None and timed_from is not None:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+            if step == start_step + cfg.measure_at and timed_from is not None:
+                _sync(device)
                 per_step = (time.perf_counter() - timed_from) / (cfg.measure_at - 5)
-                left = cfg.time_budget_s - (time.perf_counter() - start)
-                fits = step + int(0.93 * left / per_step)  # checkpoints and held-out checks take the rest
-                if fits < total_steps:
-                    total_steps = max(step + 1, fits)
-                    if bar is not None:
-                        bar.total = total_steps
-                log(
-                    f"[train] {per_step * 1000:.0f} ms/step: {total_steps} steps fit the "
-                    f"{cfg.time_budget_s:.0f}s budget"
-                )
+                log(f"[train] {per_step * 1000:.0f} ms/step; {timer.summary()}{_memory(device)}")
+                if budget is not None:
+                    left = budget - (time.perf_counter() - start)
+                    fits = step + int(0.93 * left / per_step)  # checkpoints and held-out checks take the rest
+                    if fits < total_steps:
+                        total_steps = max(step + 1, fits)
+                        if bar is not None:
+                            bar.total = total_steps
+                    log(f"[train] {total_steps} steps fit the {budget:.0f}s budget")
+            timing = timed_from is not None and step < start_step + cfg.measure_at
+            if timing:
+                timer.start()
             ids, lengths, prompt_lens = collate(data, indices, cfg.max_len, device)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, cfg)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                loss, metrics = batch_loss(head, target, ids, lengths, prompt_lens, cfg, target_to_draft)
+                loss, metrics = batch_loss(
+                    head, target, ids, lengths, prompt_lens, cfg, target_to_draft, timer if timing else None
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if timing:
+                timer("backward")
             torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
             optimizer.step()
+            if timing:
+                timer("optimizer")
             step += 1
             tokens_seen += int(lengths.sum())
             window.append((float(loss.detach()), metrics["acc"]))
             if bar is not None:
                 bar.update(1)
             now = time.perf_counter()
+            step_s = now - step_began
             if now - last_log > cfg.log_every_s or step == total_steps:
                 mean_loss = sum(w[0] for w in window) / len(window)
                 acc = [sum(w[1][s] for w in window) / len(window) for s in range(cfg.ttt_steps)]
@@ -417,16 +515,30 @@ def train_head(
                     f"[train] step {step}/{total_steps} epoch {epoch} loss {mean_loss:.4f} "
                     f"lr {lr_at(step, total_steps, cfg):.2e} "
                     f"acc/step {' '.join(f'{a:.3f}' for a in acc)} (chain tau ~{expected_accept_len(acc):.2f}) "
-                    f"{tokens_seen / (now - start):.0f} tok/s {now - start:.0f}s"
+                    f"{tokens_seen / (now - start):.0f} tok/s {(now - last_log) / (step - logged_at) * 1000:.0f} "
+                    f"ms/step {now - start:.0f}s{_memory(device)}"
                 )
-                window, last_log = [], now
+                if budget is not None and step > start_step + cfg.measure_at and step < total_steps:
+                    # the pace can change (batch shapes, memory): end the schedule where the budget ends
+                    per_step = (now - last_log) / (step - logged_at)
+                    fits = step + max(1, int((budget - (now - start) - 1.5 * save_s) / per_step))
+                    if fits < 0.98 * total_steps:
+                        log(f"[train] at {per_step * 1000:.0f} ms/step {fits} steps fit the budget (was {total_steps})")
+                        total_steps = fits
+                        if bar is not None:
+                            bar.total = total_steps
+                window, last_log, logged_at = [], now, step
             if now - last_save > cfg.save_every_s:
                 save(step, history)
-                last_save, saved_at = now, step
+                save_s = time.perf_counter() - now
+                last_save, saved_at = time.perf_counter(), step
         epoch += 1
     if bar is not None:
         bar.close()
     if saved_at != step:
         save(step, history)
-    log(f"[train] wrote {out_path} after {step} steps, {time.perf_counter() - start:.0f}s")
+    log(
+        f"[train] wrote {out_path} ({out_path.stat().st_size / 1e6:.2f} MB) after {step} steps, "
+        f"{time.perf_counter() - start:.0f}s"
+    )
     return head, record(step, history)

@@ -5,12 +5,16 @@
 * EAGLE-3: the target's features are three layers concatenated (``3H``), projected by ``fc: 3H -> H``;
   the layer's attention reads ``[norm(embed), norm(hidden)]`` (``2H``); the head has its own norm and a
   reduced-vocabulary LM head whose ids map to the target's through ``draft_to_target``.
+* EAGLE-3 over the target's LM head (``draft_vocab_size == 0``, `EagleConfig.target_lm_head`): the
+  EAGLE-3 layer, with logits from the target's final norm and LM head as in EAGLE-1 (the full
+  vocabulary; the file stores no norm, LM head or id map, so its bytes go to the layer's MLP).
 
 In both, a draft step feeds a node's parent's layer output as its hidden state (EAGLE's feature
 prediction), so ``hidden`` of the output is the layer output ``[T, H]``.
 
 Weights live in one safetensors file; its metadata key ``speccycle.eagle`` holds the `EagleConfig`
-as JSON. `EagleHead.random` builds one with random weights for tests.
+as JSON, and ``speccycle.eagle.lm_head`` says where the logits come from (``own`` or ``target``).
+`EagleHead.random` builds one with random weights for tests.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..kv_pool import PagedKVPool
 from ..llama import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
 
 METADATA_KEY = "speccycle.eagle"
+LM_HEAD_KEY = "speccycle.eagle.lm_head"  # "own" (EAGLE-3's reduced vocabulary) or "target" (the target's norm and head)
 
 
 @attrs.frozen
@@ -44,15 +49,25 @@ class EagleConfig:
     rope_theta: float
     rms_norm_eps: float
     feature_layers: tuple[int, ...] = attrs.field(converter=tuple)  # target residual streams fed to the head
-    draft_vocab_size: int | None = None  # EAGLE-3 only
+    # EAGLE-3 only: the size of the head's own LM head, or 0: logits from the target's final norm and LM head
+    draft_vocab_size: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.version not in (1, 3):
             raise ValueError(f"EAGLE version {self.version} is not supported: choose 1 or 3")
         if self.version == 1 and len(self.feature_layers) != 1:
             raise ValueError("EAGLE-1 reads one feature layer (the target's final-norm input)")
-        if self.version == 3 and (len(self.feature_layers) != 3 or not self.draft_vocab_size):
-            raise ValueError("EAGLE-3 reads three feature layers and needs draft_vocab_size")
+        if self.version == 3 and len(self.feature_layers) != 3:
+            raise ValueError("EAGLE-3 reads three feature layers")
+        if self.version == 3 and (self.draft_vocab_size is None or self.draft_vocab_size < 0):
+            raise ValueError(
+                "EAGLE-3 needs draft_vocab_size: the size of its own LM head, or 0 for the target's LM head"
+            )
+
+    @property
+    def target_lm_head(self) -> bool:
+        """Logits from the target's final norm and LM head (EAGLE-1; EAGLE-3 with ``draft_vocab_size == 0``)."""
+        return self.version == 1 or self.draft_vocab_size == 0
 
     @classmethod
     def for_target(cls, target_config, version: int = 1, draft_vocab_size: int | None = None) -> EagleConfig:
@@ -72,6 +87,11 @@ class EagleConfig:
         )
 
 
+def file_metadata(config: EagleConfig) -> dict[str, str]:
+    """The safetensors metadata of a head file: its config, and which LM head its logits come from."""
+    return {METADATA_KEY: json.dumps(attrs.asdict(config)), LM_HEAD_KEY: "target" if config.target_lm_head else "own"}
+
+
 def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
     h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
     attn_in = 2 * h if c.version == 3 else h
@@ -89,14 +109,10 @@ def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
     if c.version == 1:
         shapes["layer.input_layernorm.weight"] = (h,)
     else:
+        shapes.update({"layer.embed_norm.weight": (h,), "layer.hidden_norm.weight": (h,)})
+    if not c.target_lm_head:
         shapes.update(
-            {
-                "layer.embed_norm.weight": (h,),
-                "layer.hidden_norm.weight": (h,),
-                "norm.weight": (h,),
-                "lm_head.weight": (c.draft_vocab_size, h),
-                "draft_to_target": (c.draft_vocab_size,),
-            }
+            {"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h), "draft_to_target": (c.draft_vocab_size,)}
         )
     return shapes
 
@@ -133,6 +149,7 @@ class EagleHead(nn.Module):
         else:
             self.embed_norm = RMSNorm(w["layer.embed_norm.weight"], eps)
             self.hidden_norm = RMSNorm(w["layer.hidden_norm.weight"], eps)
+        if not config.target_lm_head:
             self.norm = RMSNorm(w["norm.weight"], eps)
             self.lm_head = nn.Parameter(w["lm_head.weight"], requires_grad=False)
             self.register_buffer("draft_to_target", w["draft_to_target"])
@@ -169,10 +186,11 @@ class EagleHead(nn.Module):
         if c.version == 1:
             out["layer.input_layernorm.weight"] = self.input_norm.weight
         else:
+            out["layer.embed_norm.weight"] = self.embed_norm.weight
+            out["layer.hidden_norm.weight"] = self.hidden_norm.weight
+        if not c.target_lm_head:
             out.update(
                 {
-                    "layer.embed_norm.weight": self.embed_norm.weight,
-                    "layer.hidden_norm.weight": self.hidden_norm.weight,
                     "norm.weight": self.norm.weight,
                     "lm_head.weight": self.lm_head,
                     "draft_to_target": self.draft_to_target,
@@ -183,7 +201,7 @@ class EagleHead(nn.Module):
     def save(self, path: str | os.PathLike) -> None:
         from safetensors.torch import save_file
 
-        save_file(self.state(), str(path), metadata={METADATA_KEY: json.dumps(attrs.asdict(self.config))})
+        save_file(self.state(), str(path), metadata=file_metadata(self.config))
 
     @classmethod
     def load(cls, path: str | os.PathLike, dtype=torch.float32, device="cpu") -> EagleHead:
@@ -219,7 +237,8 @@ class EagleHead(nn.Module):
 
 
 class EagleDraft:
-    """`DraftModel` over an `EagleHead` and the target's `LlamaModel` (embedding; EAGLE-1: norm and head).
+    """`DraftModel` over an `EagleHead` and the target's `LlamaModel` (embedding; final norm and LM head
+    where `EagleConfig.target_lm_head`: EAGLE-1, and EAGLE-3 with ``draft_vocab_size == 0``).
 
     The target must be built with ``feature_layers == head.config.feature_layers``.
     """
@@ -231,7 +250,7 @@ class EagleDraft:
         tc, hc = target_model.config, head.config
         if hc.hidden_size != tc.hidden_size:
             raise ModelLoadError(f"EAGLE head hidden size {hc.hidden_size} != target's {tc.hidden_size}: not its head")
-        if hc.version == 3 and int(head.draft_to_target.max()) >= tc.vocab_size:
+        if not hc.target_lm_head and int(head.draft_to_target.max()) >= tc.vocab_size:
             raise ModelLoadError(
                 f"the EAGLE-3 head maps to token id {int(head.draft_to_target.max())}, past the target's "
                 f"vocabulary of {tc.vocab_size}: the draft and target vocabularies do not match"
@@ -250,8 +269,8 @@ class EagleDraft:
             x = F.linear(torch.cat([embed, x], -1), self.head.fc)
         out = self.head.layer(x, embed, batch, self.kv)  # [T, H]
         rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
-        if self.head.config.version == 1:
-            logits = self.target_model.logits(rows)
+        if self.head.config.target_lm_head:
+            logits = self.target_model.logits(rows)  # [R, V]
         else:
             small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd]
             logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))

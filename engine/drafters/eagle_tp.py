@@ -1,7 +1,8 @@
 """EAGLE drafts over a tensor-parallel target: the head replicated on every rank, or sharded like the target.
 
-Both read the target's vocabulary-parallel embedding (one ``all_reduce``) and, for EAGLE-1, its
-vocabulary-parallel LM head (one ``all_gather``), so their logits are the full ``[R, V]`` on every rank.
+Both read the target's vocabulary-parallel embedding (one ``all_reduce``) and, for EAGLE-1 and an
+EAGLE-3 head without its own LM head (``draft_vocab_size == 0``), its vocabulary-parallel LM head
+(one ``all_gather``), so their logits are the full ``[R, V]`` on every rank.
 
 * `TPEagleDraft` (replicated): every rank runs the whole head layer on the same inputs. No
   communication inside the layer; the ranks agree because the same kernels on the same inputs give the
@@ -43,7 +44,7 @@ class TPEagleDraft(EagleDraft):
             x = F.linear(torch.cat([embed, x], -1), self.head.fc)
         out = self._layer(x, embed, batch)  # [T, H]
         rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
-        if self.head.config.version == 1:
+        if self.head.config.target_lm_head:  # EAGLE-1, or EAGLE-3 without its own LM head
             logits = self.target_model.logits(rows)  # the target's norm and head: [R, V], gathered
         else:
             small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd], replicated
