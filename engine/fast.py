@@ -179,7 +179,7 @@ class FastOptions:
         self.graph_pool = GraphPool(self.device)
 
     def runner(self, compute, pool: PagedKVPool, vocab_size: int, hidden_in=None, hidden_dtype=torch.float32,
-               min_rows: int = 1, summarize: bool = False) -> ForwardGraphs:  # fmt: skip
+               min_rows: int = 1) -> ForwardGraphs:  # fmt: skip
         return ForwardGraphs(
             compute,
             device=self.device,
@@ -195,7 +195,6 @@ class FastOptions:
             graphs=self.graphs,
             needs_kv_bound=self.ops.needs_kv_bound,
             graph_pool=self.graph_pool,
-            summarize=summarize,
         )
 
 
@@ -320,9 +319,7 @@ class FastTarget(LlamaTarget):
         c = target.model.config
         self.rope = _rope_for(target.model, pool, c.head_dim, c.rope_theta, target.model.dtype, c.max_position)
         compute = functools.partial(self._compute, want_hidden=True)
-        # summarize: every forward also hands over its rows' argmax and finiteness (inside the graph),
-        # so the cycle never reduces the logits itself (`core.ports.ModelOutput`).
-        self.graphs = options.runner(compute, pool, c.vocab_size, min_rows=options.min_target_rows, summarize=True)
+        self.graphs = options.runner(compute, pool, c.vocab_size, min_rows=options.min_target_rows)
 
     def _compute(self, inputs: RowInputs, hidden_in=None, *, want_hidden: bool = True):
         return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs, want_hidden=want_hidden)
