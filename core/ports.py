@@ -66,6 +66,12 @@ class ModelOutput:
 
     logits: torch.Tensor  # [R, V]
     hidden: torch.Tensor | None  # [T, F]
+    # Optional reductions of ``logits`` a port may compute beside them (inside its CUDA graph) and hand
+    # over where the cycle's records live: ``greedy [R]`` int64 ``logits.argmax(-1)`` (lowest index on
+    # ties), ``finite [R]`` bool ``isfinite(logits).all(-1)``. The cycle uses them instead of reducing
+    # ``logits`` itself; they must be exactly those reductions.
+    greedy: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -82,6 +82,7 @@ class Engine:
         self.backend = get_backend(target_model.device)
         self._ids = itertools.count()
         self.fast_decoder = None
+        self.host_control = False  # `engine.host_control`; `accelerate` turns it on for a GPU
         if fast:
             from .fast import accelerate
 
@@ -211,7 +212,7 @@ class Engine:
             config=self.spec,
             requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
         )
-        ports = Ports(target=self.target, draft=self.draft, kv_pool=self.pool)
+        ports, backend = self._cycle_ports(sampling)
         done: dict[int, Request] = {}
         sent = {rid: 0 for rid in ids}
         histogram: Counter[int] = Counter()
@@ -219,7 +220,7 @@ class Engine:
         start = time.perf_counter()
         try:
             while True:
-                previous, record = record, step(record, ports, self.backend, checked=checked)
+                previous, record = record, step(record, ports, backend, checked=checked)
                 if on_step is not None:
                     on_step(record)
                 if not isinstance(record, Compacted):
@@ -242,6 +243,16 @@ class Engine:
                     self.pool.free(rid)
         stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
         return [done[rid] for rid in ids], stats
+
+    def _cycle_ports(self, sampling: SamplingParams | None) -> tuple[Ports, object]:
+        """The ports and backend of a `generate` call: the host control plane where it serves the call
+        (`engine.host_control`: fast path on a GPU, lookup draft, greedy), else the device's."""
+        from . import host_control
+
+        if self.host_control and host_control.serves(self.draft, sampling):
+            target, pool = host_control.HostTarget(self.target), host_control.HostPool(self.pool)
+            return Ports(target=target, draft=self.draft, kv_pool=pool), host_control.HostBackend(self.model.device)
+        return Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend
 
     def generate_autoregressive(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128) -> list[list[int]]:
         """Plain greedy decoding, one token per forward: the output `generate` must equal."""

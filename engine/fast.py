@@ -179,7 +179,7 @@ class FastOptions:
         self.graph_pool = GraphPool(self.device)
 
     def runner(self, compute, pool: PagedKVPool, vocab_size: int, hidden_in=None, hidden_dtype=torch.float32,
-               min_rows: int = 1) -> ForwardGraphs:  # fmt: skip
+               min_rows: int = 1, summarize: bool = False) -> ForwardGraphs:  # fmt: skip
         return ForwardGraphs(
             compute,
             device=self.device,
@@ -195,6 +195,7 @@ class FastOptions:
             graphs=self.graphs,
             needs_kv_bound=self.ops.needs_kv_bound,
             graph_pool=self.graph_pool,
+            summarize=summarize,
         )
 
 
@@ -319,7 +320,9 @@ class FastTarget(LlamaTarget):
         c = target.model.config
         self.rope = _rope_for(target.model, pool, c.head_dim, c.rope_theta, target.model.dtype, c.max_position)
         compute = functools.partial(self._compute, want_hidden=True)
-        self.graphs = options.runner(compute, pool, c.vocab_size, min_rows=options.min_target_rows)
+        # summarize: every forward also hands over its rows' argmax and finiteness (inside the graph),
+        # so the cycle never reduces the logits itself (`core.ports.ModelOutput`).
+        self.graphs = options.runner(compute, pool, c.vocab_size, min_rows=options.min_target_rows, summarize=True)
 
     def _compute(self, inputs: RowInputs, hidden_in=None, *, want_hidden: bool = True):
         return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs, want_hidden=want_hidden)
@@ -452,10 +455,14 @@ class FastGreedyDecoder:
         return outputs
 
 
-def accelerate(engine, graphs: bool = True, ops: type[TorchOps] | None = None, **options) -> None:
+def accelerate(
+    engine, graphs: bool = True, ops: type[TorchOps] | None = None, host_control: bool | None = None, **options
+) -> None:
     """Swap the engine's target, forward draft and autoregressive decoder for the fast ones.
 
     ``min_target_rows`` defaults to the engine's ``N``, so decode and verify share GEMM shapes.
+    ``host_control``: run the cycles it serves with their records on the host (`engine.host_control`);
+    None: on a GPU.
     """
     options.setdefault("min_target_rows", engine.spec.num_draft_tokens)
     opts = FastOptions(engine.model.device, graphs=graphs, ops=ops, **options)
@@ -466,3 +473,4 @@ def accelerate(engine, graphs: bool = True, ops: type[TorchOps] | None = None, *
         engine.draft = FastLlamaDraft(engine.draft, engine.pool, opts)
     engine.fast_decoder = FastGreedyDecoder(engine.target, engine.pool, opts)
     engine.fast_options = opts
+    engine.host_control = opts.device.type == "cuda" if host_control is None else bool(host_control)

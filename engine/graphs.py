@@ -119,6 +119,27 @@ class GraphPool:
         self._graphs.append(graph)
 
 
+class _NoEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+
+def batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """The batch with its tensors on ``device`` (itself when they are there already)."""
+    if batch.input_ids.device.type == torch.device(device).type:
+        return batch
+    move = {
+        name: getattr(batch, name).to(device)
+        for name in ("input_ids", "positions", "row_request", "out_slots", "prefix_lens", "extra_slots", "page_table")
+    }
+    if batch.logits_rows is not None:
+        move["logits_rows"] = batch.logits_rows.to(device)
+    return attrs.evolve(batch, **move)
+
+
 def batch_inputs(batch: ForwardBatch, kv_bound: int) -> RowInputs:
     """The batch's own tensors as `RowInputs` (the eager path)."""
     return RowInputs(
@@ -162,8 +183,10 @@ class ForwardGraphs:
         graphs: bool = True,
         needs_kv_bound: bool = False,
         graph_pool: GraphPool | None = None,
+        summarize: bool = False,
     ) -> None:
         self.compute = compute
+        self.summarize = summarize
         self.device = torch.device(device)
         self.graph_pool = graph_pool if graph_pool is not None else GraphPool(self.device)
         self.page_size = page_size
@@ -182,6 +205,7 @@ class ForwardGraphs:
         width = rows * max(max_extra, 1)
         self._zeros = torch.zeros(width, **long)
         self._minus = torch.full((width,), -1, **long)
+        self._host: dict | None = None  # staging for batches that live on the host (`_load`)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.replays = 0
         self.eager_calls = 0
@@ -221,7 +245,9 @@ class ForwardGraphs:
         """Copy the batch into the static buffers, padding rows ``T .. rows - 1`` (logits rows to ``logit_rows``)."""
         t, m = batch.num_rows, batch.extra_slots.shape[1]
         pad = rows - t
-        z, minus = self._zeros, self._minus
+        host = batch.input_ids.device.type != self.device.type
+        pads = self._host_buffers() if host else {"zeros": self._zeros, "minus": self._minus}
+        z, minus = pads["zeros"], pads["minus"]
         parts = [batch.input_ids, z[:pad], batch.positions, z[:pad], batch.row_request, z[:pad]]
         parts += [batch.out_slots, minus[:pad], batch.prefix_lens, z[:pad]]
         if m:
@@ -229,11 +255,34 @@ class ForwardGraphs:
         if logit_rows:
             parts += [batch.logits_rows, z[: logit_rows - batch.logits_rows.shape[0]]]
         total = 5 * rows + rows * m + logit_rows
-        torch.cat(parts, out=self.packed[:total])
         bs, width = batch.page_table.shape
-        self.table[:bs, :width].copy_(batch.page_table)
+        if host:  # one host-to-device copy of the packed rows and one of the page table
+            staging = self._host_buffers()
+            staging["done"].synchronize()  # the previous copy out of the staging buffers has finished
+            torch.cat(parts, out=staging["packed"][:total])
+            staging["table"][:bs, :width].copy_(batch.page_table)
+            self.packed[:total].copy_(staging["packed"][:total], non_blocking=True)
+            self.table[:bs, :width].copy_(staging["table"][:bs, :width], non_blocking=True)
+            staging["done"].record()
+        else:
+            torch.cat(parts, out=self.packed[:total])
+            self.table[:bs, :width].copy_(batch.page_table)
         if self.hidden is not None and hidden_in is not None:
             self.hidden[:t].copy_(hidden_in)
+
+    def _host_buffers(self) -> dict:
+        """Host twins of the packed and page-table buffers (pinned on CUDA) and the padding rows."""
+        if self._host is None:
+            pin = self.device.type == "cuda"
+            long = dict(dtype=torch.long, pin_memory=pin)
+            self._host = {
+                "packed": torch.empty(self.packed.shape, **long),
+                "table": torch.empty(self.table.shape, **long),
+                "zeros": torch.zeros(self._zeros.shape, dtype=torch.long),
+                "minus": torch.full(self._minus.shape, -1, dtype=torch.long),
+                "done": torch.cuda.Event() if pin else _NoEvent(),
+            }
+        return self._host
 
     # ---- running -----------------------------------------------------------------------------------
     def __call__(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
@@ -255,14 +304,26 @@ class ForwardGraphs:
             key = (rows, m, logit_rows, hidden is not None)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(inputs, hidden)
-            graph, logits, out_hidden = self._graphs[key]
+            graph, logits, out_hidden, summary = self._graphs[key]
             graph.replay()
             self.replays += 1
         else:
             with torch.no_grad():
-                logits, out_hidden = self.compute(inputs, hidden)
+                logits, out_hidden, summary = self._run(inputs, hidden)
             self.eager_calls += 1
-        return ModelOutput(logits=logits[:r].clone(), hidden=None if out_hidden is None else out_hidden[:t].clone())
+        return ModelOutput(
+            logits=logits[:r].clone(),
+            hidden=None if out_hidden is None else out_hidden[:t].clone(),
+            greedy=None if summary is None else summary[0, :r].clone(),
+            finite=None if summary is None else summary[1, :r].bool(),
+        )
+
+    def _run(self, inputs: RowInputs, hidden: torch.Tensor | None):
+        """``compute``, and with ``summarize`` its logits' ``[argmax; all finite]`` per row (``[2, R]`` int64)."""
+        logits, out_hidden = self.compute(inputs, hidden)
+        if not self.summarize:
+            return logits, out_hidden, None
+        return logits, out_hidden, torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
 
     def _capture(self, inputs: RowInputs, hidden: torch.Tensor | None):
         # Warm-up (compiles the Triton kernels, initializes cuBLAS): it computes what the replay
@@ -270,19 +331,25 @@ class ForwardGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
-            self.compute(inputs, hidden)
+            self._run(inputs, hidden)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with self.graph_pool.capture(graph), torch.no_grad():
-            logits, out_hidden = self.compute(inputs, hidden)
-        return graph, logits, out_hidden
+            logits, out_hidden, summary = self._run(inputs, hidden)
+        return graph, logits, out_hidden, summary
 
     def _eager(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> ModelOutput:
+        batch = batch_to(batch, self.device)
         bound = max(1, int(batch.prefix_lens.max())) if self.needs_kv_bound and batch.num_rows else 1
         with torch.no_grad():
-            logits, hidden = self.compute(batch_inputs(batch, bound), hidden_in)
+            logits, hidden, summary = self._run(batch_inputs(batch, bound), hidden_in)
         self.eager_calls += 1
-        return ModelOutput(logits=logits, hidden=hidden)
+        return ModelOutput(
+            logits=logits,
+            hidden=hidden,
+            greedy=None if summary is None else summary[0],
+            finite=None if summary is None else summary[1].bool(),
+        )
 
     @property
     def num_graphs(self) -> int:
@@ -311,8 +378,10 @@ class GreedyDecodeGraphs:
         graphs: bool = True,
         needs_kv_bound: bool = False,
         graph_pool: GraphPool | None = None,
+        summarize: bool = False,
     ) -> None:
         self.compute = compute
+        self.summarize = summarize
         self.device = torch.device(device)
         self.graph_pool = graph_pool if graph_pool is not None else GraphPool(self.device)
         self.page_size = page_size

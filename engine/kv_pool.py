@@ -107,14 +107,14 @@ class PagedKVPool:
         """A copy of the request's page ids, in position order."""
         return list(self._pages.get(request_id, ()))
 
-    def page_table(self, request_ids: Sequence[int]) -> torch.Tensor:
-        """Page ids of each request, -1 padded. Shape: ``[bs, max(1, max_pages)]`` int64."""
+    def page_table(self, request_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """Page ids of each request, -1 padded, on ``device`` (default the pool's): ``[bs, max(1, max_pages)]``."""
         width = max([1] + [len(self._pages.get(r, ())) for r in request_ids])
         table = torch.full((len(request_ids), width), -1, dtype=torch.long)
         for row, request_id in enumerate(request_ids):
             pages = self._pages.get(request_id, ())
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-        return table.to(self.device)
+        return table.to(self.device if device is None else device)
 
     def slots_for(self, request_ids: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """Slot of each position of each request.

@@ -26,6 +26,7 @@ from .transitions import (
     _batch,
     _check_logits,
     _errored,
+    _greedy,
     _ready,
     _reserve_cycle,
     _row_slots,
@@ -105,13 +106,13 @@ def verify_block(rec: Drafted, ports: Ports, backend) -> Verified:
     L, device = rec.seq_lens, rec.seq_lens.device
     causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
     out, row_request = target_verify_forward(rec, ports, causal.expand(bs, block, block))
-    predict = backend.greedy_predict(out.logits)  # [bs * B]: target[i] of each block
+    predict = _greedy(out, backend)  # [bs * B]: target[i] of each block
     correct_len, _ = backend.verify_block(rec.tree.tokens, predict.view(bs, block))
     accept_len = correct_len + 1
     depth = torch.arange(cfg.accept_width, device=device)[None, :]
     flat = torch.arange(bs, device=device)[:, None] * block + depth
     accept_index = torch.where(depth < accept_len[:, None], flat, -1)
-    bad = _check_logits(out.logits, row_request, bs)
+    bad = _check_logits(out, row_request, bs)
     requests = []
     for request, is_bad in zip(rec.requests, bad):
         if is_bad:

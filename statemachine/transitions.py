@@ -98,10 +98,16 @@ def _row_slots(backend, page_table, row_request, positions, page_size) -> torch.
     return backend.slots_for_positions(rows, positions[:, None], page_size)[:, 0]
 
 
-def _check_logits(logits: torch.Tensor, row_request: torch.Tensor, bs: int) -> list[bool]:
+def _greedy(out: ModelOutput, backend) -> torch.Tensor:
+    """``argmax`` of every logits row: the port's own reduction when it handed one over."""
+    return out.greedy if out.greedy is not None else backend.greedy_predict(out.logits)
+
+
+def _check_logits(out: ModelOutput, row_request: torch.Tensor, bs: int) -> list[bool]:
     """Per request: every logit finite. A NaN would otherwise become a bogus tree or token."""
-    bad = torch.zeros(bs, dtype=torch.bool, device=logits.device)
-    bad.index_put_((row_request,), ~torch.isfinite(logits).all(-1), accumulate=True)
+    finite = out.finite if out.finite is not None else torch.isfinite(out.logits).all(-1)
+    bad = torch.zeros(bs, dtype=torch.bool, device=finite.device)
+    bad.index_put_((row_request.to(finite.device),), ~finite, accumulate=True)
     return bad.tolist()
 
 
@@ -177,9 +183,9 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     last_rows = starts + prompt_lens - 1
     batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
     out = target.forward(batch)
-    first = backend.greedy_predict(out.logits)  # [bs]
+    first = _greedy(out, backend)  # [bs]
     first, logprobs = sampling.sample_first(rec.requests, out.logits, first, backend)  # sampled requests draw
-    bad = _check_logits(out.logits, torch.arange(len(lens), device=device), len(lens))
+    bad = _check_logits(out, torch.arange(len(lens), device=device), len(lens))
 
     requests = []
     logprob_list = [None] * len(lens) if logprobs is None else logprobs.tolist()
@@ -592,7 +598,7 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     else:
         mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
     out, row_request = target_verify_forward(rec, ports, mask)
-    predict = backend.greedy_predict(out.logits)  # [bs * N]
+    predict = _greedy(out, backend)  # [bs * N]
     accept_index, accept_len = backend.verify_greedy(
         rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
     )
@@ -603,7 +609,7 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
             accept_index, accept_len, predict, backend,
         )  # fmt: skip
     logprobs = sampling.row_logprobs(rec.requests, out.logits, predict, rows, target_probs, N)
-    bad = _check_logits(out.logits, row_request, bs)
+    bad = _check_logits(out, row_request, bs)
     requests = tuple(
         _errored(r, "the target returned non-finite logits during verify") if b else r
         for r, b in zip(rec.requests, bad)

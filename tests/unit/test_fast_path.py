@@ -341,3 +341,49 @@ def test_new_engine_captures_after_a_dropped_one(weights):
         del engine, results, batch
         gc.collect()  # the dropped engine's graphs die now; its pool is retired (no empty_cache)
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SpecConfig(num_steps=4, topk=1, page_size=4), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=1)],
+    ids=["chain-P4", "tree-P1"],
+)
+def test_host_control_plane_is_lossless(weights, spec):
+    """Greedy ngram cycles with their records on the host (`engine.host_control`) equal autoregressive
+    decoding, free every page, and take the argmax the fast target computed beside its logits."""
+    from speccycle.core import SamplingParams
+    from speccycle.engine.drafters.ngram import NgramDraft
+    from speccycle.engine.host_control import HostBackend, HostPool, HostTarget
+
+    prompts = [tokens_of(21, 6) * 3, tokens_of(22, 5), tokens_of(23, 9)]
+    model = LlamaModel(TINY, weights)
+    pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
+    engine = Engine(model, pool, lambda e: NgramDraft(TINY.vocab_size), spec)
+    from speccycle.engine.fast import accelerate
+
+    accelerate(engine, graphs=False, host_control=True)
+    ports, backend = engine._cycle_ports(None)
+    assert isinstance(ports.target, HostTarget) and isinstance(ports.kv_pool, HostPool)
+    assert isinstance(backend, HostBackend)
+    sampled = engine._cycle_ports(SamplingParams(temperature=0.8, seed=1))[0]
+    assert not isinstance(sampled.target, HostTarget)  # sampling reads the logits: the device's ports
+
+    summaries = []
+    forward = HostTarget.forward
+
+    def spy(self, batch):
+        out = forward(self, batch)
+        reference = engine.backend.greedy_predict(out.logits)
+        summaries.append(torch.equal(out.greedy, reference) and bool(out.finite.all()))
+        return out
+
+    HostTarget.forward = spy
+    try:
+        ar = engine.generate_autoregressive(prompts, 16)
+        results, stats = engine.generate(prompts, 16, checked=True)
+    finally:
+        HostTarget.forward = forward
+    assert [list(r.output) for r in results] == ar
+    assert summaries and all(summaries)
+    assert stats.tau > 1.0  # the repeated prompt gives the lookup something to find
+    assert pool.num_free_pages == pool.num_pages
