@@ -28,7 +28,7 @@ from speccycle.engine.weights_gguf import LlamaConfig
 from speccycle.train.data import EngineGenerator, SelfDistilledData
 from speccycle.train.features import target_outputs
 from speccycle.train.head import TrainableEagleHead
-from speccycle.train.trainer import TrainConfig, batch_loss, collate, draft_vocabulary, head_config
+from speccycle.train.trainer import TrainConfig, batch_loss, collate, draft_ids, draft_vocabulary, head_config
 
 TINY = LlamaConfig(
     architecture="llama",
@@ -60,21 +60,21 @@ def prompts():
     return [torch.randint(3, 250, (int(n),), generator=gen).tolist() for n in (5, 7, 9, 6, 8, 4)]
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=["eagle1", "eagle3"])
+@pytest.fixture(scope="module", params=[(1, 0), (3, 96), (3, 0)], ids=["eagle1", "eagle3", "eagle3full"])
 def trained_head(request, weights, prompts) -> TrainableEagleHead:
-    """A head trained on the target's greedy answers to the first three prompts (the others stay unseen)."""
-    version = request.param
+    """A head trained on the target's greedy answers to the first three prompts (the others stay unseen).
+
+    ``eagle3full``: EAGLE-3 over the target's final norm and LM head (``draft_vocab_size == 0``).
+    """
+    version, vocab = request.param
     seen = prompts[:3]
     answers = EngineGenerator(TINY, weights, "cpu", torch.float32, TINY.eos_token_ids)(seen, NEW_TOKENS, 0.0)
     data = SelfDistilledData.from_sequences([(i, p, r) for i, (p, r) in enumerate(zip(seen, answers))], 256)
-    cfg = TrainConfig(version=version, ttt_steps=4, draft_vocab_size=96, intermediate_size=64, ce_chunk_rows=256)
+    cfg = TrainConfig(version=version, ttt_steps=4, draft_vocab_size=vocab, intermediate_size=64, ce_chunk_rows=256)
     hcfg = head_config(TINY, cfg)
-    d2t = draft_vocabulary(data, cfg.draft_vocab_size, TINY.vocab_size) if version == 3 else None
+    d2t = draft_vocabulary(data, cfg.draft_vocab_size, TINY.vocab_size) if vocab else None
     head = TrainableEagleHead.init(hcfg, d2t, seed=0, std=0.05)
-    t2d = None
-    if version == 3:
-        t2d = torch.full((TINY.vocab_size,), -1, dtype=torch.long)
-        t2d[d2t] = torch.arange(len(d2t))
+    t2d = draft_ids(head, TINY.vocab_size)
     model = LlamaModel(TINY, weights, feature_layers=hcfg.feature_layers if version == 3 else None)
     ids, lengths, prompt_lens = collate(data, np.arange(len(data)), 640, "cpu")
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def _unrolled_probs(head, model, sequence: list[int], path: list[int], feature_l
         hidden = head.unroll(model, ids, features, len(path) + 1)[-1][0, anchor]
         logits = head.logits(model, hidden[None]).float()[0]
     probs = torch.softmax(logits, -1)
-    if head.config.version == 1:
+    if head.config.target_lm_head:
         return probs
     full = probs.new_zeros(TINY.vocab_size)
     full[head.draft_to_target] = probs

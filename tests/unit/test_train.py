@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 
+import attrs
 import pytest
 import torch
 from speccycle.core import SpecConfig
@@ -119,13 +120,18 @@ def _draft_step_batch(pool, token, position, prefix_len, scratch_slots):
     )
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, version):
+HEADS = {"1": (1, 0), "3": (3, 256), "3full": (3, 0)}  # name: (version, draft vocabulary); 3full: the target's head
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, name):
     """Step 0 equals the draft extend at every anchor; steps 1, 2 equal chain draft forwards at L, L + 1."""
-    cfg = TrainConfig(version=version, draft_vocab_size=256, intermediate_size=48)
+    version, vocab = HEADS[name]
+    cfg = TrainConfig(version=version, draft_vocab_size=vocab, intermediate_size=48)
     hcfg = head_config(TINY, cfg)
+    assert hcfg.target_lm_head == (name != "3")
     d2t = torch.randperm(TINY.vocab_size, generator=torch.Generator().manual_seed(0))[:256].sort().values
-    head = TrainableEagleHead.init(hcfg, d2t if version == 3 else None, seed=1, std=0.1)
+    head = TrainableEagleHead.init(hcfg, None if hcfg.target_lm_head else d2t, seed=1, std=0.1)
     model = LlamaModel(TINY, weights, feature_layers=hcfg.feature_layers if version == 3 else None)
     seq = sequences.sequence(1).tolist()
     ids = torch.tensor([seq])
@@ -141,7 +147,7 @@ def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, ve
     torch.testing.assert_close(extend.hidden, outs[0][0, : anchor + 1], atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         dense_logits = head.logits(model, outs[0][0, : anchor + 1]).float()
-    got = extend.logits if version == 1 else extend.logits[:, head.draft_to_target]
+    got = extend.logits if hcfg.target_lm_head else extend.logits[:, head.draft_to_target]
     torch.testing.assert_close(got, dense_logits, atol=1e-4, rtol=1e-4)
     length = anchor + 1
     pool.allocate(0, length + 2)
@@ -153,18 +159,20 @@ def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, ve
         torch.testing.assert_close(parent[0], outs[step][0, anchor], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_train_steps_lower_the_loss_on_a_repeated_batch(weights, sequences, version):
+@pytest.mark.parametrize("name", HEADS)
+def test_train_steps_lower_the_loss_on_a_repeated_batch(weights, sequences, name):
     import attrs
     from speccycle.train.trainer import draft_vocabulary, validate
 
     torch.manual_seed(0)
-    cfg = TrainConfig(version=version, ttt_steps=3, draft_vocab_size=512, intermediate_size=48, ce_chunk_rows=64)
+    version, vocab = HEADS[name]
+    vocab = vocab and 512
+    cfg = TrainConfig(version=version, ttt_steps=3, draft_vocab_size=vocab, intermediate_size=48, ce_chunk_rows=64)
     hcfg = head_config(TINY, cfg)
-    d2t = draft_vocabulary(sequences, 512, TINY.vocab_size) if version == 3 else None
+    d2t = draft_vocabulary(sequences, 512, TINY.vocab_size) if vocab else None
     head = TrainableEagleHead.init(hcfg, d2t)
     t2d = None
-    if version == 3:
+    if vocab:
         t2d = torch.full((TINY.vocab_size,), -1, dtype=torch.long)
         t2d[d2t] = torch.arange(len(d2t))
     model = LlamaModel(TINY, weights)
@@ -184,6 +192,34 @@ def test_train_steps_lower_the_loss_on_a_repeated_batch(weights, sequences, vers
         _, metrics = batch_loss(head, model, ids, lengths, prompt_lens, cfg, t2d)
     small_batches = attrs.evolve(cfg, batch_tokens=int(lengths.max()) * 2)
     assert validate(head, model, sequences, small_batches, t2d) == pytest.approx(metrics["acc"], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_fused_cross_entropy_trains_as_the_checkpointed_reference(weights, sequences, name):
+    """`batch_loss` with ``ce="fused"`` and ``ce="reference"``: the same loss, accuracies and gradients."""
+    from speccycle.train.trainer import draft_ids, draft_vocabulary
+
+    version, vocab = HEADS[name]
+    base = TrainConfig(version=version, ttt_steps=3, draft_vocab_size=vocab and 300, intermediate_size=48)
+    hcfg = head_config(TINY, base)
+    head = TrainableEagleHead.init(hcfg, draft_vocabulary(sequences, 300, TINY.vocab_size) if vocab else None, std=0.1)
+    model = LlamaModel(TINY, weights, feature_layers=hcfg.feature_layers if version == 3 else None)
+    batch = collate(sequences, torch.arange(len(sequences)).numpy(), 640, "cpu")
+    results = []
+    for ce in ("fused", "reference"):
+        head.zero_grad(set_to_none=True)
+        loss, metrics = batch_loss(
+            head, model, *batch, attrs.evolve(base, ce=ce, ce_chunk_rows=16), draft_ids(head, 49152)
+        )
+        loss.backward()
+        results.append((loss.detach(), metrics, {k: p.grad.clone() for k, p in head.params.items()}))
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = results
+    assert metrics["rows"] == ref_metrics["rows"] and metrics["rows"][0] > 16  # several chunks
+    assert metrics["acc"] == pytest.approx(ref_metrics["acc"], abs=1e-9)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert set(grads) == set(ref_grads) and ("lm_head__weight" in grads) == (name == "3")
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
 def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model_path):
@@ -219,6 +255,89 @@ def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model
     assert "[train] wrote" in (out / "pipeline.log").read_text()
     readme = (out / "HEAD_README.md").read_text()
     assert "--stage all" in readme and "| 3 | 1 | 4 |" in readme
+
+
+def test_train_and_eval_stages_start_from_a_folder_holding_only_data_npz(tmp_path, weights, sequences):
+    """What the GPU run does: data.npz from an earlier generation, ``--stage train`` of 3full, then a short eval."""
+    from importlib import resources
+
+    from safetensors import safe_open
+    from speccycle.engine.bench import SAMPLE_PROMPTS, load_prompts
+    from speccycle.engine.drafters.eagle import LM_HEAD_KEY
+    from speccycle.train import pipeline
+
+    model_dir = save_hf(tmp_path / "tiny-llama", TINY, weights)
+    out = tmp_path / "out"
+    out.mkdir()
+    sequences.save(out / "data.npz")
+    common = f"--out {out} --model {model_dir} --device cpu --work-dir {tmp_path / 'w'} --versions 3full"
+    train = f"--stage train {common} --steps 2 --batch-tokens 1024 --ttt-steps 2 --v3-intermediate 40 --train-minutes 5"
+    assert pipeline.main(train.split()) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["data.npz", "eagle3full.safetensors", "pipeline.log"]
+    head = EagleHead.load(out / "eagle3full.safetensors")
+    assert head.config.version == 3 and head.config.draft_vocab_size == 0 and head.config.target_lm_head
+    assert head.config.intermediate_size == 40
+    with safe_open(str(out / "eagle3full.safetensors"), framework="pt") as f:
+        assert f.metadata()[LM_HEAD_KEY] == "target"
+        assert not {"lm_head.weight", "norm.weight", "draft_to_target"} & set(f.keys())
+    bench = resources.files("speccycle.engine").joinpath("data", SAMPLE_PROMPTS)
+    categories = {p["category"] for p in load_prompts(str(bench))}
+    evaluate = f"--stage eval {common} --eval-prompts {bench} --eval-per-category 1 --eval-new-tokens 6 --chains 3"
+    assert pipeline.main([*evaluate.split(), "--trees", ""]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["prompts"] == len(categories) and set(result["heads"]) == {"eagle3full"}
+    (entry,) = result["heads"].values()
+    assert entry["lm_head"] == "target" and len(entry["configs"]) == 1
+    assert entry["configs"][0]["identical_to_ar"] == len(categories)
+    assert "logits from the target's final norm and LM head" in (out / "HEAD_README.md").read_text()
+
+
+SMOLLM2 = attrs.evolve(TINY, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                       head_dim=64, rope_theta=100000.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["3", "3full"])
+def test_default_eagle3_heads_for_smollm2_stay_under_10_mb(tmp_path, name):
+    """The files `--versions 3` and `--versions 3full` write for SmolLM2-135M, counted: bf16, metadata included."""
+    import argparse
+
+    from speccycle.train.pipeline import _train_config, add_arguments
+    from speccycle.train.trainer import save_head
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--versions", name])
+    cfg = _train_config(args, name)
+    hcfg = head_config(SMOLLM2, cfg)
+    d2t = None if hcfg.target_lm_head else torch.arange(cfg.draft_vocab_size) * 7
+    head = TrainableEagleHead.init(hcfg, d2t)
+    info = {"command": "speccycle train-draft " + " ".join(f"--option-{i} value" for i in range(40)), "acc": [0.5] * 6}
+    path = save_head(head, tmp_path / f"eagle{name}.safetensors", {**info, "config": attrs.asdict(cfg)})
+    size = path.stat().st_size
+    assert size < 10_000_000, size
+    assert 0 <= size - head.num_bytes() < 20_000  # the header: names, config, training record
+    params = sum(p.numel() for p in head.parameters())
+    if name == "3full":  # the bytes EAGLE-3's own LM head took go to the MLP: 1408 wide instead of 384
+        assert hcfg.intermediate_size == 1408 and params == 4_867_776
+    else:
+        assert hcfg.intermediate_size == 384 and hcfg.draft_vocab_size == 3072 and params == 4_868_352
+    loaded = EagleHead.load(path)
+    assert loaded.config == hcfg
+
+
+def test_an_eagle3_file_saved_before_the_lm_head_key_loads_unchanged(tmp_path):
+    """Files written before ``speccycle.eagle.lm_head`` existed carry only the config: they load as they did."""
+    import json as json_
+
+    from safetensors.torch import save_file
+    from speccycle.engine.drafters.eagle import METADATA_KEY
+
+    hcfg = head_config(TINY, TrainConfig(version=3, draft_vocab_size=64, intermediate_size=32))
+    head = EagleHead.random(hcfg, seed=4, target_vocab=TINY.vocab_size)
+    save_file(head.state(), str(tmp_path / "old.safetensors"), metadata={METADATA_KEY: json_.dumps(attrs.asdict(hcfg))})
+    loaded = EagleHead.load(tmp_path / "old.safetensors")
+    assert loaded.config == hcfg and not loaded.config.target_lm_head
+    assert all(torch.equal(loaded.state()[k], v) for k, v in head.state().items())
 
 
 def test_draft_eagle_loads_the_shipped_head_by_default(tmp_path, weights, monkeypatch):
