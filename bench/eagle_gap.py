@@ -63,7 +63,7 @@ def unrolled_drafts(head: TrainableEagleHead, model: LlamaModel, seqs: list[list
         target = target_outputs(model, ids, head.config.feature_layers)
         hidden = head.unroll(model, ids, target.features, steps)
         drafts = torch.stack([_argmax(head, model, h) for h in hidden])  # [steps, B, T]
-        if head.config.version == 3:
+        if not head.config.target_lm_head:  # EAGLE-3's own reduced vocabulary
             drafts = head.draft_to_target[drafts]
         for row, i in enumerate(chunk):
             n = len(seqs[i])
@@ -72,7 +72,8 @@ def unrolled_drafts(head: TrainableEagleHead, model: LlamaModel, seqs: list[list
 
 
 def _argmax(head: TrainableEagleHead, model: LlamaModel, hidden: torch.Tensor, rows: int = 4096) -> torch.Tensor:
-    """The head's greedy token at each row of ``hidden [B, T, H]`` -> ``[B, T]`` (EAGLE-1 logits are 49k wide)."""
+    """The head's greedy token at each row of ``hidden [B, T, H]`` -> ``[B, T]`` (logits over the target's head
+    are 49k wide)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     return torch.cat([head.logits(model, chunk).argmax(-1) for chunk in flat.split(rows)]).view(hidden.shape[:2])
 
@@ -101,7 +102,7 @@ def measure(name, heads, model, prompts, categories, answers, steps, batch, log)
     for head_name, head in heads.items():
         per = defaultdict(lambda: {"lens": [], "hits": 0, "n": 0, "by64": defaultdict(lambda: [0, 0]), "cov": [0, 0]})
         keep = None
-        if head.config.version == 3:
+        if not head.config.target_lm_head:
             keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
             keep[head.draft_to_target.cpu()] = True
         predictions = unrolled_drafts(head, model, seqs, steps, batch)
