@@ -18,10 +18,11 @@ Every stage prints progress with timings (flushed, also appended to ``OUT/pipeli
 its output periodically, so a run cut short keeps what it did; ``--resume`` carries on from it.
 Never pass Spec-Bench prompts as training prompts: they are the evaluation set (refused).
 
-Time on one H100 (bf16, measured 2026-11-22): generate: 327 s for 19,615 prompts x <= 256 new tokens (batch 512);
-train: ~70k tokens/s, EAGLE-3 1,069 steps in ~6.5 min, EAGLE-1 155 steps in ~3 min (set --train-minutes per head, and
-keep each call under the machine's 10-minute limit); eval: 17-37 s per config on the 240 Spec-Bench prompts x 128
-tokens in float32 (82 s for a 64-node tree).
+Time on one H100 (bf16, measured 2026-11-22, before the fused cross-entropy): generate: 327 s for 19,615 prompts x
+<= 256 new tokens (batch 512); train: ~70k tokens/s, EAGLE-3 1,069 steps in ~6.5 min, EAGLE-1 155 steps in ~3 min (set
+--train-minutes per head, and keep each call under the machine's 10-minute limit: training stops within it); eval:
+17-37 s per config on the 240 Spec-Bench prompts x 128 tokens in float32 (82 s for a 64-node tree; --eval-per-category
+shortens it).
 
     python -m speccycle.train.pipeline --stage all --prompts train_prompts.jsonl.gz \\
         --eval-prompts spec_bench_dev.jsonl --out out/
@@ -99,9 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument("--eval-new-tokens", type=int, default=128)
     e.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32")
-    e.add_argument("--heads", default=None, help="comma-separated head files (default: OUT/eagle{v}.safetensors)")
+    e.add_argument(
+        "--heads",
+        default=None,
+        help="comma-separated head files (default: OUT/eagle{v}.safetensors for each of --versions)",
+    )
     e.add_argument("--chains", default="3,4,5,6", help="chain depths S")
-    e.add_argument("--trees", default="4x2x8,5x4x16,6x4x32,6x8x64", help="trees SxKxN")
+    e.add_argument("--trees", default="4x2x8,5x4x16,6x4x32,6x8x64", help="trees SxKxN ('' for none)")
     e.add_argument("--no-lossless-check", action="store_true", help="skip the autoregressive reference run")
     e.add_argument("--eval-json", default=None, help="for --stage plot: the eval.json to draw")
     e.add_argument(
