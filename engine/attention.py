@@ -116,6 +116,42 @@ def plan_attention(batch: ForwardBatch) -> AttentionPlan:
     )
 
 
+def restrict_to_window(plan: AttentionPlan, batch: ForwardBatch, window: int) -> AttentionPlan:
+    """The plan of a sliding-window layer: a row at position ``p`` keeps the keys at positions ``> p - window``.
+
+    Prefix key ``j`` of the plan sits at position ``j``, so the prefix columns are cut by position. A
+    row's extra slots (its tree ancestors and itself) lie at positions ``[prefix_len, p]``; they are
+    all inside the window when ``p - prefix_len < window``, which a row with extra slots must satisfy
+    (tree depth below the window). Same keys, same gather: only the mask narrows.
+    """
+    if window < 1:
+        raise ForwardBatchError(f"sliding window {window} must be >= 1")
+    bs, tq, device = plan.bs, plan.tq, batch.positions.device
+    extra = batch.extra_slots
+    width = plan.key_slots.shape[1] - tq * int(extra.shape[1])  # prefix columns (positions 0 .. width - 1)
+    has_extra = (extra >= 0).any(dim=1) if extra.shape[1] else torch.zeros_like(batch.positions, dtype=torch.bool)
+    too_deep = has_extra & (batch.positions - batch.prefix_lens >= window)
+    if bool(too_deep.any()):
+        row = int(torch.nonzero(too_deep)[0])
+        raise ForwardBatchError(
+            f"row {row} at position {int(batch.positions[row])} has extra slots and prefix_len "
+            f"{int(batch.prefix_lens[row])}: a sliding window of {window} cannot place its extra keys; "
+            f"keep tree depth below the window"
+        )
+    row_flat = plan.row_flat if plan.row_flat is not None else torch.arange(batch.num_rows, device=device)
+    row_pos = torch.zeros(bs * tq, dtype=torch.long, device=device)  # padding rows at 0 keep key 0
+    row_pos[row_flat] = batch.positions
+    in_window = torch.arange(width, device=device)[None, :] > (row_pos[:, None] - window)  # [bs * Tq, Pmax]
+    keep = torch.ones(bs * tq, plan.key_slots.shape[1], dtype=torch.bool, device=device)
+    keep[:, :width] = in_window
+    mask = plan.mask & keep.view(bs, 1, tq, -1)
+    attends = mask.view(bs * tq, -1)[row_flat].any(dim=1)
+    if not bool(attends.all()):
+        row = int(torch.nonzero(~attends)[0])
+        raise ForwardBatchError(f"row {row} attends no key inside the sliding window of {window}")
+    return attrs.evolve(plan, mask=mask)
+
+
 def _check_shapes(batch: ForwardBatch, num_rows: int, bs: int) -> None:
     for name in ("positions", "row_request", "out_slots", "prefix_lens"):
         shape = tuple(getattr(batch, name).shape)
@@ -140,12 +176,19 @@ def write_kv(
     v_cache.index_copy_(0, plan.out_slots, v.to(v_cache.dtype))
 
 
-def paged_attention(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+def paged_attention(
+    plan: AttentionPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Attention of every row over its keys, computed in float32.
 
     Shapes: ``q [T, H, D]``, caches ``[num_slots, Hkv, D]`` -> ``[T, H, D]`` in ``q.dtype``. Query head
     ``h`` reads KV head ``h // (H / Hkv)`` (Hugging Face's `repeat_kv` order). Uses torch's SDPA with a
     boolean mask, which never materializes the ``[Tq, Skv]`` scores of a long prefill on CPU.
+    ``scale``: the factor on ``q . k`` (default ``1 / sqrt(D)``; Gemma 3 takes ``query_pre_attn_scalar ** -0.5``).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -161,7 +204,12 @@ def paged_attention(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
     k = k_cache.index_select(0, flat_slots).view(bs, skv, num_kv_heads, head_dim).transpose(1, 2).float()
     v = v_cache.index_select(0, flat_slots).view(bs, skv, num_kv_heads, head_dim).transpose(1, 2).float()
     out = F.scaled_dot_product_attention(
-        q_pad, k, v, attn_mask=plan.mask, scale=1.0 / math.sqrt(head_dim), enable_gqa=num_kv_heads != num_heads
+        q_pad,
+        k,
+        v,
+        attn_mask=plan.mask,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
+        enable_gqa=num_kv_heads != num_heads,
     )  # [bs, H, Tq, D]
     out = out.transpose(1, 2).reshape(bs * tq, num_heads, head_dim)
     if plan.row_flat is not None:

@@ -32,6 +32,7 @@ from .errors import ModelLoadError
 from .greedy import greedy_decode
 from .kv_pool import PagedKVPool
 from .llama import LlamaModel
+from .models import NAMED_MODELS, build_model, named_model_path
 from .weights_gguf import LlamaConfig, default_model_path, load_gguf
 
 DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
@@ -52,8 +53,13 @@ class GenerationStats:
 
 
 def load_model(path: str | os.PathLike | None, dtype: torch.dtype) -> tuple[LlamaConfig, dict, Path]:
-    """A GGUF file or a Hugging Face directory (config.json + safetensors); None: the embedded default."""
-    path = Path(path) if path is not None else default_model_path()
+    """A GGUF file, a Hugging Face directory (config.json + safetensors) or a name of `models.NAMED_MODELS`
+    (``gemma3-270m``); None: the embedded default."""
+    if path is None:
+        path = default_model_path()
+    elif isinstance(path, str) and path in NAMED_MODELS and not Path(path).exists():
+        path = named_model_path(path)
+    path = Path(path)
     if path.is_dir():
         from .weights_hf import load_hf
 
@@ -103,7 +109,8 @@ class Engine:
         max_ngram: int = 4,
         fast: bool | None = None,
     ) -> Engine:
-        """Load the target (``model``: GGUF file or HF directory; None: SmolLM2-135M-Instruct) and a draft.
+        """Load the target (``model``: GGUF file, HF directory or a named model such as ``gemma3-270m``;
+        None: SmolLM2-135M-Instruct) and a draft.
 
         ``draft``: ``ngram`` (prompt lookup), ``layerskip`` (the first ``layerskip_layers`` layers of the
         target), ``eagle`` (an EAGLE head: ``eagle_head`` path or object), ``model`` (``draft_model``: a
@@ -117,6 +124,11 @@ class Engine:
         config, weights, path = load_model(model, dtype)
         feature_layers = None
         head = None
+        if draft == "eagle" and config.architecture != "llama":
+            raise ValueError(
+                f"--draft eagle runs on Llama-architecture targets; {path.name} is {config.architecture}: "
+                f"use --draft ngram or layerskip"
+            )
         if draft == "eagle":
             if eagle_head is None:
                 from .drafters.eagle_heads import shipped_eagle_head
@@ -129,7 +141,7 @@ class Engine:
                 )
             head = eagle_head if isinstance(eagle_head, EagleHead) else EagleHead.load(eagle_head, dtype, device)
             feature_layers = head.config.feature_layers if head.config.version == 3 else None
-        target_model = LlamaModel(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
+        target_model = build_model(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
         pool = PagedKVPool(num_pages=-(-kv_tokens // spec.page_size), page_size=spec.page_size, device=device)
         tokenizer = _tokenizer(path)
         vocab = config.vocab_size
@@ -151,7 +163,7 @@ class Engine:
                         f"the draft model {dpath} has a vocabulary of {dconfig.vocab_size} tokens and the target "
                         f"{vocab}: a draft must share the target's tokenizer"
                     )
-                return LlamaDraft(LlamaModel(dconfig, dweights, dtype=dtype, device=device), pool)
+                return LlamaDraft(build_model(dconfig, dweights, dtype=dtype, device=device), pool)
             return None
 
         return cls(target_model, pool, build, spec, tokenizer, fast=bool(fast))

@@ -464,6 +464,12 @@ def accelerate(
     ``host_control``: run the cycles it serves with their records on the host (`engine.host_control`);
     None: on a GPU.
     """
+    architecture = engine.model.config.architecture
+    if architecture != "llama":
+        raise ValueError(
+            f"the fast path (fast=True) runs Llama-architecture models; {architecture} needs QK-norm, four norms per "
+            f"layer, GeGLU, sliding-window attention and per-layer RoPE bases, which its kernels lack: use fast=False"
+        )
     options.setdefault("min_target_rows", engine.spec.num_draft_tokens)
     opts = FastOptions(engine.model.device, graphs=graphs, ops=ops, **options)
     engine.target = FastTarget(engine.target, engine.pool, opts)

@@ -105,8 +105,11 @@ class LlamaModel(nn.Module):
     """A Llama decoder over paged KV. Weights use Hugging Face names (see `weights_gguf.expected_shapes`).
 
     ``feature_layers``: residual-stream indices concatenated into `ModelOutput.hidden` (module
-    docstring); None gives the final-norm input of the last layer run.
+    docstring); None gives the final-norm input of the last layer run. Other architectures subclass
+    it (`gemma3.Gemma3Model`); `engine.models.build_model` picks the class from ``config.architecture``.
     """
+
+    architectures: tuple[str, ...] = ("llama",)
 
     def __init__(
         self,
@@ -117,7 +120,12 @@ class LlamaModel(nn.Module):
         feature_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        check_weights(config, weights, "LlamaModel weights")
+        if config.architecture not in self.architectures:
+            raise ModelLoadError(
+                f"{type(self).__name__} runs {', '.join(self.architectures)} models, not {config.architecture!r}: "
+                f"build the model with speccycle.engine.models.build_model(config, weights, ...)"
+            )
+        check_weights(config, weights, f"{type(self).__name__} weights")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -131,10 +139,16 @@ class LlamaModel(nn.Module):
                 )
         w = {name: tensor.to(device=self.device, dtype=dtype) for name, tensor in weights.items()}
         self.embed_weight = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # [V, hidden]
-        self.layers = nn.ModuleList(DecoderLayer(config, w, f"model.layers.{i}.") for i in range(config.num_layers))
-        self.norm = RMSNorm(w["model.norm.weight"], config.rms_norm_eps)
+        self.layers = nn.ModuleList(self._make_layer(config, w, i) for i in range(config.num_layers))
+        self.norm = self._make_norm(w["model.norm.weight"], config.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head_weight = nn.Parameter(head, requires_grad=False)  # [V, hidden]
+
+    def _make_layer(self, config: LlamaConfig, weights: dict[str, torch.Tensor], index: int) -> nn.Module:
+        return DecoderLayer(config, weights, f"model.layers.{index}.")
+
+    def _make_norm(self, weight: torch.Tensor, eps: float) -> nn.Module:
+        return RMSNorm(weight, eps)
 
     @property
     def vocab_size(self) -> int:
@@ -157,15 +171,7 @@ class LlamaModel(nn.Module):
         cache of ``num_layers`` layers. Returns ``logits [R, V]`` float32 for ``batch.logits_rows``
         (all ``T`` rows when None) and ``hidden [T, F]`` (see ``feature_layers``).
         """
-        depth = self.config.num_layers if num_layers is None else num_layers
-        if not 1 <= depth <= self.config.num_layers:
-            raise ForwardBatchError(f"num_layers={num_layers} must lie in [1, {self.config.num_layers}]")
-        if len(kv) < depth:
-            raise ForwardBatchError(f"kv has {len(kv)} layers; running {depth} layers needs as many (k, v) pairs")
-        capture = (depth,) if self.feature_layers is None else self.feature_layers
-        if max(capture) > depth:
-            raise ForwardBatchError(f"feature_layers={capture} reach past the {depth} layers run")
-
+        depth, capture = self._layers_to_run(kv, num_layers)
         plan = plan_attention(batch)
         cos, sin = rope_cos_sin(batch.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         x = F.embedding(batch.input_ids, self.embed_weight)  # [T, hidden]
@@ -178,6 +184,20 @@ class LlamaModel(nn.Module):
         return ModelOutput(
             logits=self.logits(x, batch.logits_rows), hidden=torch.cat([features[i] for i in capture], -1)
         )
+
+    def _layers_to_run(
+        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None
+    ) -> tuple[int, tuple[int, ...]]:
+        """``(depth, capture)``: how many layers a forward runs and which residual streams it returns."""
+        depth = self.config.num_layers if num_layers is None else num_layers
+        if not 1 <= depth <= self.config.num_layers:
+            raise ForwardBatchError(f"num_layers={num_layers} must lie in [1, {self.config.num_layers}]")
+        if len(kv) < depth:
+            raise ForwardBatchError(f"kv has {len(kv)} layers; running {depth} layers needs as many (k, v) pairs")
+        capture = (depth,) if self.feature_layers is None else self.feature_layers
+        if max(capture) > depth:
+            raise ForwardBatchError(f"feature_layers={capture} reach past the {depth} layers run")
+        return depth, capture
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head on the chosen rows. Shapes: ``x [T, hidden]``, ``rows [R]`` -> ``[R, V]`` float32."""

@@ -50,7 +50,9 @@ class LlamaTarget:
         cache_name: str = TARGET_CACHE,
     ) -> LlamaTarget:
         """Build the model on the pool's device and add its KV cache to the pool as ``cache_name``."""
-        model = LlamaModel(config, weights, dtype=dtype, device=pool.device, feature_layers=feature_layers)
+        from .models import build_model
+
+        model = build_model(config, weights, dtype=dtype, device=pool.device, feature_layers=feature_layers)
         kv = pool.add_cache(cache_name, config.num_layers, config.num_kv_heads, config.head_dim, dtype)
         return cls(model, kv)
 

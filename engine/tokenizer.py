@@ -1,5 +1,8 @@
 """A byte-level BPE tokenizer built from a GGUF file's tokenizer metadata (``tokenizer.ggml.model = gpt2``).
 
+(SentencePiece vocabularies, ``tokenizer.ggml.model = llama`` as in Gemma 3, live in `tokenizer_spm`;
+`Tokenizer.from_gguf` builds either.)
+
 Encoding follows Hugging Face `tokenizers` step by step, so ids match `transformers` exactly:
 
 1. special tokens (GGUF token types CONTROL and USER_DEFINED) are cut out of the text whole;
@@ -55,7 +58,68 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-class Tokenizer:
+class BaseTokenizer:
+    """What every tokenizer offers on top of ``encode``: decoding, streaming, chat templates.
+
+    A subclass fills ``_token_bytes`` (the bytes each id decodes to), ``special_ids`` (CONTROL ids,
+    dropped by ``skip_special_tokens``), ``bos_token_id``, ``eos_token_id``, ``chat_template`` and
+    ``add_bos_token``, and implements ``encode``.
+    """
+
+    _token_bytes: list[bytes]
+    special_ids: set[int]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    chat_template: str | None
+    add_bos_token: bool
+
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._token_bytes)
+
+    # ---- decode --------------------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < len(self._token_bytes):
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary [0, {len(self._token_bytes)})")
+        return self._token_bytes[token_id]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; invalid UTF-8 (a character cut by the end of ``ids``) becomes U+FFFD."""
+        chunks = [self.token_bytes(i) for i in ids if not (skip_special_tokens and i in self.special_ids)]
+        return b"".join(chunks).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        """An incremental decoder: ``push(ids) -> new text``; multi-byte characters are never split."""
+        return StreamDecoder(self, skip_special_tokens)
+
+    # ---- chat ----------------------------------------------------------------------------------
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The chat template rendered to text, with the variables transformers passes."""
+        if not self.chat_template:
+            raise TokenizerError("the model has no chat template (tokenizer.chat_template); encode plain text instead")
+        template = _compile_template(self.chat_template)
+        special = {
+            "bos_token": self._token_text(self.bos_token_id),
+            "eos_token": self._token_text(self.eos_token_id),
+        }
+        return template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **special, **kwargs
+        )
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat (special tokens parsed, no BOS added: the template writes its own)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+    def _token_text(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+class Tokenizer(BaseTokenizer):
     """Byte-level BPE: ``encode(text) -> ids``, ``decode(ids) -> text``, ``apply_chat_template(messages)``."""
 
     def __init__(
@@ -111,8 +175,11 @@ class Tokenizer:
         self._cache: dict[str, tuple[int, ...]] = {}
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike | GGUFFile, pre_tokenizer: str | None = None) -> Tokenizer:
+    def from_gguf(cls, path: str | os.PathLike | GGUFFile, pre_tokenizer: str | None = None) -> BaseTokenizer:
         """Build the tokenizer a GGUF file describes; raises `TokenizerError` for unsupported kinds.
+
+        ``tokenizer.ggml.model`` ``gpt2`` gives this class; ``llama`` (SentencePiece, e.g. Gemma 3) a
+        `tokenizer_spm.SentencePieceTokenizer`, which shares the decoding and chat-template methods.
 
         ``pre_tokenizer`` overrides ``tokenizer.ggml.pre``. Note: transformers' GGUF loader ignores
         ``smollm`` and splits with plain GPT-2 rules (no digit split), so it differs from SmolLM2's own
@@ -121,10 +188,14 @@ class Tokenizer:
         """
         gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
         model = gguf.get("tokenizer.ggml.model")
+        if model == "llama":
+            from .tokenizer_spm import SentencePieceTokenizer
+
+            return SentencePieceTokenizer.from_gguf(gguf)
         if model != "gpt2":
             raise TokenizerError(
                 f"{gguf.path}: tokenizer model {model!r} (tokenizer.ggml.model) is not supported; supported: "
-                f"'gpt2' (byte-level BPE)"
+                f"'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
             )
         tokens, merges = gguf.get("tokenizer.ggml.tokens"), gguf.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
@@ -139,10 +210,6 @@ class Tokenizer:
             chat_template=gguf.get("tokenizer.chat_template"),
             add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
         )
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._token_bytes)
 
     # ---- encode --------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
@@ -204,49 +271,11 @@ class Tokenizer:
             self._cache[word] = ids
         return ids
 
-    # ---- decode --------------------------------------------------------------------------------
-    def token_bytes(self, token_id: int) -> bytes:
-        if not 0 <= token_id < len(self._token_bytes):
-            raise TokenizerError(f"token id {token_id} is outside the vocabulary [0, {len(self._token_bytes)})")
-        return self._token_bytes[token_id]
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``; invalid UTF-8 (a character cut by the end of ``ids``) becomes U+FFFD."""
-        chunks = [self.token_bytes(i) for i in ids if not (skip_special_tokens and i in self.special_ids)]
-        return b"".join(chunks).decode("utf-8", errors="replace")
-
-    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
-        """An incremental decoder: ``push(ids) -> new text``; multi-byte characters are never split."""
-        return StreamDecoder(self, skip_special_tokens)
-
-    # ---- chat ----------------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The chat template rendered to text, with the variables transformers passes."""
-        if not self.chat_template:
-            raise TokenizerError("the model has no chat template (tokenizer.chat_template); encode plain text instead")
-        template = _compile_template(self.chat_template)
-        special = {
-            "bos_token": self._token_text(self.bos_token_id),
-            "eos_token": self._token_text(self.eos_token_id),
-        }
-        return template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special, **kwargs
-        )
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> list[int]:
-        """Token ids of the rendered chat (special tokens parsed, no BOS added: the template writes its own)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
-
-    def _token_text(self, token_id: int | None) -> str | None:
-        return None if token_id is None else self.token_bytes(token_id).decode("utf-8", errors="replace")
-
 
 class StreamDecoder:
     """Decodes a growing id sequence piece by piece: ``"".join(push(ids) ...) + flush() == decode(all ids)``."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: BaseTokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -194,6 +194,11 @@ class TPLlamaModel(nn.Module):
         feature_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        if config.architecture != "llama":
+            raise ModelLoadError(
+                f"tensor parallelism shards Llama-architecture models; {config.architecture!r} runs unsharded "
+                f"(Engine.load)"
+            )
         self.full_config, self.tp, self.dtype, self.device = config, tp, dtype, tp.device
         self.shard = plan_shard(config, tp.rank, tp.world_size)
         self.config = self.shard.local_config(config)

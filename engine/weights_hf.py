@@ -1,4 +1,4 @@
-"""Load (and save) a Llama model in Hugging Face layout: ``config.json`` plus ``*.safetensors``.
+"""Load (and save) a Llama or Gemma 3 model in Hugging Face layout: ``config.json`` plus ``*.safetensors``.
 
 The tensor names are Hugging Face's own, the same names `weights_gguf.load_gguf` produces, so both
 loaders feed `LlamaModel` the same dict. `save_hf` writes a directory that `load_hf` and
@@ -19,7 +19,8 @@ import torch
 from .errors import ModelLoadError
 from .weights_gguf import LlamaConfig, check_weights, expected_shapes
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "gemma3_text")
+_GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -32,25 +33,66 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
     return float(raw.get("rope_theta", parameters.get("rope_theta", 10000.0)))
 
 
+def _gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The Gemma 3 settings of a ``gemma3_text`` config.json (transformers 4 or 5 layout)."""
+    for flag in ("attn_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
+        if raw.get(flag):
+            raise ModelLoadError(f"{source}: {flag}={raw[flag]!r} is not supported for Gemma 3")
+    if raw.get("hidden_activation", "gelu_pytorch_tanh") not in _GEMMA_ACTIVATIONS:
+        raise ModelLoadError(f"{source}: hidden_activation {raw['hidden_activation']!r} is not supported for Gemma 3")
+    parameters = raw.get("rope_parameters") or {}  # transformers >= 5: one entry per layer type
+    full, local = parameters.get("full_attention") or {}, parameters.get("sliding_attention") or {}
+    scaled = [p.get("rope_type", p.get("type")) for p in (full, local, raw.get("rope_scaling") or {})]
+    if any(kind not in (None, "default") for kind in scaled):
+        raise ModelLoadError(f"{source}: RoPE scaling {scaled} is not supported; supported: default (none)")
+    layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if not layer_types:
+        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    softcap = raw.get("final_logit_softcapping")
+    return {
+        "rope_theta": float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        "sliding_window": int(raw.get("sliding_window", 4096)),
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": float(softcap) if softcap else None,
+    }
+
+
 def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> LlamaConfig:
-    """A `LlamaConfig` from the dict of a Hugging Face ``config.json``."""
+    """A `LlamaConfig` from the dict of a Hugging Face ``config.json`` (``llama`` or ``gemma3_text``)."""
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        hint = (
+            " (the multimodal Gemma 3: save its text model, model_type gemma3_text)" if model_type == "gemma3" else ""
         )
+        raise ModelLoadError(
+            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
+        )
+    if model_type == "gemma3_text":
+        return _config(raw, source, "gemma3")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ModelLoadError(f"{source}: {flag}=true is not supported (the engine's Llama has no biases)")
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported; supported: silu")
-    rope_theta = _rope_theta(raw, source)
+    return _config(raw, source, "llama")
+
+
+def _config(raw: dict[str, Any], source: str, architecture: str) -> LlamaConfig:
     try:
+        if architecture == "gemma3":
+            extra = _gemma3_fields(raw, source)
+            rope_theta = extra.pop("rope_theta")
+        else:
+            extra, rope_theta = {}, _rope_theta(raw, source)
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         return LlamaConfig(
-            architecture=model_type,
+            architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
@@ -64,9 +106,10 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> LlamaCon
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **extra,
         )
     except KeyError as error:
-        raise ModelLoadError(f"{source}: config.json has no {error.args[0]!r}, which a Llama model needs") from error
+        raise ModelLoadError(f"{source}: config.json has no {error.args[0]!r}, which the model needs") from error
     except (TypeError, ValueError) as error:
         raise ModelLoadError(f"{source}: inconsistent config.json: {error}") from error
 
@@ -75,6 +118,8 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` dict transformers reads back as the same `LlamaConfig`."""
     c = config
     eos: Any = list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else c.eos_token_id
+    if c.architecture == "gemma3":
+        return _gemma3_to_hf(c, eos)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": c.architecture,
@@ -99,6 +144,48 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
     }
 
 
+def _gemma3_to_hf(c: LlamaConfig, eos: Any) -> dict[str, Any]:
+    """A ``gemma3_text`` config.json (``Gemma3ForCausalLM``); RoPE in both transformers 4 and 5 spellings."""
+    local_theta = c.rope_local_theta or c.rope_theta
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": False,
+        "query_pre_attn_scalar": _int_if_whole(c.query_pre_attn_scalar or c.head_dim),  # transformers 5 wants int
+        "sliding_window": c.sliding_window,
+        "layer_types": list(c.layer_types) or ["full_attention"] * c.num_layers,
+        "rope_theta": c.rope_theta,
+        "rope_local_base_freq": local_theta,
+        "rope_scaling": None,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "final_logit_softcapping": c.final_logit_softcapping,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
+
+
+def _int_if_whole(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
+
+
 def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -119,7 +206,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
 def load_hf(
     directory: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Load a Hugging Face Llama directory: its config and weights in ``dtype`` on ``device``."""
+    """Load a Hugging Face Llama or Gemma 3 directory: its config and weights in ``dtype`` on ``device``."""
     try:
         from safetensors import SafetensorError
         from safetensors.torch import safe_open
@@ -146,8 +233,8 @@ def load_hf(
                         continue
                     if name not in wanted:
                         raise ModelLoadError(
-                            f"{file}: tensor {name!r} is not part of a plain Llama model (biases and extra "
-                            f"modules are not supported)"
+                            f"{file}: tensor {name!r} is not part of a plain {config.architecture} model (biases "
+                            f"and extra modules are not supported)"
                         )
                     weights[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as error:

@@ -144,6 +144,9 @@ class DFlashDraft:
         dtype: torch.dtype = torch.float32,
         cache_name: str = "draft",
     ) -> None:
+        if target_model.config.architecture != "llama":
+            architecture = target_model.config.architecture
+            raise ValueError(f"DFlash drafts run over Llama-architecture targets, not {architecture!r}")
         expected = config.weight_shapes()
         wrong = [k for k, s in expected.items() if k not in weights or tuple(weights[k].shape) != s]
         if wrong:

@@ -71,6 +71,9 @@ class EagleConfig:
 
     @classmethod
     def for_target(cls, target_config, version: int = 1, draft_vocab_size: int | None = None) -> EagleConfig:
+        architecture = getattr(target_config, "architecture", "llama")
+        if architecture != "llama":
+            raise ValueError(f"EAGLE heads are built for Llama-architecture targets, not {architecture!r}")
         n = target_config.num_layers
         layers = (n,) if version == 1 else (2, n // 2, n - 3)  # low, middle, high, as EAGLE-3 picks them
         return cls(

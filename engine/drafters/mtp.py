@@ -65,6 +65,8 @@ class MtpDraft:
         max_requests: int = 4096,
     ) -> None:
         c = target_model.config
+        if c.architecture != "llama":
+            raise ValueError(f"MTP drafts run over Llama-architecture targets, not {c.architecture!r}")
         if num_modules < 1:
             raise ValueError(f"num_modules={num_modules}: an MTP draft has at least one module")
         if target_model.feature_layers not in (None, (c.num_layers,)):
