@@ -30,6 +30,7 @@ from .transitions import (
     _ready,
     _reserve_cycle,
     _row_slots,
+    chain_mask,
     target_verify_forward,
 )
 
@@ -104,7 +105,7 @@ def verify_block(rec: Drafted, ports: Ports, backend) -> Verified:
     cfg, bs = rec.config, len(rec.requests)
     block = rec.tree.tokens.shape[1]
     L, device = rec.seq_lens, rec.seq_lens.device
-    causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
+    causal = chain_mask(block, device)
     out, row_request = target_verify_forward(rec, ports, causal.expand(bs, block, block))
     predict = _greedy(out, backend)  # [bs * B]: target[i] of each block
     correct_len, _ = backend.verify_block(rec.tree.tokens, predict.view(bs, block))
