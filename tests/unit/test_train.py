@@ -222,6 +222,33 @@ def test_fused_cross_entropy_trains_as_the_checkpointed_reference(weights, seque
         torch.testing.assert_close(grads[key], ref_grads[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
+def test_training_stops_within_its_time_budget_when_steps_slow_down(tmp_path, weights, sequences, monkeypatch):
+    """A fake clock: steps take ~4 s until the schedule is fitted, then 8 s; with no log line to refit the schedule
+    at, the hard stop ends training inside the budget, the final write included."""
+    from speccycle.train import trainer
+
+    class Clock:
+        t, calls = 0.0, 0
+
+        def perf_counter(self):
+            self.calls += 1
+            self.t += 0.5 if self.calls < 150 else 4.0  # about two reads per step
+            return self.t
+
+    clock = Clock()
+    monkeypatch.setattr(trainer, "time", clock)
+    cfg = TrainConfig(version=3, draft_vocab_size=0, intermediate_size=32, ttt_steps=2, steps=10_000, warmup_steps=2,
+                      batch_tokens=256, time_budget_s=200.0, save_every_s=1e9, log_every_s=1e9)  # fmt: skip
+    logs: list[str] = []
+    model = LlamaModel(TINY, weights)
+    _, record = trainer.train_head(cfg, sequences, model, tmp_path / "h.safetensors", log=logs.append)
+    text = "\n".join(logs)
+    assert "steps fit the 200s budget" in text and "time budget reached" in text, text
+    assert record["step"] == record["total_steps"] < 200
+    end = next(float(line.split()[-1][:-1]) for line in logs if line.startswith("[train] wrote"))
+    assert end <= 200.0, text  # the final write included
+
+
 def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model_path):
     from speccycle.engine.bench import SAMPLE_PROMPTS
     from speccycle.train import pipeline
