@@ -72,3 +72,27 @@ def test_fused_cross_entropy_under_bfloat16_autocast_matches_the_reference():
     assert fused[2].dtype == torch.float32 and fused[3].dtype == torch.float32
     torch.testing.assert_close(fused[2], ref[2], atol=2e-2, rtol=2e-2)  # bfloat16 gradient GEMMs on both sides
     torch.testing.assert_close(fused[3], ref[3], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("train_weight", [False, True], ids=["target-head", "own-head"])
+def test_fused_cross_entropy_on_cuda_at_smollm2_width(train_weight):
+    """SmolLM2's LM head width (576 x 49,152), bf16 autocast as the trainer runs it: equal to the reference."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3000, 576, generator=gen).cuda()
+    weight = (torch.randn(49152, 576, generator=gen) * 0.05).bfloat16().float().cuda()
+    labels = torch.randint(0, 49152, (3000,), generator=gen).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused = _run(lambda a, w, y: linear_cross_entropy(a, w, y, chunk_rows=1024), x, weight, labels, train_weight)
+        ref = _run(
+            lambda a, w, y: chunked_cross_entropy_reference(lambda h: F.linear(h, w), a, y, chunk_rows=1024),
+            x,
+            weight,
+            labels,
+            train_weight,
+        )
+    assert fused[1] == ref[1]
+    torch.testing.assert_close(fused[0], ref[0], atol=1e-2, rtol=1e-4)
+    torch.testing.assert_close(fused[2], ref[2], atol=1e-3, rtol=2e-2)
+    if train_weight:
+        torch.testing.assert_close(fused[3], ref[3], atol=1e-3, rtol=2e-2)
