@@ -1,48 +1,133 @@
 """Prompt lookup: propose what followed the longest earlier match of the history's suffix.
 
-No weights, no forward: a `LookupDraft`. For a chain it proposes the continuation of the best
-match; for a tree it merges the continuations of several matches (longest suffix first, most recent
-first) into a trie, so different guesses share their common prefix.
+No weights, no forward: a `LookupDraft`. Every earlier occurrence of the history's last token is a
+*match*; its length ``m`` is how many tokens up to it agree with the history's suffix (at most
+``max_ngram``). Matches rank by length, then by how many of the equally long matches agree on the
+next token (a vote), then by recency. A match that ends ``p`` tokens before the end of the history
+proposes the ``p`` tokens that followed it, repeated: the match says the text repeats with period
+``p``, so a match inside a repeated run ("a a a a") still proposes a full continuation.
+
+How much to propose can follow the evidence: a long match is usually a copy in progress and keeps
+being accepted, a one-token match rarely is. With ``depth_per_match`` a match of length ``m``
+proposes ``ceil(depth_per_match * m)`` tokens (at most ``S``); matches shorter than ``min_ngram``
+propose nothing, and the verify is one row, a plain decode step. Where a verify row costs time
+(`for_device`: on a CPU a verify of 2 rows costs ~1.6 one-row forwards) that trades a little tau
+for much cheaper verifies; measured in docs/engine.md and ``bench/ngram_tau.py``.
+
+For a chain (``topk == 1``) the best match's continuation is the draft; for a tree the continuations
+of up to ``max_matches`` distinct matches, best first, merge into a trie, so guesses share their
+common prefix.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+# Measured on SmolLM2-135M float32, 2 CPU threads (bench/ngram_tau.py, docs/engine.md): a verify of
+# 2+ rows costs ~1.6-2x a one-row forward, so on a CPU weak guesses are not worth their rows.
+CPU_OPTIONS = {"min_ngram": 2, "depth_per_match": 2.0}
+CPU_NUM_STEPS = 16
+
 
 class NgramDraft:
-    """`LookupDraft` over prompt and output. ``max_ngram`` .. ``min_ngram``: suffix lengths tried."""
+    """`LookupDraft` over prompt and output (see the module docstring for the rules).
+
+    * ``max_ngram``: the longest suffix compared; a match's length saturates there.
+    * ``min_ngram``: matches shorter than this propose nothing.
+    * ``depth_per_match``: draft tokens per matched token; None: every match proposes ``S`` tokens.
+    * ``max_matches``: continuations a tree merges.
+
+    The defaults propose whenever something matches (most tau); `for_device` picks the measured
+    options for a device.
+    """
 
     kind = "lookup"
 
-    def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_ngram: int = 32,
+        min_ngram: int = 1,
+        max_matches: int = 8,
+        depth_per_match: float | None = None,
+    ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
-        self.vocab_size, self.max_ngram, self.min_ngram, self.max_matches = (
-            vocab_size,
-            max_ngram,
-            min_ngram,
-            max_matches,
-        )
+        if max_matches < 1:
+            raise ValueError(f"max_matches={max_matches} must be >= 1")
+        if depth_per_match is not None and not depth_per_match > 0:
+            raise ValueError(f"depth_per_match={depth_per_match} must be > 0, or None to always propose S tokens")
+        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+        self.max_matches, self.depth_per_match = max_matches, depth_per_match
+
+    @classmethod
+    def for_device(cls, vocab_size: int, device: str | torch.device, **options) -> NgramDraft:
+        """The measured options for ``device``: on a CPU `CPU_OPTIONS` (no guess below a 2-token match,
+        ``2 m`` tokens for a match of ``m``); elsewhere the defaults. ``options`` override either."""
+        base = CPU_OPTIONS if torch.device(device).type == "cpu" else {}
+        return cls(vocab_size, **{**base, **options})
+
+    def matches(self, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Every earlier position ``e`` holding the history's last token, best first, with its match length.
+
+        Shapes: ``ends [M]`` (``history[e] == history[-1]``, ``e < len - 1``), ``lengths [M]`` in
+        ``[1, max_ngram]``: the largest ``m`` with ``history[e - m + 1 : e + 1] == history[-m:]``.
+        Order: longest first; among equal lengths, the next token most of them agree on first; then
+        the most recent first.
+        """
+        tokens = np.asarray(history, dtype=np.int64)
+        size = len(tokens)
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if size > 1 else np.zeros(0, dtype=np.int64)
+        lengths = np.ones(len(ends), dtype=np.int64)
+        alive = np.arange(len(ends))
+        for k in range(1, self.max_ngram):  # extend every match backwards while it still agrees
+            before = ends[alive] - k
+            agree = before >= 0
+            agree[agree] = tokens[before[agree]] == tokens[size - 1 - k]
+            alive = alive[agree]
+            if not len(alive):
+                break
+            lengths[alive] += 1
+        if not len(ends):
+            return ends, lengths
+        period = size - 1 - ends
+        next_token = tokens[ends + 1]  # the first token each match proposes (ends + 1 < size)
+        # votes: matches of the same length proposing the same next token
+        key = lengths * (int(next_token.max()) + 1) + next_token
+        _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+        order = np.lexsort((period, -counts[inverse], -lengths))  # last key sorts first
+        return ends[order], lengths[order]
+
+    def continuation(self, history: Sequence[int], end: int, length: int) -> list[int]:
+        """``length`` tokens after the match ending at ``end``: what followed it, repeated with period
+        ``len(history) - 1 - end`` where it runs into the end of the history."""
+        period = len(history) - 1 - end
+        return [int(history[end + 1 + i % period]) for i in range(length)]
+
+    def draft_depth(self, match_length: int, num_steps: int) -> int:
+        """Tokens a match of ``match_length`` proposes: ``ceil(depth_per_match * m)``, at most ``num_steps``."""
+        if self.depth_per_match is None:
+            return num_steps
+        return min(num_steps, math.ceil(self.depth_per_match * match_length))
 
     def continuations(self, history: Sequence[int], length: int, limit: int) -> list[list[int]]:
-        """Up to ``limit`` continuations of ``length`` tokens or fewer, best first."""
-        tokens = np.asarray(history, dtype=np.int64)
+        """Up to ``limit`` distinct continuations of at most ``length`` tokens, best first."""
+        ends, lengths = self.matches(history)
         found: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # earlier windows only
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            for start in hits[::-1]:  # most recent first
-                cont = tokens[start + n : start + n + length].tolist()
-                if cont and tuple(cont) not in seen:
-                    seen.add(tuple(cont))
-                    found.append(cont)
-                    if len(found) >= limit:
-                        return found
+        for end, match_length in zip(ends.tolist(), lengths.tolist()):
+            if match_length < self.min_ngram:
+                break  # sorted longest first: every later match is shorter
+            cont = self.continuation(history, end, self.draft_depth(match_length, length))
+            if tuple(cont) not in seen:
+                seen.add(tuple(cont))
+                found.append(cont)
+                if len(found) >= limit:
+                    break
         return found
 
     def propose(self, request_ids, histories, num_steps: int, num_nodes: int, topk: int):
