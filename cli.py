@@ -67,7 +67,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
     p.add_argument("--layerskip-layers", type=int, default=None, help="layers of the target the layerskip draft runs")
-    p.add_argument("--steps", type=int, default=4, help="S: draft depth")
+    p.add_argument(
+        "--steps", type=int, default=None, help="S: draft depth (default: 16 for an ngram chain on a CPU, else 4)"
+    )
     p.add_argument("--topk", type=int, default=1, help="K: branching per draft step (1: chain)")
     p.add_argument("--draft-tokens", type=int, default=None, help="N: verify rows per request (tree)")
     p.add_argument("--page-size", type=int, default=16, help="P: tokens per KV page")
@@ -98,18 +100,27 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _spec(args: argparse.Namespace, device):
+    """The `SpecConfig` of ``--steps/--topk/--draft-tokens/--page-size``; without ``--steps`` a chain takes
+    its draft's default depth on ``device`` (`default_spec`: 16 for ngram on a CPU), a tree S=4."""
+    from .core import SpecConfig
+    from .engine.engine import default_spec
+
+    steps = args.steps
+    if steps is None:
+        steps = default_spec(args.draft, device).num_steps if args.topk == 1 else 4
+    return SpecConfig(num_steps=steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
+
+
 def _load_engine(args: argparse.Namespace):
     import torch
 
-    from .core import SpecConfig
     from .engine.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    spec = SpecConfig(
-        num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size
-    )
+    spec = _spec(args, args.device)
     return Engine.load(
         args.model,
         draft=args.draft,

@@ -27,6 +27,7 @@ from ..core import Accepted, Admitted, Compacted, Ports, Request, SamplingParams
 from ..statemachine import step
 from .drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from .drafters.layerskip import LlamaDraft
+from .drafters.ngram import CPU_NUM_STEPS as NGRAM_CPU_NUM_STEPS
 from .drafters.ngram import NgramDraft
 from .errors import ModelLoadError
 from .greedy import greedy_decode
@@ -36,6 +37,14 @@ from .models import NAMED_MODELS, build_model, named_model_path
 from .weights_gguf import LlamaConfig, default_model_path, load_gguf
 
 DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
+
+
+def default_spec(draft: str, device: str | torch.device) -> SpecConfig:
+    """``SpecConfig()`` (S=4 chain), except ngram on a CPU: a chain of S=16, as its draft proposes only
+    as many tokens as a match supports (measured: bench/ngram_tau.py, docs/engine.md)."""
+    if draft == "ngram" and torch.device(device).type == "cpu":
+        return SpecConfig(num_steps=NGRAM_CPU_NUM_STEPS)
+    return SpecConfig()
 
 
 @attrs.frozen
@@ -106,7 +115,7 @@ class Engine:
         layerskip_layers: int | None = None,
         eagle_head: str | os.PathLike | EagleHead | None = None,
         draft_model: str | os.PathLike | None = None,
-        max_ngram: int = 4,
+        max_ngram: int | None = None,
         fast: bool | None = None,
     ) -> Engine:
         """Load the target (``model``: GGUF file, HF directory or a named model such as ``gemma3-270m``;
@@ -116,11 +125,11 @@ class Engine:
         target), ``eagle`` (an EAGLE head: ``eagle_head`` path or object), ``model`` (``draft_model``: a
         smaller model with the same tokenizer), ``none`` (autoregressive only). ``fast``: the fast path
         (`engine.fast`: CUDA graphs, Triton kernels); None: off (the reference path) until it is the
-        proven default on CUDA.
+        proven default on CUDA. ``spec`` None: `default_spec`; ``max_ngram`` None: the ngram draft's default.
         """
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}: choose one of {', '.join(DRAFTS)}")
-        spec = spec or SpecConfig()
+        spec = spec or default_spec(draft, device)
         config, weights, path = load_model(model, dtype)
         feature_layers = None
         head = None
@@ -148,7 +157,7 @@ class Engine:
 
         def build(engine: Engine):
             if draft == "ngram":
-                return NgramDraft(vocab, max_ngram=max_ngram)
+                return NgramDraft.for_device(vocab, device, **({} if max_ngram is None else {"max_ngram": max_ngram}))
             if draft == "layerskip":
                 layers = layerskip_layers or max(1, config.num_layers // 4)
                 return LlamaDraft(target_model, pool, num_layers=layers)

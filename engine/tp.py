@@ -170,7 +170,7 @@ def build_tp_engine(
     eagle_head: EagleHead | None = None,
     eagle_sharded: bool = False,
     draft_model: tuple[LlamaConfig, Mapping[str, torch.Tensor]] | None = None,
-    max_ngram: int = 4,
+    max_ngram: int | None = None,
 ) -> TPEngine:
     """This rank's engine: its shard of ``weights``, a pool on ``tp.device`` holding its KV heads, a draft.
 
@@ -193,7 +193,8 @@ def build_tp_engine(
         if callable(draft):
             return draft(engine)
         if draft == "ngram":
-            return NgramDraft(config.vocab_size, max_ngram=max_ngram)
+            options = {} if max_ngram is None else {"max_ngram": max_ngram}
+            return NgramDraft.for_device(config.vocab_size, tp.device, **options)
         if draft == "layerskip":
             return LlamaDraft(model, pool, num_layers=layerskip_layers or max(1, config.num_layers // 4))
         if draft == "eagle":
@@ -271,6 +272,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ..cli import _spec
+
     args = _parser().parse_args(argv)
     if args.temperature != 0.0:
         raise ValueError("--temperature > 0 needs sampling verification, which is not in this release; use 0")
@@ -279,9 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp = init_tp(args.backend, args.device)
     lead = tp.rank == 0
     dtype = getattr(torch, args.dtype or ("bfloat16" if tp.device.type == "cuda" else "float32"))
-    spec = SpecConfig(
-        num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size
-    )
+    spec = _spec(args, tp.device)
     engine = load_tp_engine(
         tp,
         args.model,
