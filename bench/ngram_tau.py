@@ -227,6 +227,30 @@ def engine_config(engine: Engine, spec: SpecConfig, draft, runs: list[dict], max
     }
 
 
+def display_rows(record: dict, categories: tuple[str, ...] = ("summarization", "rag", "repeats")) -> list[dict]:
+    """One row per config for the benchmarks page: ``tau (rows per verify)`` per category, as text (the
+    page prints numbers with one decimal); the numbers are under ``configs``."""
+    rows = []
+    for name, entry in record["configs"].items():
+        if "categories" not in entry:
+            continue
+        config = entry["config"]
+        row = {"config": name, "S/K/N": f"{config['S']}/{config['K']}/{config.get('N')}"}
+        for cat in [c for c in categories if c in entry["categories"]] + ["all"]:
+            summary = entry["all"] if cat == "all" else entry["categories"][cat]
+            row[cat] = f"{summary['tau']:.3f} ({summary['rows']:.2f})"
+            if "predicted_speedup" in summary:
+                row[f"{cat} predicted"] = f"{summary['predicted_speedup']:.2f}"
+        if "engine" in entry:
+            engine = entry["engine"]
+            row["engine identical"] = f"{sum(r['identical_to_ar'] for r in engine.values())}/" + str(
+                sum(r["prompts"] for r in engine.values())
+            )
+            row["replay == engine"] = str(entry.get("replay_equals_engine"))
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default=DEV)
@@ -303,6 +327,11 @@ def main() -> None:
         if replayed is not None:
             entry["replay_equals_engine"] = all(measured[c]["tau"] == replayed[c]["tau"] for c in measured)
         print(f"{name:<20} engine {measured}  replay == engine: {entry.get('replay_equals_engine')}", flush=True)
+    record["note"] = (
+        "tau (mean accept_len per verify) and, in parentheses, verify rows per verify, replayed over the "
+        "engine's greedy outputs (bench/ngram_tau.py); full numbers under configs"
+    )
+    record["rows"] = display_rows(record)
     path = write_result("ngram_tau", record)
     print(f"wrote {path}")
 

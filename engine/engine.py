@@ -41,7 +41,7 @@ DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
 
 def default_spec(draft: str, device: str | torch.device) -> SpecConfig:
     """``SpecConfig()`` (S=4 chain), except ngram on a CPU: a chain of S=16, as its draft proposes only
-    as many tokens as a match supports (measured: bench/ngram_tau.py, docs/engine.md)."""
+    as many tokens as a match supports (measured: bench/ngram_tau.py, docs/ngram.md)."""
     if draft == "ngram" and torch.device(device).type == "cpu":
         return SpecConfig(num_steps=NGRAM_CPU_NUM_STEPS)
     return SpecConfig()

@@ -12,7 +12,7 @@ being accepted, a one-token match rarely is. With ``depth_per_match`` a match of
 proposes ``ceil(depth_per_match * m)`` tokens (at most ``S``); matches shorter than ``min_ngram``
 propose nothing, and the verify is one row, a plain decode step. Where a verify row costs time
 (`for_device`: on a CPU a verify of 2 rows costs ~1.6 one-row forwards) that trades a little tau
-for much cheaper verifies; measured in docs/engine.md and ``bench/ngram_tau.py``.
+for much cheaper verifies; measured in docs/ngram.md and ``bench/ngram_tau.py``.
 
 For a chain (``topk == 1``) the best match's continuation is the draft; for a tree the continuations
 of up to ``max_matches`` distinct matches, best first, merge into a trie, so guesses share their
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-# Measured on SmolLM2-135M float32, 2 CPU threads (bench/ngram_tau.py, docs/engine.md): a verify of
+# Measured on SmolLM2-135M float32, 2 CPU threads (bench/ngram_tau.py, docs/ngram.md): a verify of
 # 2+ rows costs ~1.6-2x a one-row forward, so on a CPU weak guesses are not worth their rows.
 CPU_OPTIONS = {"min_ngram": 2, "depth_per_match": 2.0}
 CPU_NUM_STEPS = 16
