@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         if config.architecture not in self.architectures:
             raise ModelLoadError(
                 f"{type(self).__name__} runs {', '.join(self.architectures)} models, not {config.architecture!r}: "
-                f"build the model with speccycle.engine.models.build_model(config, weights, ...)"
+                f"speccycle.engine.models.build_model(config, weights, ...) picks the class that runs it"
             )
         check_weights(config, weights, f"{type(self).__name__} weights")
         self.config = config

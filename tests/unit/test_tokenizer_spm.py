@@ -163,8 +163,22 @@ def test_space_runs_past_the_longest_space_token(gemma, hf_gemma):
     assert gemma.decode(ids) == text
 
 
-def test_gemma_chat_prompt_tokens(gemma):
+def test_gemma_chat_prompt_tokens(gemma, hf_gemma):
     ids = gemma.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert ids == [2, 105, 2364, 107] + gemma.encode("Hi", add_special_tokens=False) + [106, 107, 105, 4368, 107]
     stream = gemma.stream_decoder()
     assert "".join(stream.push([i]) for i in ids) + stream.flush() == gemma.decode(ids)
+    # transformers renders the same template to the same text and ids
+    transformers = pytest.importorskip("transformers")
+    wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=hf_gemma, bos_token="<bos>", eos_token="<eos>")
+    messages = [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Where is the Louvre?"},
+        {"role": "assistant", "content": "À Paris."},
+        {"role": "user", "content": "  And the Prado?  "},
+    ]
+    text = wrapped.apply_chat_template(
+        messages, chat_template=GEMMA_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert gemma.render_chat(messages) == text
+    assert gemma.apply_chat_template(messages) == wrapped(text, add_special_tokens=False)["input_ids"]
