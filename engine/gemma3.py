@@ -27,7 +27,7 @@ from torch import nn
 
 from ..core.ports import ForwardBatch, ModelOutput
 from .attention import AttentionPlan, paged_attention, plan_attention, restrict_to_window, write_kv
-from .llama import LlamaModel, apply_rope, rope_cos_sin
+from .llama import LlamaModel, apply_rope, rope_cos_sin, set_projections
 from .weights_gguf import LlamaConfig, expected_shapes
 
 
@@ -67,12 +67,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_norm = norm("post_attention_layernorm")
         self.pre_feedforward_norm = norm("pre_feedforward_layernorm")
         self.post_feedforward_norm = norm("post_feedforward_layernorm")
-        qkv = [weights[prefix + f"self_attn.{name}_proj.weight"] for name in ("q", "k", "v")]
-        self.qkv_weight = nn.Parameter(torch.cat(qkv, dim=0), requires_grad=False)  # [(H + 2Hkv) D, hidden]
-        self.o_weight = nn.Parameter(weights[prefix + "self_attn.o_proj.weight"], requires_grad=False)
-        gate_up = [weights[prefix + f"mlp.{name}_proj.weight"] for name in ("gate", "up")]
-        self.gate_up_weight = nn.Parameter(torch.cat(gate_up, dim=0), requires_grad=False)  # [2I, hidden]
-        self.down_weight = nn.Parameter(weights[prefix + "mlp.down_proj.weight"], requires_grad=False)
+        set_projections(self, weights, prefix)
 
     def forward(
         self,

@@ -58,6 +58,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def set_projections(layer: nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    """The layer's matmul weights: Q/K/V concatenated (``qkv_weight [(H + 2Hkv) D, hidden]``), ``o_weight``,
+    gate/up concatenated (``gate_up_weight [2I, hidden]``), ``down_weight``."""
+    qkv = [weights[prefix + f"self_attn.{name}_proj.weight"] for name in ("q", "k", "v")]
+    layer.qkv_weight = nn.Parameter(torch.cat(qkv, dim=0), requires_grad=False)
+    layer.o_weight = nn.Parameter(weights[prefix + "self_attn.o_proj.weight"], requires_grad=False)
+    gate_up = [weights[prefix + f"mlp.{name}_proj.weight"] for name in ("gate", "up")]
+    layer.gate_up_weight = nn.Parameter(torch.cat(gate_up, dim=0), requires_grad=False)
+    layer.down_weight = nn.Parameter(weights[prefix + "mlp.down_proj.weight"], requires_grad=False)
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block: ``h = x + attn(norm(x))``, ``out = h + mlp(norm(h))``.
 
@@ -70,12 +81,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.input_norm = RMSNorm(weights[prefix + "input_layernorm.weight"], c.rms_norm_eps)
         self.post_attention_norm = RMSNorm(weights[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        qkv = [weights[prefix + f"self_attn.{name}_proj.weight"] for name in ("q", "k", "v")]
-        self.qkv_weight = nn.Parameter(torch.cat(qkv, dim=0), requires_grad=False)  # [(H + 2Hkv) D, hidden]
-        self.o_weight = nn.Parameter(weights[prefix + "self_attn.o_proj.weight"], requires_grad=False)
-        gate_up = [weights[prefix + f"mlp.{name}_proj.weight"] for name in ("gate", "up")]
-        self.gate_up_weight = nn.Parameter(torch.cat(gate_up, dim=0), requires_grad=False)  # [2I, hidden]
-        self.down_weight = nn.Parameter(weights[prefix + "mlp.down_proj.weight"], requires_grad=False)
+        set_projections(self, weights, prefix)
 
     def forward(
         self,
