@@ -124,13 +124,17 @@ def make_batches(data: SelfDistilledData, cfg: TrainConfig, rng: np.random.Gener
 
 def collate(data: SelfDistilledData, indices: np.ndarray, max_len: int, device) -> tuple[torch.Tensor, ...]:
     """Right-padded ``ids [B, T]``, ``lengths [B]``, ``prompt_lens [B]`` on ``device``."""
-    seqs = [data.sequence(int(i))[:max_len].astype(np.int64) for i in indices]
+    # a sequence longer than max_len keeps its last max_len tokens: the answer (what the head learns to draft)
+    # stays, the prompt's beginning goes (positions restart at 0; the head's attention sees only relative ones)
+    full = [data.sequence(int(i)).astype(np.int64) for i in indices]
+    cut = np.array([max(0, len(s) - max_len) for s in full], dtype=np.int64)
+    seqs = [s[c:] for s, c in zip(full, cut)]
     width = max(len(s) for s in seqs)
     ids = np.zeros((len(seqs), width), dtype=np.int64)
     for row, seq in enumerate(seqs):
         ids[row, : len(seq)] = seq
     lengths = np.array([len(s) for s in seqs])
-    prompt_lens = np.minimum(data.prompt_lens[indices].astype(np.int64), lengths)
+    prompt_lens = np.clip(data.prompt_lens[indices].astype(np.int64) - cut, 0, lengths)
     return tuple(torch.from_numpy(a).to(device) for a in (ids, lengths, prompt_lens))
 
 
@@ -241,11 +245,14 @@ def validate(
     return [c / r if r else 0.0 for c, r in zip(correct, rows)]
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine from ``lr`` down to ``min_lr_ratio * lr`` at ``total``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+def lr_at(step: int, total: int, cfg: TrainConfig, begin: int = 0) -> float:
+    """Linear warmup from ``begin``, then cosine from ``lr`` down to ``min_lr_ratio * lr`` at ``total``.
+
+    ``begin`` is where this schedule starts: 0, or the step a finished run was continued from (`train_head`).
+    """
+    if step - begin < cfg.warmup_steps:
+        return cfg.lr * (step - begin + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - begin - cfg.warmup_steps) / max(1, total - begin - cfg.warmup_steps))
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -422,10 +429,12 @@ def train_head(
     d2t = draft_vocabulary(data, cfg.draft_vocab_size, target.config.vocab_size) if own_vocab else None
     head = TrainableEagleHead.init(hcfg, d2t, seed=cfg.seed)
     optim_state = None
+    begin = 0  # where the learning-rate schedule starts (a continued run's first step)
     if resume and checkpoint_path is not None and checkpoint_path.is_file():
         saved = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
         head = _resumed(TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"]), hcfg, checkpoint_path)
         optim_state, start_step, total_steps = saved["optimizer"], saved["step"], saved["total_steps"]
+        begin = int(saved.get("schedule_begin", 0))
         log(f"[train] resumed from {checkpoint_path} at step {start_step}/{total_steps}")
     elif resume and out_path.is_file():
         from safetensors import safe_open
@@ -436,9 +445,14 @@ def train_head(
             record = json.loads((f.metadata() or {}).get("speccycle.train", "{}"))
         head = _resumed(TrainableEagleHead.from_eagle_head(EagleHead.load(out_path)), hcfg, out_path)
         start_step, total_steps = int(record.get("step", 0)), int(record.get("total_steps", cfg.steps))
+        begin = int(record.get("schedule_begin", 0))
         log(f"[train] resumed weights from {out_path} at step {start_step}/{total_steps} (fresh AdamW moments)")
     elif resume:
         log("[train] --resume: no checkpoint found, starting fresh")
+    if start_step >= total_steps:  # a finished schedule: continue with a new one (re-warmup, cosine) of cfg.steps
+        begin, total_steps = start_step, start_step + cfg.steps
+        log(f"[train] the resumed schedule had ended: continuing with a new one, steps {begin}..{total_steps}")
+    step_cap = total_steps  # the budget re-fits below never go past this
     head.to(device)
     target_to_draft = draft_ids(head, target.config.vocab_size)
     if target_to_draft is not None:
@@ -457,7 +471,14 @@ def train_head(
     )
 
     def record(step: int, history: dict) -> dict:
-        return {**info, "step": step, "total_steps": total_steps, "config": attrs.asdict(cfg), **history}
+        return {
+            **info,
+            "step": step,
+            "total_steps": total_steps,
+            "schedule_begin": begin,
+            "config": attrs.asdict(cfg),
+            **history,
+        }
 
     def save(step: int, history: dict) -> None:
         if val_data is not None:
@@ -478,6 +499,7 @@ def train_head(
                     "optimizer": optimizer.state_dict(),
                     "step": step,
                     "total_steps": total_steps,
+                    "schedule_begin": begin,
                 },
                 tmp,
             )
@@ -531,7 +553,7 @@ def train_head(
             if timing:
                 timer.start()
             ids, lengths, prompt_lens = collate(data, indices, cfg.max_len, device)
-            lr = lr_at(step, total_steps, cfg)
+            lr = lr_at(step, total_steps, cfg, begin)
             marks = timer if timing else None
             loss, metrics = train_step(
                 head, target, optimizer, (ids, lengths, prompt_lens), cfg, lr, target_to_draft, marks
@@ -549,16 +571,17 @@ def train_head(
                 history = {"loss": round(mean_loss, 4), "acc": [round(a, 4) for a in acc], "epochs": epoch}
                 log(
                     f"[train] step {step}/{total_steps} epoch {epoch} loss {mean_loss:.4f} "
-                    f"lr {lr_at(step, total_steps, cfg):.2e} "
+                    f"lr {lr_at(step, total_steps, cfg, begin):.2e} "
                     f"acc/step {' '.join(f'{a:.3f}' for a in acc)} (chain tau ~{expected_accept_len(acc):.2f}) "
                     f"{tokens_seen / (now - start):.0f} tok/s {(now - last_log) / (step - logged_at) * 1000:.0f} "
                     f"ms/step {now - start:.0f}s{_memory(device)}"
                 )
                 if budget is not None and step > start_step + cfg.measure_at and step < total_steps:
-                    # the pace can change (batch shapes, memory): end the schedule where the budget ends
-                    per_step = (now - last_log) / (step - logged_at)
-                    fits = step + max(1, int((budget - (now - start) - 1.5 * save_s) / per_step))
-                    if fits < 0.98 * total_steps:
+                    # the pace changes (batch shapes, memory): end the schedule where the budget ends, at the
+                    # mean pace since measuring began (one window's pace swings with its batches' lengths)
+                    per_step = (now - timed_from) / max(1, step - start_step - 5)
+                    fits = min(step_cap, step + max(1, int((budget - (now - start) - 1.5 * save_s) / per_step)))
+                    if abs(fits - total_steps) > 0.02 * total_steps:
                         log(f"[train] at {per_step * 1000:.0f} ms/step {fits} steps fit the budget (was {total_steps})")
                         total_steps = fits
                         if bar is not None:

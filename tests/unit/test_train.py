@@ -13,6 +13,7 @@ import gzip
 import json
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from speccycle.core import SpecConfig
@@ -247,6 +248,27 @@ def test_training_stops_within_its_time_budget_when_steps_slow_down(tmp_path, we
     assert record["step"] == record["total_steps"] < 200
     end = next(float(line.split()[-1][:-1]) for line in logs if line.startswith("[train] wrote"))
     assert end <= 200.0, text  # the final write included
+
+
+def test_a_finished_schedule_resumes_as_a_new_one_with_its_own_warmup(tmp_path, weights, sequences):
+    """--resume of a head whose schedule ended trains on (a warm restart from that step), and the learning rate
+    warms up again from where the new schedule begins; a sequence longer than max_len keeps its answer."""
+    from speccycle.train import trainer
+
+    cfg = TrainConfig(version=3, draft_vocab_size=0, intermediate_size=32, ttt_steps=2, steps=3, warmup_steps=2,
+                      batch_tokens=256, save_every_s=1e9, log_every_s=1e9)  # fmt: skip
+    model = LlamaModel(TINY, weights)
+    out = tmp_path / "h.safetensors"
+    _, first = trainer.train_head(cfg, sequences, model, out, log=lambda _: None)
+    logs: list[str] = []
+    _, second = trainer.train_head(cfg, sequences, model, out, log=logs.append, resume=True)
+    assert first["step"] == 3 and second["step"] == 6 and second["schedule_begin"] == 3, logs
+    assert any("continuing with a new one" in line for line in logs)
+    assert trainer.lr_at(3, 6, cfg, begin=3) == pytest.approx(cfg.lr / 2)  # warmup restarts at the new schedule
+    ids, lengths, prompt_lens = trainer.collate(sequences, np.array([0]), 4, "cpu")
+    full = sequences.sequence(0)
+    assert ids[0].tolist() == full[-4:].tolist() and int(lengths[0]) == 4
+    assert int(prompt_lens[0]) == max(0, int(sequences.prompt_lens[0]) - (len(full) - 4))
 
 
 def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model_path):
