@@ -282,6 +282,21 @@ class ForcedAcceptance:
         return self.base.verify_greedy(tokens, parents, forced, accept_width)
 
 
+def force_acceptance(engine, tau: float) -> list[str]:
+    """Wrap the backend of each `generate` call in `ForcedAcceptance` (fresh per call), on whichever control
+    plane the engine picks for it (`Engine._cycle_ports`: host or device). Returns the planes' backends' names."""
+    pick = engine._cycle_ports
+    planes: list[str] = []
+
+    def cycle_ports(sampling):
+        ports, backend = pick(sampling)
+        planes.append(type(backend).__name__)
+        return ports, ForcedAcceptance(backend, tau)
+
+    engine._cycle_ports = cycle_ports
+    return planes
+
+
 def random_weights_on_device(config, device, dtype, scale=0.02) -> dict:
     from speccycle.engine.weights_gguf import expected_shapes
 
@@ -393,9 +408,8 @@ def part_scale(args) -> None:
             opts = FastOptions("cuda", min_target_rows=1)
             run_ar(engine, FastGreedyDecoder(engine.target, engine.pool, opts), "(1 row per step)")
         ar_tps = run_ar(engine, None, f"(rows padded to N={spec.num_draft_tokens}, as the speculative engine's)")
-        engine.backend = ForcedAcceptance(engine.backend, tau)
+        planes = force_acceptance(engine, tau)
         engine.generate([prompt], 16)  # warm-up: captures every graph
-        engine.backend.cycles = 0
         sync()
         start = time.perf_counter()
         results, stats = engine.generate([prompt], new)
@@ -406,7 +420,8 @@ def part_scale(args) -> None:
         row = {"system": f"speculative EAGLE-3-shaped head, {label}", "S": spec.num_steps, "K": spec.topk,
                "N": spec.num_draft_tokens, "forced_tau": tau, "measured_tau": round(stats.tau, 3),
                "tokens_per_s": round(tps, 2), "speedup": round(speedup, 3),
-               "overhead_factor": round(stats.tau / speedup, 3)}  # fmt: skip
+               "overhead_factor": round(stats.tau / speedup, 3),
+               "control_plane": planes[-1]}  # fmt: skip
         out["runs"].append(row)
         say("[scale]", row)
         free(engine)
