@@ -267,12 +267,11 @@ class Engine:
 
     def _cycle_ports(self, sampling: SamplingParams | None) -> tuple[Ports, object]:
         """The ports and backend of a `generate` call: the host control plane where it serves the call
-        (`engine.host_control`: fast path on a GPU, lookup draft, greedy), else the device's."""
+        (`engine.host_control`: fast path on a GPU, greedy, a lookup or fast forward draft), else the device's."""
         from . import host_control
 
         if self.host_control and host_control.serves(self.draft, sampling):
-            target, pool = host_control.HostTarget(self.target), host_control.HostPool(self.pool)
-            return Ports(target=target, draft=self.draft, kv_pool=pool), host_control.HostBackend(self.model.device)
+            return host_control.host_ports(self.target, self.draft, self.pool, self.spec, self.model.device)
         return Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend
 
     def generate_autoregressive(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128) -> list[list[int]]:

@@ -30,7 +30,20 @@ import torch.nn.functional as F
 from ..core.ports import ForwardBatch, ModelOutput
 from .drafters.eagle import EagleDraft
 from .drafters.layerskip import LlamaDraft
-from .graphs import BUCKETS, ForwardGraphs, GraphPool, GreedyDecodeGraphs, RowInputs, batch_inputs, bucket
+from .graphs import (
+    BUCKETS,
+    ForwardGraphs,
+    GraphPool,
+    GreedyDecodeGraphs,
+    HiddenRows,
+    RowInputs,
+    _NoEvent,
+    batch_inputs,
+    bucket,
+    pack_rows,
+    row_layout,
+    unpack_rows,
+)
 from .kernels import TorchOps, default_ops
 from .kv_pool import LayerKV, PagedKVPool
 from .llama import LlamaModel, rope_cos_sin
@@ -216,6 +229,12 @@ class GraphedDraftLevels:
     cloned out. While the loop is captured the draft's ``step`` runs its forward directly on the
     loop's tensors. Without CUDA (or with ``graphs=False``) the same code runs eagerly over the same
     padded buffers (what the CPU tests check).
+
+    The static inputs are views of one int64 buffer (``topk_p`` a float32 view of it), so inputs that
+    live on the host cross in one copy: `run_draft_levels_on_host` (the host control plane) fills
+    its pinned twin, copies it over once, gathers the fed hidden states on the device, replays a
+    second graph of the same loop that also packs its outputs into one tensor (`graphs.pack_rows`),
+    and brings that back in one device-to-host copy.
     """
 
     def _init_levels(self, pool: PagedKVPool, options: FastOptions, hidden_width: int | None) -> None:
@@ -232,18 +251,24 @@ class GraphedDraftLevels:
         logits, out_hidden = graphs.compute(batch_inputs(batch, bound), hidden)
         return ModelOutput(logits=logits, hidden=out_hidden)
 
+    def _levels_entry(self, L, page_table, cfg, hidden_dtype: torch.dtype | None) -> dict | None:
+        """The static buffers of this loop's key; None when the batch does not fit them (or capture failed)."""
+        bs, width = L.shape[0], page_table.shape[1]
+        rows = bucket(bs)
+        if rows is None or rows > self.options.max_requests or width > self._levels_width:
+            return None
+        key = (rows, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, hidden_dtype is not None)
+        entry = self._levels.get(key)
+        if entry is None:
+            entry = self._levels[key] = self._level_buffers(rows, cfg, hidden_dtype, self.options.device)
+        return None if entry.get("failed") else entry
+
     def run_draft_levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
                          draft_hidden):  # fmt: skip
         bs, width = L.shape[0], page_table.shape[1]
-        rows = bucket(bs)
-        args = (ports, backend, cfg, ids)
-        fits = rows is not None and rows <= self.options.max_requests and width <= self._levels_width
-        key = (rows, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, draft_hidden is not None)
-        if not fits or self._levels.get(key, {}).get("failed"):
-            return fn(*args, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
-        entry = self._levels.get(key)
+        entry = self._levels_entry(L, page_table, cfg, None if draft_hidden is None else draft_hidden.dtype)
         if entry is None:
-            entry = self._levels[key] = self._level_buffers(rows, cfg, topk_p, topk_index, draft_hidden, L.device)
+            return fn(ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
         b = entry["inputs"]
         b["L"][:bs].copy_(L)
         b["table"][:bs, :width].copy_(page_table)
@@ -258,40 +283,144 @@ class GraphedDraftLevels:
             b["topk_p"][bs:].fill_(1.0)
             b["topk_index"][bs:].zero_()
             entry["bs"] = bs
-        static = (ports, backend, cfg, tuple(ids) + (-1,) * (rows - bs), b["L"], b["table"], b["slots"],
+        outputs = self._replay_levels(entry, fn, ports, backend, cfg, ids, L.device, pack=False)
+        if outputs is None:  # not captured: run it on the batch's own tensors
+            return fn(ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
+        return tuple(out[:bs].clone() for out in outputs)
+
+    def run_draft_levels_on_host(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
+                                 draft_hidden: HiddenRows | None):  # fmt: skip
+        """`run_draft_levels` for inputs on the host; returns the loop's outputs on the host.
+
+        ``ports`` and ``backend``: the device's (the loop runs there). ``draft_hidden``: the rows of the
+        draft's output on the device that feed the first level (`graphs.HiddenRows`, rows on the host).
+        One host-to-device copy of the inputs, one graph, one device-to-host copy of the outputs.
+        """
+        bs, width = L.shape[0], page_table.shape[1]
+        device = self.options.device
+        hidden_dtype = None if draft_hidden is None else draft_hidden.source.dtype
+        entry = self._levels_entry(L, page_table, cfg, hidden_dtype)
+        if entry is None:  # too big for the static buffers: the loop on the device, eagerly
+            move = [t.to(device) for t in (L, page_table, draft_slots, topk_p, topk_index)]
+            hidden = None if draft_hidden is None else draft_hidden.gather(draft_hidden.source.dtype)
+            with torch.no_grad():
+                outputs = fn(ports, backend, cfg, ids, *move, hidden)
+            return unpack_rows(pack_rows(outputs).cpu(), row_layout(outputs))
+        b = entry["inputs"]
+        stage = self._level_staging(entry)
+        stage["done"].synchronize()  # the previous copy out of the staging buffer has finished
+        s = stage["views"]
+        s["L"][:bs] = L
+        s["L"][bs:] = 0  # padding requests: L 0, no slot
+        s["slots"][:bs] = draft_slots
+        s["slots"][bs:] = -1
+        s["topk_p"][:bs] = topk_p
+        s["topk_p"][bs:] = 1.0
+        s["topk_index"][:bs] = topk_index
+        s["topk_index"][bs:] = 0
+        if draft_hidden is not None:
+            s["hidden_rows"][:bs] = draft_hidden.rows
+        s["table"][:bs, :width] = page_table
+        s["table"][:bs, width:] = -1
+        end = entry["table_offset"] + bs * self._levels_width  # everything up to the last live table row
+        entry["packed"][:end].copy_(stage["packed"][:end], non_blocking=True)
+        stage["done"].record()
+        entry["bs"] = bs  # the copy rewrote the padding rows
+        if draft_hidden is not None:
+            b["hidden"][:bs].copy_(draft_hidden.source.index_select(0, b["hidden_rows"][:bs]))
+        packed = self._replay_levels(entry, fn, ports, backend, cfg, ids, device, pack=True)
+        if packed is None:  # not captured: on the device, eagerly
+            return self.run_draft_levels_on_host(fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p,
+                                                 topk_index, draft_hidden)  # fmt: skip
+        return unpack_rows(packed[:bs].cpu(), entry["layout"])  # the loop's one sync
+
+    def _replay_levels(self, entry, fn, ports, backend, cfg, ids, device, pack: bool):
+        """Run the loop over the entry's static buffers (replay its graph; eager without CUDA graphs).
+
+        ``pack``: return the outputs packed into one float64 tensor (`graphs.pack_rows`), else as they come.
+        None when the capture failed (the entry is marked, and the caller runs the loop on its own tensors).
+        """
+        b, rows = entry["inputs"], entry["inputs"]["L"].shape[0]
+        static = (ports, backend, cfg, tuple(ids) + (-1,) * (rows - len(ids)), b["L"], b["table"], b["slots"],
                   b["topk_p"], b["topk_index"], b.get("hidden"))  # fmt: skip
-        if not (self.options.graphs and L.device.type == "cuda"):  # the same buffers, eagerly
+
+        def loop(*args):
+            outputs = fn(*args)
+            entry["layout"] = row_layout(outputs)
+            return pack_rows(outputs) if pack else outputs
+
+        name = "packed_graph" if pack else "graph"
+        if not (self.options.graphs and torch.device(device).type == "cuda"):  # the same buffers, eagerly
             self._in_levels = True
             try:
                 with torch.no_grad():
-                    outputs = fn(*static)
+                    outputs = loop(*static)
             finally:
                 self._in_levels = False
             self.level_runs += 1
-            return tuple(out[:bs].clone() for out in outputs)
-        if "graph" not in entry:
+            return outputs
+        if name not in entry:
             try:
-                entry["graph"], entry["outputs"] = self._capture_levels(fn, static, L.device)
+                entry[name], entry[name + "_outputs"] = self._capture_levels(loop, static, device)
             except RuntimeError as err:  # a backend op that syncs cannot be captured: stay eager
                 entry["failed"] = True
-                warnings.warn(f"draft loop not captured ({err}); running it eagerly", stacklevel=2)
-                return fn(*args, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
-        entry["graph"].replay()
+                warnings.warn(f"draft loop not captured ({err}); running it eagerly", stacklevel=3)
+                return None
+        entry[name].replay()
         self.level_runs += 1
-        return tuple(out[:bs].clone() for out in entry["outputs"])
+        return entry[name + "_outputs"]
 
-    def _level_buffers(self, rows, cfg, topk_p, topk_index, draft_hidden, device) -> dict:
-        k = cfg.topk
-        inputs = {
-            "L": torch.zeros(rows, dtype=torch.long, device=device),
-            "table": torch.full((rows, self._levels_width), -1, dtype=torch.long, device=device),
-            "slots": torch.full((rows, cfg.num_steps - 1, k), -1, dtype=torch.long, device=device),
-            "topk_p": torch.ones((rows, k), dtype=topk_p.dtype, device=device),
-            "topk_index": torch.zeros((rows, k), dtype=topk_index.dtype, device=device),
+    def _level_buffers(self, rows, cfg, hidden_dtype, device) -> dict:
+        """Static inputs as views of one int64 buffer (`_level_views`); the fed hidden state beside it."""
+        layout = self._level_layout(rows, cfg)
+        packed = torch.zeros(layout["total"], dtype=torch.long, device=device)
+        inputs = self._level_views(packed, layout)
+        inputs["table"].fill_(-1)
+        inputs["slots"].fill_(-1)
+        inputs["topk_p"].fill_(1.0)
+        if hidden_dtype is not None:
+            inputs["hidden"] = torch.zeros((rows, self._levels_hidden), dtype=hidden_dtype, device=device)
+        return {"inputs": inputs, "packed": packed, "layout_in": layout, "table_offset": layout["table"][0], "bs": rows}
+
+    def _level_layout(self, rows, cfg) -> dict:
+        """Offsets (int64 elements) of each static input in the packed buffer; the table last."""
+        k, steps = cfg.topk, cfg.num_steps
+        sizes = {"L": rows, "slots": rows * (steps - 1) * k, "topk_index": rows * k, "topk_p": -(-rows * k // 2),
+                 "hidden_rows": rows, "table": rows * self._levels_width}  # fmt: skip
+        layout, start = {"rows": rows, "k": k, "steps": steps}, 0
+        for name, size in sizes.items():
+            layout[name] = (start, size)
+            start += size
+        layout["total"] = start
+        return layout
+
+    def _level_views(self, packed: torch.Tensor, layout: dict) -> dict:
+        rows, k, steps = layout["rows"], layout["k"], layout["steps"]
+
+        def part(name):
+            start, size = layout[name]
+            return packed[start : start + size]
+
+        return {
+            "L": part("L"),
+            "slots": part("slots").view(rows, steps - 1, k),
+            "topk_index": part("topk_index").view(rows, k),
+            "topk_p": part("topk_p").view(torch.float32)[: rows * k].view(rows, k),
+            "hidden_rows": part("hidden_rows"),
+            "table": part("table").view(rows, self._levels_width),
         }
-        if draft_hidden is not None:
-            inputs["hidden"] = torch.zeros((rows, draft_hidden.shape[-1]), dtype=draft_hidden.dtype, device=device)
-        return {"inputs": inputs, "bs": rows}
+
+    def _level_staging(self, entry) -> dict:
+        """The host twin of the entry's packed inputs (pinned on CUDA), made on first use."""
+        if "staging" not in entry:
+            pin = entry["packed"].device.type == "cuda"
+            packed = torch.empty(entry["packed"].shape, dtype=torch.long, pin_memory=pin)
+            entry["staging"] = {
+                "packed": packed,
+                "views": self._level_views(packed, entry["layout_in"]),
+                "done": torch.cuda.Event() if pin else _NoEvent(),
+            }
+        return entry["staging"]
 
     def _capture_levels(self, fn, static, device):
         self._in_levels = True
@@ -356,6 +485,11 @@ class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
             return ModelOutput(logits=self._direct(batch, None, self.graphs).logits, hidden=None)
         return ModelOutput(logits=self.graphs(batch).logits, hidden=None)
 
+    def extend_reduced(self, batch: ForwardBatch, target_hidden, reduce) -> tuple[ModelOutput, torch.Tensor | None]:
+        """`extend`, and ``reduce(logits)`` computed inside its graph (`graphs.ForwardGraphs.run`)."""
+        out, reduced = self.graphs.run(batch, None, reduce)
+        return ModelOutput(logits=out.logits, hidden=None), reduced
+
 
 class FastEagleDraft(GraphedDraftLevels, EagleDraft):
     """`EagleDraft` through static buffers and CUDA graphs: one runner for extends, one for steps."""
@@ -381,17 +515,27 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
     def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool):
         return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target)
 
-    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | HiddenRows | None) -> ModelOutput:
+        return self.extend_reduced(batch, target_hidden, None)[0]
+
+    def extend_reduced(self, batch: ForwardBatch, target_hidden, reduce) -> tuple[ModelOutput, torch.Tensor | None]:
+        """`extend`, and ``reduce(logits)`` computed inside its graph (`graphs.ForwardGraphs.run`).
+
+        ``target_hidden``: the features, or `graphs.HiddenRows` of them (gathered on the device).
+        """
         if target_hidden is None:
             raise ValueError("an EAGLE draft extend needs the target's features")
-        return self.extend_graphs(batch, target_hidden.to(self.head.dtype))
+        return self.extend_graphs.run(batch, self._fed(target_hidden), reduce)
 
-    def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
+    def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | HiddenRows | None) -> ModelOutput:
         if parent_hidden is None:
             raise ValueError("an EAGLE draft step needs its parent's hidden state")
         if self._in_levels:
             return self._direct(batch, parent_hidden.to(self.head.dtype), self.step_graphs)
-        return self.step_graphs(batch, parent_hidden.to(self.head.dtype))
+        return self.step_graphs(batch, self._fed(parent_hidden))
+
+    def _fed(self, hidden: torch.Tensor | HiddenRows) -> torch.Tensor | HiddenRows:
+        return hidden if isinstance(hidden, HiddenRows) else hidden.to(self.head.dtype)
 
 
 class FastGreedyDecoder:

@@ -12,6 +12,13 @@
    the same buffers;
 3. the outputs (``logits [R, V]``, ``hidden [T, F]``) are cloned out of the graph's memory.
 
+A batch may live on the host (the host control plane, `engine.host_control`): its rows are packed
+into pinned staging buffers and cross in one copy. The fed hidden states may be given as
+`HiddenRows`, rows of a tensor already on the device (the target's features, a draft's own
+output): the row indices cross with the batch and the rows are gathered on the device. A call may
+also ask for a `Reduction` of the logits computed inside the graph (`ForwardGraphs.run`), so that
+only a few numbers per row need to leave the device.
+
 A padding row reads token 0 at position 0, writes no KV (``out_slot = -1``) and attends nothing
 (``prefix_len = 0``, no extra slot); its output is dropped. The forward function never writes its
 inputs, so a replay leaves every input buffer as it found it, positions included (SGLang once
@@ -74,6 +81,47 @@ class RowInputs:
 
 # compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
 Compute = Callable[[RowInputs, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
+# reduction(logits [R, V]) -> [R, X]: computed inside the graph; hashable (it is part of the graph's key)
+Reduction = Callable[[torch.Tensor], torch.Tensor]
+
+
+@attrs.frozen(eq=False)
+class HiddenRows:
+    """Fed hidden states given as rows of a tensor on the forward's device: ``source[rows]``.
+
+    Shapes: ``source [S, F]`` (on the device), ``rows [T]`` int64 on the batch's device (a host batch:
+    the CPU; the indices then cross with the batch's rows, and the gather runs on the device).
+    """
+
+    source: torch.Tensor  # [S, F]
+    rows: torch.Tensor  # [T] int64
+
+    def gather(self, dtype: torch.dtype) -> torch.Tensor:
+        """``source[rows]`` in ``dtype`` on the source's device (an eager forward's path)."""
+        return self.source.index_select(0, self.rows.to(self.source.device)).to(dtype)
+
+
+def pack_rows(tensors) -> torch.Tensor:
+    """Tensors of ``R`` rows (int64 up to 2^53, float32, bool) side by side in one float64 ``[R, X]``: exact.
+
+    One tensor, so one device-to-host copy brings all of them; `unpack_rows` undoes it.
+    """
+    return torch.cat([t.reshape(t.shape[0], -1).to(torch.float64) for t in tensors], dim=1)
+
+
+def row_layout(tensors) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """What `unpack_rows` needs to know of the packed tensors: each one's shape past the rows and dtype."""
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in tensors)
+
+
+def unpack_rows(packed: torch.Tensor, layout) -> tuple[torch.Tensor, ...]:
+    """The tensors `pack_rows` packed, as laid out by `row_layout`. Shapes: ``packed [R, X]``."""
+    out, start = [], 0
+    for shape, dtype in layout:
+        width = math.prod(shape)
+        out.append(packed[:, start : start + width].to(dtype).reshape(packed.shape[0], *shape))
+        start += width
+    return tuple(out)
 
 
 class GraphPool:
@@ -164,6 +212,7 @@ class ForwardGraphs:
     states), None if none. ``graphs``: capture on CUDA (False: the same buffers, eagerly).
     ``needs_kv_bound``: ``compute`` gathers keys up to ``RowInputs.kv_bound`` (the torch attention).
     ``graph_pool``: the `GraphPool` to capture into (shared with other graphs of one owner); None: its own.
+    ``summarize``: every forward also returns its rows' argmax and finiteness (`ModelOutput.greedy`, ``finite``).
     """
 
     def __init__(
@@ -197,16 +246,18 @@ class ForwardGraphs:
         self.use_graphs = graphs and self.device.type == "cuda"
         self.needs_kv_bound = needs_kv_bound
         self.vocab_size = vocab_size
+        self.hidden_dtype = hidden_dtype
         rows = self.max_rows
         long = dict(dtype=torch.long, device=self.device)
-        self.packed = torch.zeros(rows * (6 + max_extra), **long)
+        # 5 per-row fields, the extra slots, the logits rows and the rows of `HiddenRows`
+        self.packed = torch.zeros(rows * (7 + max_extra), **long)
         self.table = torch.full((max_requests, self.table_width), -1, **long)
         self.hidden = torch.zeros((rows, hidden_in), dtype=hidden_dtype, device=self.device) if hidden_in else None
         width = rows * max(max_extra, 1)
         self._zeros = torch.zeros(width, **long)
         self._minus = torch.full((width,), -1, **long)
         self._host: dict | None = None  # staging for batches that live on the host (`_load`)
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self._graphs: dict[tuple, tuple] = {}  # key -> (graph, logits, hidden, summary, reduced)
         self.replays = 0
         self.eager_calls = 0
 
@@ -241,8 +292,11 @@ class ForwardGraphs:
             and batch.page_size == self.page_size
         )
 
-    def _load(self, batch: ForwardBatch, rows: int, logit_rows: int, hidden_in: torch.Tensor | None) -> None:
-        """Copy the batch into the static buffers, padding rows ``T .. rows - 1`` (logits rows to ``logit_rows``)."""
+    def _load(self, batch: ForwardBatch, rows: int, logit_rows: int, hidden_in) -> None:
+        """Copy the batch into the static buffers, padding rows ``T .. rows - 1`` (logits rows to ``logit_rows``).
+
+        ``hidden_in``: a tensor, or `HiddenRows` whose row indices travel in the packed copy.
+        """
         t, m = batch.num_rows, batch.extra_slots.shape[1]
         pad = rows - t
         host = batch.input_ids.device.type != self.device.type
@@ -254,7 +308,10 @@ class ForwardGraphs:
             parts += [batch.extra_slots.reshape(-1), minus[: pad * m]]
         if logit_rows:
             parts += [batch.logits_rows, z[: logit_rows - batch.logits_rows.shape[0]]]
-        total = 5 * rows + rows * m + logit_rows
+        gather = isinstance(hidden_in, HiddenRows) and self.hidden is not None
+        if gather:
+            parts.append(hidden_in.rows)
+        total = 5 * rows + rows * m + logit_rows + (t if gather else 0)
         bs, width = batch.page_table.shape
         if host:  # one host-to-device copy of the packed rows and one of the page table
             staging = self._host_buffers()
@@ -267,7 +324,9 @@ class ForwardGraphs:
         else:
             torch.cat(parts, out=self.packed[:total])
             self.table[:bs, :width].copy_(batch.page_table)
-        if self.hidden is not None and hidden_in is not None:
+        if gather:  # the rows' indices arrived with the batch: gather on the device
+            self.hidden[:t].copy_(hidden_in.source.index_select(0, self.packed[total - t : total]))
+        elif self.hidden is not None and hidden_in is not None:
             self.hidden[:t].copy_(hidden_in)
 
     def _host_buffers(self) -> dict:
@@ -285,71 +344,83 @@ class ForwardGraphs:
         return self._host
 
     # ---- running -----------------------------------------------------------------------------------
-    def __call__(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+    def __call__(self, batch: ForwardBatch, hidden_in: torch.Tensor | HiddenRows | None = None) -> ModelOutput:
+        return self.run(batch, hidden_in)[0]
+
+    def run(
+        self, batch: ForwardBatch, hidden_in: torch.Tensor | HiddenRows | None = None, reduce: Reduction | None = None
+    ) -> tuple[ModelOutput, torch.Tensor | None]:
+        """The forward, and ``reduce(logits)`` computed with it (inside the graph; None without ``reduce``)."""
         t = batch.num_rows
         rows = bucket(max(t, self.min_rows))
         if t == 0 or rows is None or rows > self.max_rows or not self.fits(batch):
-            return self._eager(batch, hidden_in)
+            return self._eager(batch, hidden_in, reduce)
         m = batch.extra_slots.shape[1]
         r = t if batch.logits_rows is None else batch.logits_rows.shape[0]
         logit_rows = 0 if batch.logits_rows is None else bucket(max(r, 1))
         if logit_rows is None or logit_rows > rows:
-            return self._eager(batch, hidden_in)
+            return self._eager(batch, hidden_in, reduce)
         self._load(batch, rows, logit_rows, hidden_in)
         inputs = self._views(rows, m, logit_rows)
         if not self.use_graphs and self.needs_kv_bound:  # no capture: a tight bound is allowed
             inputs = attrs.evolve(inputs, kv_bound=max(1, int(batch.prefix_lens.max())))
         hidden = None if self.hidden is None or hidden_in is None else self.hidden[:rows]
         if self.use_graphs:
-            key = (rows, m, logit_rows, hidden is not None)
+            key = (rows, m, logit_rows, hidden is not None, reduce)
             if key not in self._graphs:
-                self._graphs[key] = self._capture(inputs, hidden)
-            graph, logits, out_hidden, summary = self._graphs[key]
+                self._graphs[key] = self._capture(inputs, hidden, reduce)
+            graph, logits, out_hidden, summary, reduced = self._graphs[key]
             graph.replay()
             self.replays += 1
         else:
             with torch.no_grad():
-                logits, out_hidden, summary = self._run(inputs, hidden)
+                logits, out_hidden, summary, reduced = self._run(inputs, hidden, reduce)
             self.eager_calls += 1
-        return ModelOutput(
+        out = ModelOutput(
             logits=logits[:r].clone(),
             hidden=None if out_hidden is None else out_hidden[:t].clone(),
             greedy=None if summary is None else summary[0, :r].clone(),
             finite=None if summary is None else summary[1, :r].bool(),
         )
+        return out, None if reduced is None else reduced[:r].clone()
 
-    def _run(self, inputs: RowInputs, hidden: torch.Tensor | None):
-        """``compute``, and with ``summarize`` its logits' ``[argmax; all finite]`` per row (``[2, R]`` int64)."""
+    def _run(self, inputs: RowInputs, hidden: torch.Tensor | None, reduce: Reduction | None = None):
+        """``compute``; with ``summarize`` its logits' ``[argmax; all finite]`` per row (``[2, R]`` int64);
+        ``reduce(logits)`` when given."""
         logits, out_hidden = self.compute(inputs, hidden)
-        if not self.summarize:
-            return logits, out_hidden, None
-        return logits, out_hidden, torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        summary = None
+        if self.summarize:
+            summary = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        return logits, out_hidden, summary, None if reduce is None else reduce(logits)
 
-    def _capture(self, inputs: RowInputs, hidden: torch.Tensor | None):
+    def _capture(self, inputs: RowInputs, hidden: torch.Tensor | None, reduce: Reduction | None = None):
         # Warm-up (compiles the Triton kernels, initializes cuBLAS): it computes what the replay
         # will, so its KV writes are the ones the replay repeats.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
-            self._run(inputs, hidden)
+            self._run(inputs, hidden, reduce)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with self.graph_pool.capture(graph), torch.no_grad():
-            logits, out_hidden, summary = self._run(inputs, hidden)
-        return graph, logits, out_hidden, summary
+            outputs = self._run(inputs, hidden, reduce)
+        return (graph, *outputs)
 
-    def _eager(self, batch: ForwardBatch, hidden_in: torch.Tensor | None) -> ModelOutput:
+    def _eager(self, batch: ForwardBatch, hidden_in, reduce: Reduction | None = None):
         batch = batch_to(batch, self.device)
+        if isinstance(hidden_in, HiddenRows):
+            hidden_in = hidden_in.gather(self.hidden_dtype)
         bound = max(1, int(batch.prefix_lens.max())) if self.needs_kv_bound and batch.num_rows else 1
         with torch.no_grad():
-            logits, hidden, summary = self._run(batch_inputs(batch, bound), hidden_in)
+            logits, hidden, summary, reduced = self._run(batch_inputs(batch, bound), hidden_in, reduce)
         self.eager_calls += 1
-        return ModelOutput(
+        out = ModelOutput(
             logits=logits,
             hidden=hidden,
             greedy=None if summary is None else summary[0],
             finite=None if summary is None else summary[1].bool(),
         )
+        return out, reduced
 
     @property
     def num_graphs(self) -> int:

@@ -14,33 +14,52 @@ What crosses to the GPU, and back, crosses at the ports:
 * `HostTarget.forward` takes a CPU `ForwardBatch`; the fast target copies it into its static buffers
   (one host-to-device copy from pinned memory, `graphs.ForwardGraphs._load`) and replays its graph,
   which also reduces the logits to each row's argmax and finiteness (`ModelOutput.greedy`,
-  ``finite``). One device-to-host copy brings those two back: the cycle's only sync. The logits and
-  hidden states stay on the GPU.
+  ``finite``). One device-to-host copy brings those two back. The logits stay on the GPU.
+* Hidden states stay on the GPU too. Where a record holds them (`RowOutputs.hidden`,
+  `ExtendRows.hidden`, `Ready.draft_hidden`) it holds *row references* instead: ``[T, 2]`` int64,
+  ``(generation, row)`` into the last output a port kept (`DeviceRows`). The transitions gather,
+  compact and retire them like any per-row field (one mechanism, invariant 9); the port that
+  consumes them turns them into `graphs.HiddenRows`, whose indices cross with the batch's rows and
+  whose rows are gathered on the GPU. A reference to an output that was since replaced is refused.
+* `HostDraft` (a forward draft: EAGLE heads, layer skip, a smaller model) runs the draft extend with
+  the top-K of its last rows computed inside its graph (`PackedTopK`), brought back in one copy and
+  handed to `HostBackend.select_topk`; and the ``S - 1`` draft levels as one graph over inputs that
+  cross in one copy, whose candidates come back in one copy
+  (`fast.GraphedDraftLevels.run_draft_levels_on_host`). Target features reach the draft extend,
+  and the draft's hidden state its first level, without leaving the GPU.
 * `HostPool.page_table` builds page tables on the CPU (the pool's bookkeeping is Python lists
-  anyway); the KV buffers stay on the GPU, and a tree's KV move indexes them with CPU indices.
+  anyway); the KV buffers stay on the GPU, and a tree's KV move indexes them with indices that
+  cross in one pinned copy.
 
-Which cycles it serves: greedy requests without logprobs, with a lookup draft (``ngram``) or none.
-Sampling reads the full logits, and a forward draft's top-K and hidden states feed its own GPU loop;
-those cycles keep the device control plane (`Engine.generate` picks per call). The output is the
-same either way: the same forwards, the same reductions, the reference ops.
+Syncs per cycle: one with a lookup draft (the verify's copy back), three with a forward draft (the
+verify, the draft extend's top-K, the draft levels' candidates): each is a copy the next step on the
+CPU needs.
+
+Which cycles it serves: greedy requests without logprobs, with a lookup draft (``ngram``) or a fast
+forward draft (`fast.FastEagleDraft`, `fast.FastLlamaDraft`). Sampling and logprobs read the full
+logits; those cycles keep the device control plane (`Engine.generate` picks per call, `serves`).
+The output is the same either way: the same forwards, the same reductions, the reference ops.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 import torch
 
 from ..backends.registry import get_backend
 from ..backends.torch import TorchBackend
-from ..core.ports import ForwardBatch, ModelOutput
+from ..core.ports import ForwardBatch, ModelOutput, Ports
+from .graphs import HiddenRows, pack_rows, unpack_rows
 
 HOST = torch.device("cpu")
 
 
 class HostBackend(TorchBackend):
-    """The reference ops on the host records, two of them written for a few elements on a CPU.
+    """The reference ops on the host records, a few of them written for a few elements on a CPU or for the GPU.
 
     * ``verify_greedy``: the reference is ~25 tensor ops and an ``S``-round loop (about 300 us on the
       H100 machine's CPU for one 6-row chain); for up to `WALK_LIMIT` verify rows the walk is plain
@@ -48,9 +67,13 @@ class HostBackend(TorchBackend):
       target predicted at its parent). Larger batches take the reference.
     * ``slots_for_positions``: the same arithmetic in numpy.
     * ``move_kv``: a tree's KV move runs on the KV's device: the indices (at most ``bs * (S + 1)``)
-      go there once and the device's backend moves every buffer (one Triton launch on CUDA).
+      go there in one pinned copy and the device's backend moves every buffer (one Triton launch on CUDA).
+    * ``select_topk``: of a forward draft's extend, the top-K its graph computed (`HostDraft`, handed
+      over with `hand_over_topk`: the device backend's ``select_topk`` of the same logits); of other
+      logits on the device, the device backend's, brought over.
 
-    Each is tested equal to the torch reference (tests/property/test_host_backend.py).
+    Each is tested equal to the torch reference (tests/property/test_host_backend.py,
+    tests/unit/test_fast_path.py for the top-K).
     """
 
     WALK_LIMIT = 512
@@ -58,6 +81,23 @@ class HostBackend(TorchBackend):
     def __init__(self, device: torch.device | str = HOST) -> None:
         self.device = torch.device(device)
         self.device_backend = get_backend(self.device)
+        self._handed: tuple | None = None  # (logits, K, probs, ids) from `hand_over_topk`
+        self.handed_topk = 0  # selections served from a draft graph's top-K
+
+    def hand_over_topk(self, logits: torch.Tensor, topk: int, probs: torch.Tensor, ids: torch.Tensor) -> None:
+        """``select_topk(logits, topk)`` of exactly this tensor is ``(probs, ids)`` (host tensors), computed
+        with the logits on the device. Consumed by the next ``select_topk`` call."""
+        self._handed = (logits, topk, probs, ids)
+
+    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[0] is logits and handed[1] == topk:
+            self.handed_topk += 1
+            return handed[2], handed[3]
+        if logits.device.type != "cpu":  # logits on the device: its backend's selection, brought over
+            probs, ids = self.device_backend.select_topk(logits, topk)
+            return probs.cpu(), ids.cpu()
+        return super().select_topk(logits, topk)
 
     def verify_greedy(
         self, tokens: torch.Tensor, parents: torch.Tensor, predict: torch.Tensor, accept_width: int
@@ -93,23 +133,81 @@ class HostBackend(TorchBackend):
     def move_kv(self, buffers: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel() == 0:
             return
-        self.device_backend.move_kv(buffers, src.to(self.device), dst.to(self.device))
+        both = torch.stack([src, dst])
+        if self.device.type == "cuda":  # from pinned memory the copy does not wait for the GPU
+            both = both.pin_memory().to(self.device, non_blocking=True)
+        self.device_backend.move_kv(buffers, both[0], both[1])
+
+
+class DeviceRows:
+    """The last per-row output a port kept on the device, named in host records by row references.
+
+    `keep` stores ``[T, F]`` device rows and returns their references, ``[T, 2]`` int64 on the host:
+    ``(generation, row)``, the generation unique in the process. `rows` turns references back into
+    `graphs.HiddenRows` and refuses references to an output since replaced (a record kept too long).
+    """
+
+    _generations = itertools.count(1)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.source: torch.Tensor | None = None
+        self.generation = 0
+
+    def keep(self, rows: torch.Tensor) -> torch.Tensor:
+        self.source, self.generation = rows, next(DeviceRows._generations)
+        t = rows.shape[0]
+        return torch.stack([torch.full((t,), self.generation, dtype=torch.long), torch.arange(t)], dim=1)
+
+    def rows(self, refs: torch.Tensor) -> HiddenRows:
+        if refs.dim() != 2 or refs.shape[1] != 2 or refs.dtype != torch.long:
+            raise ValueError(
+                f"expected row references [T, 2] int64 to the {self.what} (host control plane), got "
+                f"{tuple(refs.shape)} {refs.dtype}: records of the host plane hold references, not hidden states"
+            )
+        if self.source is None or not bool((refs[:, 0] == self.generation).all()):
+            raise ValueError(
+                f"row references to an earlier {self.what}: the host control plane keeps only the last one, "
+                "so a record's hidden states must be used before the next forward replaces them"
+            )
+        return HiddenRows(self.source, refs[:, 1].contiguous())
+
+
+@attrs.frozen
+class PackedTopK:
+    """A `graphs.Reduction`: each logits row's top-K by the device backend's ``select_topk``, packed
+    ``[R, 2K]`` float64 (probabilities, then ids; `graphs.pack_rows`: exact), for one copy back."""
+
+    k: int
+    backend: TorchBackend = attrs.field(eq=False, repr=False)  # not part of the key: one device's backend
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return pack_rows(self.backend.select_topk(logits, self.k))
+
+    def unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpack_rows(packed, (((self.k,), torch.float32), ((self.k,), torch.long)))
 
 
 class HostTarget:
     """The target port, seen from records on the host (module docstring)."""
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, keep_features: bool = False) -> None:
+        """``keep_features``: hand over the forward's features as row references (a ``shifted`` draft reads
+        them), else none."""
         if getattr(target.graphs, "summarize", False) is not True:
             raise ValueError("a host control plane needs a target whose forward summarizes its logits (fast path)")
         self.inner = target
         self.device = HOST
         self.vocab_size = target.vocab_size
+        self.features = DeviceRows("target's features") if keep_features else None
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         out = self.inner.forward(batch)
-        summary = torch.stack([out.greedy, out.finite.long()]).to(HOST)  # the cycle's one sync
-        return ModelOutput(logits=out.logits, hidden=None, greedy=summary[0], finite=summary[1].bool())
+        summary = torch.stack([out.greedy, out.finite.long()]).to(HOST)  # the verify's one sync
+        hidden = None
+        if self.features is not None and out.hidden is not None:  # references; the features stay
+            hidden = self.features.keep(out.hidden)
+        return ModelOutput(logits=out.logits, hidden=hidden, greedy=summary[0], finite=summary[1].bool())
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -128,8 +226,75 @@ class HostPool:
         return getattr(self.inner, name)
 
 
+class HostDraft:
+    """A fast forward draft port, seen from records on the host (module docstring).
+
+    ``extend``: the draft's graph with the top-K of its logits rows (`PackedTopK`, at the cycle's K)
+    and one copy back (a sync), handed to the backend's ``select_topk``; its hidden states are kept
+    on the device (`DeviceRows`) and returned as references. ``run_draft_levels``: the ``S - 1`` levels
+    as one graph over the device's ports and backend (`fast.GraphedDraftLevels.run_draft_levels_on_host`).
+    ``step`` (a cycle that drafts level by level, which greedy host cycles do not) works the same way,
+    each selection then a copy back of its own.
+    """
+
+    kind = "forward"
+
+    def __init__(self, draft, target: HostTarget, pool, backend: HostBackend, topk: int) -> None:
+        if not hasattr(draft, "run_draft_levels_on_host"):
+            raise ValueError(
+                f"{type(draft).__name__} has no host path: the host control plane runs the fast forward drafts "
+                "(engine.fast.FastEagleDraft, FastLlamaDraft); accelerate the engine or turn host_control off"
+            )
+        if draft.pairing == "shifted" and target.features is None:
+            raise ValueError("a shifted draft reads the target's features: build HostTarget with keep_features=True")
+        self.inner, self.target, self.backend = draft, target, backend
+        self.pairing, self.vocab_size = draft.pairing, draft.vocab_size
+        self.hidden = DeviceRows("draft's hidden states")
+        self.reduce = PackedTopK(topk, backend.device_backend)
+        self.device_ports = Ports(target=target.inner, draft=draft, kv_pool=pool)  # where the levels run
+
+    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+        fed = None if self.pairing != "shifted" else self.target.features.rows(_required(target_hidden, "extend"))
+        out, top = self.inner.extend_reduced(batch, fed, self.reduce)
+        probs, ids = self.reduce.unpack(top.to(HOST))  # the extend's one sync
+        self.backend.hand_over_topk(out.logits, self.reduce.k, probs, ids)
+        return ModelOutput(logits=out.logits, hidden=None if out.hidden is None else self.hidden.keep(out.hidden))
+
+    def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
+        fed = None if parent_hidden is None else self.hidden.rows(parent_hidden)
+        out = self.inner.step(batch, fed)
+        return ModelOutput(logits=out.logits, hidden=None if out.hidden is None else self.hidden.keep(out.hidden))
+
+    def run_draft_levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
+                         draft_hidden):  # fmt: skip
+        fed = None if draft_hidden is None else self.hidden.rows(draft_hidden)
+        return self.inner.run_draft_levels_on_host(fn, self.device_ports, self.backend.device_backend, cfg, ids, L,
+                                                   page_table, draft_slots, topk_p, topk_index, fed)  # fmt: skip
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def _required(hidden: torch.Tensor | None, where: str) -> torch.Tensor:
+    if hidden is None:
+        raise ValueError(f"a shifted draft's {where} needs the target's features (row references on the host plane)")
+    return hidden
+
+
 def serves(draft, sampling) -> bool:
-    """Whether a `generate` call may run on the host control plane (module docstring)."""
-    lookup = draft is not None and getattr(draft, "kind", "forward") == "lookup"
+    """Whether a `generate` call may run on the host control plane (module docstring): greedy without
+    logprobs, with a lookup draft or a fast forward draft."""
     plain = sampling is None or (sampling.greedy and not sampling.logprobs)
-    return lookup and plain
+    kind = None if draft is None else getattr(draft, "kind", "forward")
+    fast_forward = kind == "forward" and hasattr(draft, "run_draft_levels_on_host")
+    return plain and (kind == "lookup" or fast_forward)
+
+
+def host_ports(target, draft, pool, spec, device) -> tuple[Ports, HostBackend]:
+    """The ports and backend of a host-plane `generate` call (``spec``: the cycle's `SpecConfig`)."""
+    backend = HostBackend(device)
+    forward = getattr(draft, "kind", "forward") == "forward"
+    host_target = HostTarget(target, keep_features=forward and draft.pairing == "shifted")
+    if forward:
+        draft = HostDraft(draft, host_target, pool, backend, spec.topk)
+    return Ports(target=host_target, draft=draft, kv_pool=HostPool(pool)), backend

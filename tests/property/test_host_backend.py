@@ -53,3 +53,34 @@ def test_host_slots_for_positions_refuse_unreserved_positions():
     table = torch.tensor([[3, -1]])
     with pytest.raises(IndexError, match="reserve before assigning slots"):
         host.slots_for_positions(table, torch.tensor([[0, 5]]), 4)
+
+
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(0, 10_000))
+def test_packed_rows_come_back_exactly(rows, k, seed):
+    """`graphs.pack_rows` (how a draft graph hands back its top-K and candidates in one copy) is exact for
+    token ids (up to 2^53, -1 padding), float32 scores (extremes, subnormals, inf) and bools."""
+    from speccycle.engine.graphs import pack_rows, row_layout, unpack_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-1, 2**53, (rows, k), generator=gen)
+    scores = torch.randn(rows, k, generator=gen) * torch.tensor([1e-40, 1.0, 3e38, float("inf")]).repeat(k)[:k]
+    nested = torch.randint(0, 50_000, (rows, 2, k), generator=gen)
+    flags = torch.rand(rows, generator=gen) > 0.5
+    tensors = (ids, scores, nested, flags)
+    back = unpack_rows(pack_rows(tensors), row_layout(tensors))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+def test_row_references_refuse_a_replaced_output():
+    """Host records name device hidden states by (generation, row); a reference to a replaced output is refused."""
+    from speccycle.engine.host_control import DeviceRows
+
+    kept = DeviceRows("target's features")
+    first = kept.keep(torch.arange(12.0).view(4, 3))
+    rows = kept.rows(first[[3, 1]])
+    assert torch.equal(rows.gather(torch.float32), torch.tensor([[9.0, 10.0, 11.0], [3.0, 4.0, 5.0]]))
+    kept.keep(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="earlier target's features"):
+        kept.rows(first[:1])
+    with pytest.raises(ValueError, match="row references"):
+        kept.rows(torch.zeros(2, 3))

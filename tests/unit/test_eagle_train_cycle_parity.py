@@ -112,7 +112,10 @@ def _unrolled_probs(head, model, sequence: list[int], path: list[int], feature_l
     [SpecConfig(num_steps=4, page_size=4), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)],
     ids=["chain", "tree"],
 )
-def test_every_cycle_draft_equals_the_trained_heads_unrolled_draft(weights, prompts, trained_head, spec):
+@pytest.mark.parametrize("plane", ["reference", "host"])
+def test_every_cycle_draft_equals_the_trained_heads_unrolled_draft(weights, prompts, trained_head, spec, plane):
+    """``host``: the fast path with the records on the host (`engine.host_control`, the 'device' a CPU): the
+    draft reads the target's features by row references and runs its levels over static buffers."""
     head, version = trained_head, trained_head.config.version
     feature_layers = head.config.feature_layers
     model = LlamaModel(TINY, weights, feature_layers=feature_layers if version == 3 else None)
@@ -120,6 +123,13 @@ def test_every_cycle_draft_equals_the_trained_heads_unrolled_draft(weights, prom
     engine = Engine(
         model, PagedKVPool(num_pages=256, page_size=4), lambda e: EagleDraft(draft_head, e.model, e.pool), spec
     )
+    if plane == "host":
+        from speccycle.engine.fast import accelerate
+        from speccycle.engine.host_control import HostDraft
+        from speccycle.engine.kernels import TorchOps
+
+        accelerate(engine, graphs=False, ops=TorchOps, host_control=True)
+        assert isinstance(engine._cycle_ports(None)[0].draft, HostDraft)
     trees = []  # (committed tokens, L, tokens, parents, scores) per request per verify
 
     def on_step(record):

@@ -387,3 +387,87 @@ def test_host_control_plane_is_lossless(weights, spec):
     assert summaries and all(summaries)
     assert stats.tau > 1.0  # the repeated prompt gives the lookup something to find
     assert pool.num_free_pages == pool.num_pages
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SpecConfig(num_steps=4, topk=1, page_size=4), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=1)],
+    ids=["chain-P4", "tree-P1"],
+)
+@pytest.mark.parametrize("draft", ["eagle1", "eagle3", "layerskip"])
+def test_host_control_plane_runs_forward_drafts(weights, draft, spec):
+    """Greedy cycles of a fast forward draft with their records on the host equal autoregressive decoding and
+    free every page; the records hold no hidden state (row references), and every draft level's top-K, taken
+    inside the draft's graphs, equals the reference selection: the extend's of its logits, the levels' as
+    `draft_levels` over the same inputs with the reference backend computes them."""
+    from speccycle.backends.torch import TorchBackend
+    from speccycle.core import SamplingParams
+    from speccycle.core.records import Drafted, Ready
+    from speccycle.engine.fast import accelerate
+    from speccycle.engine.host_control import HostBackend, HostDraft
+    from speccycle.statemachine.transitions import draft_levels
+
+    prompts = [tokens_of(51, 6) * 2, tokens_of(52, 5), tokens_of(53, 9)]  # 3 requests: one padding request
+    features = (1, 2, 3) if draft == "eagle3" else None
+    model = LlamaModel(TINY, weights, feature_layers=features)
+    pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
+
+    def build(engine):
+        if draft == "layerskip":
+            return LlamaDraft(model, pool, num_layers=2)
+        version = 3 if draft == "eagle3" else 1
+        config = EagleConfig.for_target(TINY, version, draft_vocab_size=40 if version == 3 else None)
+        if version == 3:
+            config = attrs.evolve(config, feature_layers=features)
+        return EagleDraft(EagleHead.random(config, seed=version, target_vocab=TINY.vocab_size), model, pool)
+
+    engine = Engine(model, pool, build, spec)
+    accelerate(engine, graphs=False, ops=TorchOps, host_control=True)
+    ports, backend = engine._cycle_ports(None)
+    assert isinstance(ports.draft, HostDraft) and isinstance(backend, HostBackend)
+    for sampling in (SamplingParams(temperature=0.8, seed=1), SamplingParams(logprobs=True)):  # read the logits
+        assert not isinstance(engine._cycle_ports(sampling)[0].draft, HostDraft)
+    reference = TorchBackend()
+    checks = {"extend": 0, "levels": 0, "ready": 0, "cycles": 0}
+    extend, levels = HostDraft.extend, HostDraft.run_draft_levels
+
+    def spy_extend(self, batch, target_hidden):
+        out = extend(self, batch, target_hidden)
+        _, k, probs, ids = self.backend._handed
+        want = reference.select_topk(out.logits, k)  # the 'device' is the CPU: the logits are readable here
+        assert torch.equal(probs, want[0]) and torch.equal(ids, want[1])
+        checks["extend"] += 1
+        return out
+
+    def spy_levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index, hidden):
+        got = levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index, hidden)
+        fed = None if hidden is None else self.hidden.rows(hidden).gather(torch.float32)
+        args = (self.device_ports, reference, cfg, ids, L, page_table, draft_slots, topk_p, topk_index, fed)
+        with torch.no_grad():
+            want = draft_levels(*args)  # rewrites the same scratch slots with the same values
+        assert all(g.device.type == "cpu" for g in got)
+        for name, g, w in zip(("tokens", "scores", "parents", "positions"), got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape, name
+            if name == "scores":
+                torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL)
+            else:
+                assert torch.equal(g, w), name
+        checks["levels"] += 1
+        return got
+
+    def on_step(record):
+        checks["cycles"] += isinstance(record, Drafted)
+        if isinstance(record, Ready) and record.draft_hidden is not None:  # references, not hidden states
+            assert record.draft_hidden.dtype == torch.long and record.draft_hidden.shape[1] == 2
+            checks["ready"] += 1
+
+    HostDraft.extend, HostDraft.run_draft_levels = spy_extend, spy_levels
+    try:
+        ar = engine.generate_autoregressive(prompts, 16)
+        results, stats = engine.generate(prompts, 16, checked=True, on_step=on_step)
+    finally:
+        HostDraft.extend, HostDraft.run_draft_levels = extend, levels
+    assert [list(r.output) for r in results] == ar
+    assert pool.num_free_pages == pool.num_pages
+    assert checks["extend"] == checks["levels"] == checks["cycles"] == engine.draft.level_runs > 0
+    assert (checks["ready"] > 0) == (draft != "layerskip")
