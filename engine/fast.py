@@ -4,8 +4,12 @@
 `graphs.RowInputs`, written for capture: no host sync, shapes fixed by the inputs, the fused ops of
 `engine.kernels` (RMSNorm with the residual add, RoPE with the KV write, SiLU-and-mul) and the paged
 row attention of `engine.attention_triton`; Q/K/V and gate/up are the models' concatenated weights
-(``qkv_weight``, ``gate_up_weight``), so each layer runs 4 GEMMs. Per layer: norm, QKV, RoPE + KV
-write, attention, O, add + norm, gate-up, SiLU-mul, down: 9 kernels.
+(``qkv_weight``, ``gate_up_weight``), so each layer runs 4 GEMMs. With `kernels.TorchOps` (and above
+`linear_triton.MAX_ROWS` rows) a layer is norm, QKV, RoPE + KV write, attention, O, add + norm,
+gate-up, SiLU-mul, down: 9 kernels. With `kernels.TritonOps` the norms and SiLU-mul fuse into the
+row-invariant GEMMs of `engine.linear_triton` (a row's bits never depend on the row count, so a
+verify row computes the decode step's logits): (add +) norm + QKV, RoPE + KV write, attention, O,
+add + norm + gate-up + SiLU-mul, down: 6 kernels.
 
 The port implementations wrap the reference ones and keep their weights, caches and contracts:
 
@@ -91,28 +95,24 @@ def llama_rows_forward(
     views = _feature_views(features, capture, hidden_size)
 
     x = F.embedding(inputs.input_ids, model.embed_weight)  # [T, hidden]
-    delta = None
+    delta = None  # the previous layer's MLP output, added to x by the next norm
     for i in range(depth):
         layer = model.layers[i]
-        if delta is None:
-            if i in views:
-                views[i].copy_(x)
-            y = ops.rms_norm(x, layer.input_norm.weight, eps)
-        else:
-            x, y = ops.add_rms_norm(x, delta, layer.input_norm.weight, eps, views.get(i))
-        qkv = F.linear(y, layer.qkv_weight)  # [T, (H + 2Hkv) D]
+        # (x + delta), RMSNorm and the QKV GEMM: one kernel with TritonOps (`engine.linear_triton`)
+        x, qkv = ops.norm_linear(x, delta, layer.input_norm.weight, eps, layer.qkv_weight, views.get(i))
         k_cache, v_cache = kv[i]
         q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
                               c.num_heads, c.num_kv_heads)  # fmt: skip
         attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                              inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
-        o = F.linear(attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
-        x, y = ops.add_rms_norm(x, o, layer.post_attention_norm.weight, eps)
-        delta = F.linear(ops.silu_mul(F.linear(y, layer.gate_up_weight)), layer.down_weight)
+        o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
+        # (x + o), RMSNorm, gate-up GEMM and SiLU-mul: one kernel with TritonOps
+        x, act = ops.norm_gate_up_silu(x, o, layer.post_attention_norm.weight, eps, layer.gate_up_weight)
+        delta = ops.linear(act, layer.down_weight)
     x, y = ops.add_rms_norm(x, delta, model.norm.weight, eps, views.get(depth))
     if inputs.logits_rows is not None:
         y = y.index_select(0, inputs.logits_rows)
-    logits = F.linear(y, model.lm_head_weight).float()
+    logits = ops.linear(y, model.lm_head_weight, torch.float32)  # the dtype's rounding, stored as float32
     return logits, features
 
 
@@ -133,29 +133,30 @@ def eagle_rows_forward(
     embed = F.embedding(inputs.input_ids, target.embed_weight)
     x = hidden_in.to(head.dtype)
     if c.version == 1:
-        x = F.linear(torch.cat([embed, x], -1), head.fc)
-        attn_in = ops.rms_norm(x, head.input_norm.weight, eps)
+        x = ops.linear(torch.cat([embed, x], -1), head.fc)
+        x, qkv = ops.norm_linear(x, None, head.input_norm.weight, eps, head.qkv)
     else:
         if from_target:
-            x = F.linear(x, head.fc)  # [T, 3H] -> [T, H]
+            x = ops.linear(x, head.fc)  # [T, 3H] -> [T, H]
         attn_in = torch.cat(
             [ops.rms_norm(embed, head.embed_norm.weight, eps), ops.rms_norm(x, head.hidden_norm.weight, eps)], -1
         )
-    qkv = F.linear(attn_in, head.qkv)
+        qkv = ops.linear(attn_in, head.qkv)
     k_cache, v_cache = draft.kv
     q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
                           c.num_heads, c.num_kv_heads)  # fmt: skip
     attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                          inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
-    h, y = ops.add_rms_norm(
-        x, F.linear(attn.reshape(rows, c.num_heads * c.head_dim), head.o), head.post_norm.weight, eps
-    )
-    out = h + F.linear(ops.silu_mul(F.linear(y, head.gate_up)), head.down)  # [T, H]
+    o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), head.o)
+    h, act = ops.norm_gate_up_silu(x, o, head.post_norm.weight, eps, head.gate_up)
+    out = h + ops.linear(act, head.down)  # [T, H]
     picked = out if inputs.logits_rows is None else out.index_select(0, inputs.logits_rows)
     if c.target_lm_head:  # EAGLE-1, or EAGLE-3 over the target's norm and LM head: [R, V]
-        logits = F.linear(ops.rms_norm(picked, target.norm.weight, target.config.rms_norm_eps), target.lm_head_weight)
-        return logits.float(), out
-    small = F.linear(ops.rms_norm(picked, head.norm.weight, eps), head.lm_head).float()  # [R, Vd]
+        target_eps = target.config.rms_norm_eps
+        _, logits = ops.norm_linear(picked, None, target.norm.weight, target_eps, target.lm_head_weight,
+                                    out_dtype=torch.float32)  # fmt: skip
+        return logits, out
+    _, small = ops.norm_linear(picked, None, head.norm.weight, eps, head.lm_head, out_dtype=torch.float32)  # [R, Vd]
     logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
     logits.index_copy_(1, head.draft_to_target, small)
     return logits, out

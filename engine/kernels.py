@@ -16,16 +16,29 @@ other rows of the batch (what keeps the verify and the decode forwards of one to
   (rows with slot ``-1`` write nothing: padding rows of a captured batch); returns the rotated Q.
 * `silu_mul(gate_up) -> silu(gate) * up`.
 
-`Ops` bundles them with the attention; `TorchOps` runs anywhere, `TritonOps` on CUDA (or on CPU
-tensors under ``TRITON_INTERPRET=1``, as the tests do).
+`Ops` bundles them with the attention and the GEMMs (``linear``, ``norm_linear``: RMSNorm, optionally
+after the residual add, then a GEMM; ``norm_gate_up_silu``: that with the gate/up weight and SiLU-mul);
+`TorchOps` runs anywhere (``F.linear``), `TritonOps` on CUDA (or on CPU tensors under
+``TRITON_INTERPRET=1``, as the tests do) with the row-invariant fused GEMMs of `engine.linear_triton`
+up to its ``MAX_ROWS`` rows, `BatchInvariantOps` with them at any row count.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
+from .linear_triton import (
+    linear_rows,
+    linear_torch,
+    norm_gate_up_silu_rows,
+    norm_gate_up_silu_torch,
+    norm_linear_rows,
+    norm_linear_torch,
+)
 
 try:
     import triton
@@ -330,6 +343,9 @@ class TorchOps:
     rope_write_kv = staticmethod(rope_write_kv_torch)
     silu_mul = staticmethod(silu_mul_torch)
     attention = staticmethod(paged_attention_rows_torch)
+    linear = staticmethod(linear_torch)
+    norm_linear = staticmethod(norm_linear_torch)
+    norm_gate_up_silu = staticmethod(norm_gate_up_silu_torch)
     needs_kv_bound = True  # the torch attention gathers keys up to a static bound
 
 
@@ -342,7 +358,30 @@ class TritonOps(TorchOps):
     rope_write_kv = staticmethod(rope_write_kv_triton)
     silu_mul = staticmethod(silu_mul_triton)
     attention = staticmethod(paged_attention_rows_triton)
+    linear = staticmethod(linear_rows)  # row-invariant up to linear_triton.MAX_ROWS rows, F.linear above
+    norm_linear = staticmethod(norm_linear_rows)
+    norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)
     needs_kv_bound = False
+
+
+class BatchInvariantOps(TritonOps):
+    """`TritonOps` with the row-invariant GEMMs at every row count (slower than cuBLAS on large batches):
+    decode and verify rows agree bitwise at any batch size, prefills included (parity runs)."""
+
+    name = "triton-invariant"
+    linear = staticmethod(functools.partial(linear_rows, max_rows=None))
+    norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=None))
+    norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=None))
+
+
+class TritonCublasOps(TritonOps):
+    """The fused elementwise Triton ops with ``F.linear`` (cuBLAS) GEMMs and unfused norms: the fast path
+    before `engine.linear_triton` (9 kernels a layer; benchmarks compare against it)."""
+
+    name = "triton-cublas"
+    linear = staticmethod(functools.partial(linear_rows, max_rows=0))
+    norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=0))
+    norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=0))
 
 
 def triton_available() -> bool:

@@ -1,0 +1,413 @@
+"""Row-invariant GEMMs for the fast forward: ``x [T, K] @ w[N, K]^T`` whose rows never depend on ``T``.
+
+Why: greedy speculative decoding reproduces autoregressive decoding only if a verify row computes
+bitwise the logits a decode step computes for the same token. cuBLAS picks its kernel (tile, split-K,
+reduction order) from the GEMM's shape, so one row alone and the same row among ``T`` rows may round
+differently, and in bfloat16 an argmax can flip. Here every row's result is a function of that row and
+the weight only:
+
+* a fixed tile: ``BLOCK_M = 16`` rows (a call with fewer rows pads with masked rows), ``BLOCK_N`` and
+  ``BLOCK_K`` chosen from ``(N, K, dtype)`` alone (`row_linear_config`), never from ``T``;
+* one program per ``(column block, row block)``, a K loop in one fixed order, float32 accumulation, no
+  split-K, no atomics, no autotuning keyed on ``T``; the row count is not specialized by the JIT
+  (``do_not_specialize``), so one compiled kernel serves every ``T``;
+* each program owns its output tile: a row's bits do not depend on its neighbours or on which block of
+  rows it falls in (the tensor-core MMA treats every row of the tile alike).
+
+So row ``r`` of a ``T``-row call is bitwise the one-row call on that row, for any ``T`` (tested under
+``TRITON_INTERPRET=1`` and by ``bench/row_linear_bench.py`` on a GPU).
+
+Fused variants, to cut the launches of a Llama layer from 9 to 6 (QKV, RoPE + KV write, attention,
+O, gate-up, down):
+
+* `norm_linear`: RMSNorm prologue. Optionally the residual add first (``h = x + r`` in the dtype, as
+  the reference adds; the programs of column block 0 write ``h`` once, and a copy to ``sum_out`` when
+  asked, e.g. a features column block). Every program recomputes its rows' mean of squares from the
+  whole row (``K`` = 576 for SmolLM2: cheap) in a fixed blocked order, then feeds
+  ``weight * (h * rstd)`` with the reference's roundings (`kernels.rms_norm_torch`) to the MMA.
+* `norm_gate_up_silu`: the same prologue, the gate and up column blocks of one program side by side
+  (two accumulators over one A tile) and the SiLU-and-mul epilogue (`kernels.silu_mul_torch`'s
+  roundings): ``[T, K] -> [T, I]`` without the ``[T, 2I]`` intermediate.
+* ``out_dtype``: the output stored as the dtype's rounding, widened (the LM head writes float32
+  logits directly: the reference's ``F.linear(...).float()``, one kernel fewer).
+
+The torch references sit beside the kernels (``*_torch``: ``F.linear`` and the `engine.kernels`
+references). They are not bitwise the kernels (cuBLAS or MKL reduce in another order), so the kernels
+are tested equal to them within a tolerance and row-invariant bitwise.
+
+`TritonOps` (in `engine.kernels`) uses these up to `MAX_ROWS` rows and ``F.linear`` (plus the unfused
+Triton ops) above, where cuBLAS is faster; `BatchInvariantOps` uses them for any row count (a parity
+run over a large ragged batch, see ``bench/lossless_sweep.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - installs without triton use the torch references
+    triton = None
+
+BLOCK_M = 16  # tl.dot's smallest M; fixed, whatever the row count
+MAX_ROWS = 64  # TritonOps: above this many rows F.linear (cuBLAS) is faster and is used instead
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@attrs.frozen
+class RowLinearConfig:
+    """Tile and launch parameters of one weight shape (never a function of the row count)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def row_linear_config(n: int, k: int, dtype: torch.dtype) -> RowLinearConfig:
+    """The tile for an ``[N, K]`` weight: enough column blocks to spread over the SMs, a short K loop.
+
+    At batch 1 these GEMMs are tiny (SmolLM2's QKV weight is 1.1 MB): their time is launch plus the K
+    loop's latency, not bandwidth. 32 columns per program gives 30 programs for SmolLM2's QKV (960),
+    48 for its gate-up (2 x 1536), 18 for O and down (576); 64 for wide weights (an LM head).
+    """
+    block_n = 64 if n >= 8192 else 32
+    block_k = 128 if k >= 4096 else 64
+    if dtype == torch.float32:  # float32 tiles take twice the registers and shared memory
+        block_k = min(block_k, 32)
+    cap = lambda size, block: max(16, min(block, triton.next_power_of_2(size)))  # noqa: E731
+    return RowLinearConfig(block_n=cap(n, block_n), block_k=cap(k, block_k))
+
+
+# ---- torch references ---------------------------------------------------------------------------
+def linear_torch(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (``[T, K] x [N, K] -> [T, N]``), widened to ``out_dtype`` when given."""
+    y = F.linear(x, weight)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def norm_linear_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x (+ residual)``, then ``F.linear(rms_norm(h), weight)``: ``(h, [T, N])``.
+
+    ``sum_out``: a ``[T, K]`` view that also receives ``h`` (a features column block).
+    """
+    from .kernels import add_rms_norm_torch, rms_norm_torch
+
+    if residual is None:
+        h = x
+        if sum_out is not None:
+            sum_out.copy_(x)
+        y = rms_norm_torch(x, norm_weight, eps)
+    else:
+        h, y = add_rms_norm_torch(x, residual, norm_weight, eps, sum_out)
+    return h, linear_torch(y, weight, out_dtype)
+
+
+def norm_gate_up_silu_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear_torch` with the concatenated ``[2I, K]`` gate/up weight, then SiLU-and-mul: ``(h, [T, I])``."""
+    from .kernels import silu_mul_torch
+
+    h, gate_up = norm_linear_torch(x, residual, norm_weight, eps, weight, sum_out)
+    return h, silu_mul_torch(gate_up)
+
+
+# ---- the Triton kernel ----------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _round(x, DTYPE: tl.constexpr):
+        """float32 -> DTYPE; bfloat16 rounds to nearest even in integer arithmetic.
+
+        As `kernels._round_to_bfloat16` (why: the interpreter's cast truncates, and on a GPU LLVM may
+        contract a product into a bfloat16 FMA and skip its rounding). Defined here again so this module
+        does not import `engine.kernels` (which imports it).
+        """
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+        else:
+            return x.to(DTYPE)
+
+    @triton.jit
+    def _mma(a, b, acc, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+        """``acc + a @ b`` in float32. Under the interpreter as a product-and-sum: its ``tl.dot`` is numpy's
+        matmul, whose OpenBLAS kernels round a row differently with different neighbours (seen: 10 of 32
+        rows of a 16 x 64 x 32 product), and it multiplies bfloat16 bit patterns."""
+        if INTERPRET:
+            a32 = a.to(tl.float32)
+            b32 = b.to(tl.float32)
+            return acc + tl.sum(a32[:, :, None] * b32[None, :, :], axis=1)
+        elif IEEE:  # float32 models: IEEE products, not TF32 (F.linear's default)
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:  # bfloat16 / float16 tensor cores, float32 accumulation
+            return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
+        """The ``[BLOCK_M, BLOCK_K]`` tile of ``h = x (+ r)``, the add rounded to the dtype as torch's."""
+        x = tl.load(x_ptr + rows_m[:, None] * stride_x + cols_k[None, :], mask=mask, other=0.0)
+        if RESIDUAL:
+            r = tl.load(r_ptr + rows_m[:, None] * stride_r + cols_k[None, :], mask=mask, other=0.0)
+            x = _round(x.to(tl.float32) + r.to(tl.float32), DTYPE)
+        return x
+
+    @triton.jit(do_not_specialize=["rows"])
+    def _row_linear_kernel(
+        x_ptr,  # [T, K] activations (model dtype)
+        r_ptr,  # [T, K] residual (RESIDUAL)
+        nw_ptr,  # [K] RMSNorm weight (NORM)
+        h_ptr,  # [T, K] out: x + r (STORE_H)
+        s_ptr,  # [T, K] out: a second copy of h, e.g. a features column block (STORE_SUM)
+        w_ptr,  # [N, K] weight ([2N, K] with SILU: gate rows, then up rows)
+        out_ptr,  # [T, N]
+        rows,
+        N,
+        K,
+        stride_x,
+        stride_r,
+        stride_h,
+        stride_s,
+        stride_w,
+        stride_o,
+        eps,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        STORE_H: tl.constexpr,
+        STORE_SUM: tl.constexpr,
+        SILU: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rows_m < rows
+        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = cols_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+
+        if NORM:  # the rows' mean of squares, over the whole row in a fixed order (every program alike)
+            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols_k = k0 + offs_k
+                mask = mask_m[:, None] & (cols_k < K)[None, :]
+                h = _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL, DTYPE)
+                if pid_n == 0:  # column block 0 writes h once
+                    if STORE_H:
+                        tl.store(h_ptr + rows_m[:, None] * stride_h + cols_k[None, :], h, mask=mask)
+                    if STORE_SUM:
+                        tl.store(s_ptr + rows_m[:, None] * stride_s + cols_k[None, :], h, mask=mask)
+                h32 = h.to(tl.float32)
+                squares += tl.sum(h32 * h32, axis=1)
+            rstd = 1.0 / tl.sqrt(squares / K + eps)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SILU:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols_k = k0 + offs_k
+            mask_k = cols_k < K
+            mask = mask_m[:, None] & mask_k[None, :]
+            if NORM:  # rms_norm_torch: weight * (h32 * rstd).to(dtype), each product rounded to the dtype
+                h = _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL, DTYPE)
+                normed = _round(h.to(tl.float32) * rstd[:, None], DTYPE)
+                nw = tl.load(nw_ptr + cols_k, mask=mask_k, other=0.0)
+                a = _round(nw.to(tl.float32)[None, :] * normed.to(tl.float32), DTYPE)
+            else:
+                a = tl.load(x_ptr + rows_m[:, None] * stride_x + cols_k[None, :], mask=mask, other=0.0)
+            w_mask = mask_k[:, None] & mask_n[None, :]
+            w_tile = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None], mask=w_mask, other=0.0)
+            acc = _mma(a, w_tile, acc, INTERPRET, IEEE)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
+            if SILU:
+                up_tile = tl.load(w_ptr + (cols_n[None, :] + N) * stride_w + cols_k[:, None], mask=w_mask, other=0.0)
+                acc_up = _mma(a, up_tile, acc_up, INTERPRET, IEEE)
+
+        if SILU:  # silu_mul_torch: gate and up rounded to the dtype, silu rounded, the product rounded
+            gate = _round(acc, DTYPE).to(tl.float32)
+            up = _round(acc_up, DTYPE).to(tl.float32)
+            silu = _round(gate / (1.0 + tl.exp(-gate)), DTYPE).to(tl.float32)
+            y = _round(silu * up, DTYPE)
+        else:
+            y = _round(acc, DTYPE)
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        tl.store(out_ptr + rows_m[:, None] * stride_o + cols_n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{what} needs triton (pip install triton); use the torch reference without it")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{what}: x must be [T, K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"{what}: x and weight must share one dtype of {DTYPES}; got {x.dtype} and {weight.dtype}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"{what}: the weight needs a contiguous last dimension (call .contiguous() once at load)")
+
+
+def _launch(
+    x, residual, norm_weight, h, sum_out, weight, out, n, eps, *, norm, silu, config: RowLinearConfig | None
+) -> None:
+    rows, k = x.shape
+    config = config or row_linear_config(weight.shape[0], k, x.dtype)
+    dummy = x
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, BLOCK_M))
+    _row_linear_kernel[grid](
+        x, dummy if residual is None else residual, dummy if norm_weight is None else norm_weight,
+        dummy if h is None else h, dummy if sum_out is None else sum_out, weight, out,
+        rows, n, k,
+        x.stride(0), 0 if residual is None else residual.stride(0), 0 if h is None else h.stride(0),
+        0 if sum_out is None else sum_out.stride(0), weight.stride(0), out.stride(0),
+        eps,
+        NORM=norm, RESIDUAL=residual is not None, STORE_H=h is not None, STORE_SUM=sum_out is not None, SILU=silu,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        IEEE=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _contiguous_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def row_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    *,
+    config: RowLinearConfig | None = None,
+) -> torch.Tensor:
+    """``x [T, K] @ weight[N, K]^T -> [T, N]``, each row bitwise independent of ``T`` and the other rows.
+
+    bfloat16, float16 or float32 (one dtype for both); float32 accumulation, the output rounded to the
+    dtype and stored as ``out_dtype`` (default the dtype). ``config``: override the tile (benchmarks).
+    """
+    _check(x, weight, "row_linear")
+    x = _contiguous_rows(x)
+    rows, n = x.shape[0], weight.shape[0]
+    out = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
+    if rows:
+        _launch(x, None, None, None, None, weight, out, n, 0.0, norm=False, silu=False, config=config)
+    return out
+
+
+def _norm_args(x, residual, norm_weight, sum_out, what):
+    x = _contiguous_rows(x)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"{what}: the residual must match x ({tuple(x.shape)}, {x.dtype})")
+        residual = _contiguous_rows(residual)
+    if norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"{what}: the norm weight must be [{x.shape[1]}]; got {tuple(norm_weight.shape)}")
+    if sum_out is not None and (sum_out.shape != x.shape or sum_out.stride(-1) != 1):
+        raise ValueError(f"{what}: sum_out must be a [T, K] view with a contiguous last dimension")
+    h = None if residual is None else torch.empty_like(x)
+    return x, residual, norm_weight.contiguous(), h
+
+
+def norm_linear_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    config: RowLinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear_torch` in one kernel, row-invariant: ``(h, [T, N])``; ``h`` is ``x`` without a residual."""
+    _check(x, weight, "norm_linear")
+    x, residual, norm_weight, h = _norm_args(x, residual, norm_weight, sum_out, "norm_linear")
+    rows, n = x.shape[0], weight.shape[0]
+    out = torch.empty((rows, n), dtype=out_dtype or x.dtype, device=x.device)
+    if rows:
+        _launch(x, residual, norm_weight, h, sum_out, weight, out, n, eps, norm=True, silu=False, config=config)
+    return (x if h is None else h), out
+
+
+def norm_gate_up_silu_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None = None,
+    *,
+    config: RowLinearConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_gate_up_silu_torch` in one kernel, row-invariant: ``(h, [T, I])`` for a ``[2I, K]`` weight."""
+    _check(x, weight, "norm_gate_up_silu")
+    if weight.shape[0] % 2:
+        raise ValueError(f"norm_gate_up_silu: the gate/up weight needs an even row count; got {weight.shape[0]}")
+    x, residual, norm_weight, h = _norm_args(x, residual, norm_weight, sum_out, "norm_gate_up_silu")
+    rows, inter = x.shape[0], weight.shape[0] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    if rows:
+        config = config or row_linear_config(inter, x.shape[1], x.dtype)
+        _launch(x, residual, norm_weight, h, sum_out, weight, out, inter, eps, norm=True, silu=True, config=config)
+    return (x if h is None else h), out
+
+
+# ---- what the op sets call: the kernels up to a row bound, the unfused path above -----------------------
+def _fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None) -> bool:
+    return (max_rows is None or x.shape[0] <= max_rows) and x.dtype == weight.dtype and x.dtype in DTYPES
+
+
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *, max_rows: int | None = MAX_ROWS
+) -> torch.Tensor:
+    """`row_linear` up to ``max_rows`` rows (None: any), ``F.linear`` above."""
+    if _fits(x, weight, max_rows):
+        return row_linear(x, weight, out_dtype)
+    return linear_torch(x, weight, out_dtype)
+
+
+def norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out=None, out_dtype=None, *, max_rows=MAX_ROWS):
+    """`norm_linear_triton` up to ``max_rows`` rows, else the Triton (add +) RMSNorm and ``F.linear``."""
+    if _fits(x, weight, max_rows):
+        return norm_linear_triton(x, residual, norm_weight, eps, weight, sum_out, out_dtype)
+    from .kernels import add_rms_norm_triton, rms_norm_triton
+
+    if residual is None:
+        if sum_out is not None:
+            sum_out.copy_(x)
+        h, y = x, rms_norm_triton(x, norm_weight, eps)
+    else:
+        h, y = add_rms_norm_triton(x, residual, norm_weight, eps, sum_out)
+    return h, linear_torch(y, weight, out_dtype)
+
+
+def norm_gate_up_silu_rows(x, residual, norm_weight, eps, weight, sum_out=None, *, max_rows=MAX_ROWS):
+    """`norm_gate_up_silu_triton` up to ``max_rows`` rows, else the unfused Triton ops and ``F.linear``."""
+    if _fits(x, weight, max_rows):
+        return norm_gate_up_silu_triton(x, residual, norm_weight, eps, weight, sum_out)
+    from .kernels import silu_mul_triton
+
+    h, gate_up = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
+    return h, silu_mul_triton(gate_up)
