@@ -290,18 +290,22 @@ class GraphedDraftLevels:
         return tuple(out[:bs].clone() for out in outputs)
 
     def run_draft_levels_on_host(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
-                                 draft_hidden: HiddenRows | None):  # fmt: skip
+                                 draft_hidden: HiddenRows | None, first_level: torch.Tensor | None = None):  # fmt: skip
         """`run_draft_levels` for inputs on the host; returns the loop's outputs on the host.
 
         ``ports`` and ``backend``: the device's (the loop runs there). ``draft_hidden``: the rows of the
         draft's output on the device that feed the first level (`graphs.HiddenRows`, rows on the host).
+        ``first_level``: the first level's top-K still on the device, ``[bs, 2K]`` packed (probabilities,
+        then ids; `graphs.pack_rows`), in place of ``topk_p`` and ``topk_index``.
         One host-to-device copy of the inputs, one graph, one device-to-host copy of the outputs.
         """
-        bs, width = L.shape[0], page_table.shape[1]
+        bs, width, k = L.shape[0], page_table.shape[1], cfg.topk
         device = self.options.device
         hidden_dtype = None if draft_hidden is None else draft_hidden.source.dtype
         entry = self._levels_entry(L, page_table, cfg, hidden_dtype)
         if entry is None:  # too big for the static buffers: the loop on the device, eagerly
+            if first_level is not None:
+                topk_p, topk_index = first_level[:, :k].float(), first_level[:, k:].long()
             move = [t.to(device) for t in (L, page_table, draft_slots, topk_p, topk_index)]
             hidden = None if draft_hidden is None else draft_hidden.gather(draft_hidden.source.dtype)
             with torch.no_grad():
@@ -315,9 +319,10 @@ class GraphedDraftLevels:
         s["L"][bs:] = 0  # padding requests: L 0, no slot
         s["slots"][:bs] = draft_slots
         s["slots"][bs:] = -1
-        s["topk_p"][:bs] = topk_p
+        if first_level is None:
+            s["topk_p"][:bs] = topk_p
+            s["topk_index"][:bs] = topk_index
         s["topk_p"][bs:] = 1.0
-        s["topk_index"][:bs] = topk_index
         s["topk_index"][bs:] = 0
         if draft_hidden is not None:
             s["hidden_rows"][:bs] = draft_hidden.rows
@@ -327,12 +332,15 @@ class GraphedDraftLevels:
         entry["packed"][:end].copy_(stage["packed"][:end], non_blocking=True)
         stage["done"].record()
         entry["bs"] = bs  # the copy rewrote the padding rows
+        if first_level is not None:  # after the copy, on the device
+            b["topk_p"][:bs].copy_(first_level[:, :k])
+            b["topk_index"][:bs].copy_(first_level[:, k:])
         if draft_hidden is not None:
             b["hidden"][:bs].copy_(draft_hidden.source.index_select(0, b["hidden_rows"][:bs]))
         packed = self._replay_levels(entry, fn, ports, backend, cfg, ids, device, pack=True)
         if packed is None:  # not captured: on the device, eagerly
             return self.run_draft_levels_on_host(fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p,
-                                                 topk_index, draft_hidden)  # fmt: skip
+                                                 topk_index, draft_hidden, first_level)  # fmt: skip
         return unpack_rows(packed[:bs].cpu(), entry["layout"])  # the loop's one sync
 
     def _replay_levels(self, entry, fn, ports, backend, cfg, ids, device, pack: bool):

@@ -21,19 +21,20 @@ What crosses to the GPU, and back, crosses at the ports:
   compact and retire them like any per-row field (one mechanism, invariant 9); the port that
   consumes them turns them into `graphs.HiddenRows`, whose indices cross with the batch's rows and
   whose rows are gathered on the GPU. A reference to an output that was since replaced is refused.
-* `HostDraft` (a forward draft: EAGLE heads, layer skip, a smaller model) runs the draft extend with
-  the top-K of its last rows computed inside its graph (`PackedTopK`), brought back in one copy and
-  handed to `HostBackend.select_topk`; and the ``S - 1`` draft levels as one graph over inputs that
-  cross in one copy, whose candidates come back in one copy
-  (`fast.GraphedDraftLevels.run_draft_levels_on_host`). Target features reach the draft extend,
-  and the draft's hidden state its first level, without leaving the GPU.
+* `HostDraft` (a forward draft: EAGLE heads, layer skip, a smaller model) runs the draft's part of
+  a cycle at its extend: the extend's graph, which also takes the top-K of its last rows
+  (`PackedTopK`), then the ``S - 1`` levels as one graph over inputs that cross in one copy, fed
+  the extend's top-K and hidden state on the GPU (`fast.GraphedDraftLevels.run_draft_levels_on_host`).
+  One copy back brings the top-K (handed to `HostBackend.select_topk`) and the levels' candidates
+  (returned to the ``draft`` transition, whose inputs they are checked against). Target features
+  reach the draft extend, and the draft's hidden state its first level, without leaving the GPU.
 * `HostPool.page_table` builds page tables on the CPU (the pool's bookkeeping is Python lists
   anyway); the KV buffers stay on the GPU, and a tree's KV move indexes them with indices that
   cross in one pinned copy.
 
-Syncs per cycle: one with a lookup draft (the verify's copy back), three with a forward draft (the
-verify, the draft extend's top-K, the draft levels' candidates): each is a copy the next step on the
-CPU needs.
+Syncs per cycle: one with a lookup draft (the verify's copy back), two with a forward draft (the
+verify's; the draft's: top-K and candidates). Two is the floor while the records live on the host:
+the accept needs the verify's argmax, and the verify batch needs the draft's tree.
 
 Which cycles it serves: greedy requests without logprobs, with a lookup draft (``ngram``) or a fast
 forward draft (`fast.FastEagleDraft`, `fast.FastLlamaDraft`). Sampling and logprobs read the full
@@ -229,17 +230,25 @@ class HostPool:
 class HostDraft:
     """A fast forward draft port, seen from records on the host (module docstring).
 
-    ``extend``: the draft's graph with the top-K of its logits rows (`PackedTopK`, at the cycle's K)
-    and one copy back (a sync), handed to the backend's ``select_topk``; its hidden states are kept
-    on the device (`DeviceRows`) and returned as references. ``run_draft_levels``: the ``S - 1`` levels
-    as one graph over the device's ports and backend (`fast.GraphedDraftLevels.run_draft_levels_on_host`).
-    ``step`` (a cycle that drafts level by level, which greedy host cycles do not) works the same way,
-    each selection then a copy back of its own.
+    ``extend`` runs the draft's whole part of the cycle on the device with one sync. It launches the
+    extend's graph, which also takes the top-K of its last rows (`PackedTopK`, at the cycle's K); while
+    that runs it works out on the host what the next ``draft`` transition will ask for (the same
+    reservation, page table and draft slots, from the same functions: the extend's last row of each
+    request sits at ``L - 1 + offset``, invariant 2), launches the ``S - 1`` levels as one graph fed
+    with the extend's top-K and hidden state without a round trip
+    (`fast.GraphedDraftLevels.run_draft_levels_on_host`), and brings back the top-K and the levels'
+    candidates together. The top-K goes to the backend's ``select_topk``; the hidden states stay on
+    the device (`DeviceRows`) and the record gets references. ``run_draft_levels`` then returns the
+    candidates computed ahead when its inputs are exactly those (always, in the state machine's
+    order), else runs the levels itself.
+
+    ``step`` (a cycle that drafts level by level, which greedy host cycles do not) works on references
+    too, each selection then a copy back of its own.
     """
 
     kind = "forward"
 
-    def __init__(self, draft, target: HostTarget, pool, backend: HostBackend, topk: int) -> None:
+    def __init__(self, draft, target: HostTarget, pool, backend: HostBackend, spec) -> None:
         if not hasattr(draft, "run_draft_levels_on_host"):
             raise ValueError(
                 f"{type(draft).__name__} has no host path: the host control plane runs the fast forward drafts "
@@ -247,18 +256,46 @@ class HostDraft:
             )
         if draft.pairing == "shifted" and target.features is None:
             raise ValueError("a shifted draft reads the target's features: build HostTarget with keep_features=True")
-        self.inner, self.target, self.backend = draft, target, backend
+        self.inner, self.target, self.pool, self.backend, self.spec = draft, target, pool, backend, spec
         self.pairing, self.vocab_size = draft.pairing, draft.vocab_size
         self.hidden = DeviceRows("draft's hidden states")
-        self.reduce = PackedTopK(topk, backend.device_backend)
+        self.reduce = PackedTopK(spec.topk, backend.device_backend)
         self.device_ports = Ports(target=target.inner, draft=draft, kv_pool=pool)  # where the levels run
+        self._ahead: tuple | None = None  # (inputs, outputs) of the levels run by the last extend
+        self.ahead_used = self.ahead_missed = 0
 
     def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+        from ..statemachine.transitions import draft_levels
+
         fed = None if self.pairing != "shifted" else self.target.features.rows(_required(target_hidden, "extend"))
         out, top = self.inner.extend_reduced(batch, fed, self.reduce)
-        probs, ids = self.reduce.unpack(top.to(HOST))  # the extend's one sync
-        self.backend.hand_over_topk(out.logits, self.reduce.k, probs, ids)
-        return ModelOutput(logits=out.logits, hidden=None if out.hidden is None else self.hidden.keep(out.hidden))
+        hidden = None if out.hidden is None else self.hidden.keep(out.hidden)
+        top_host = top.to(HOST, non_blocking=True)  # complete once the levels' copy below returns
+        cfg, ids, bs = self.spec, batch.request_ids, len(batch.request_ids)
+        last = torch.cumsum(torch.bincount(batch.row_request, minlength=bs), 0) - 1
+        offset = cfg.draft_scratch_offset(self.pairing)
+        L = batch.positions[last] + 1 - offset
+        page_table, draft_slots = self._cycle_slots(ids, L)
+        draft_hidden = None if hidden is None else hidden[last]
+        fed_levels = None if draft_hidden is None else self.hidden.rows(draft_hidden)
+        outputs = self.inner.run_draft_levels_on_host(draft_levels, self.device_ports, self.backend.device_backend,
+                                                      cfg, ids, L, page_table, draft_slots, None, None, fed_levels,
+                                                      first_level=top)  # fmt: skip  # the draft's one sync
+        probs, top_ids = self.reduce.unpack(top_host)
+        self._ahead = ((draft_levels, ids, L, page_table, draft_slots, probs, top_ids, draft_hidden), outputs)
+        self.backend.hand_over_topk(out.logits, self.reduce.k, probs, top_ids)
+        return ModelOutput(logits=out.logits, hidden=hidden)
+
+    def _cycle_slots(self, ids, L) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next draft's reservation, page table and draft slots, as `transitions.draft_tree` makes them."""
+        from ..core.tree import draft_scratch_positions
+        from ..statemachine.transitions import reserve
+
+        cfg = self.spec
+        reserve(self.pool, ids, (L + cfg.reserve_len(self.pairing)).tolist())
+        page_table = self.pool.page_table(ids, device=HOST)
+        scratch = draft_scratch_positions(L, cfg.num_steps, cfg.topk, cfg.draft_scratch_offset(self.pairing))
+        return page_table, self.backend.slots_for_positions(page_table, scratch, self.pool.page_size)
 
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
         fed = None if parent_hidden is None else self.hidden.rows(parent_hidden)
@@ -267,12 +304,29 @@ class HostDraft:
 
     def run_draft_levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
                          draft_hidden):  # fmt: skip
+        ahead, self._ahead = self._ahead, None
+        inputs = (fn, ids, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
+        if ahead is not None and cfg == self.spec and _same(ahead[0], inputs):
+            self.ahead_used += 1
+            return ahead[1]
+        self.ahead_missed += ahead is not None
         fed = None if draft_hidden is None else self.hidden.rows(draft_hidden)
         return self.inner.run_draft_levels_on_host(fn, self.device_ports, self.backend.device_backend, cfg, ids, L,
                                                    page_table, draft_slots, topk_p, topk_index, fed)  # fmt: skip
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Equal inputs: the same objects or ids, equal tensors (shape and values)."""
+    for x, y in zip(a, b):
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and torch.equal(x, y)):
+                return False
+        elif x is not y and x != y:
+            return False
+    return len(a) == len(b)
 
 
 def _required(hidden: torch.Tensor | None, where: str) -> torch.Tensor:
@@ -296,5 +350,5 @@ def host_ports(target, draft, pool, spec, device) -> tuple[Ports, HostBackend]:
     forward = getattr(draft, "kind", "forward") == "forward"
     host_target = HostTarget(target, keep_features=forward and draft.pairing == "shifted")
     if forward:
-        draft = HostDraft(draft, host_target, pool, backend, spec.topk)
+        draft = HostDraft(draft, host_target, pool, backend, spec)
     return Ports(target=host_target, draft=draft, kv_pool=HostPool(pool)), backend

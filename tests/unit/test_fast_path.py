@@ -431,7 +431,10 @@ def test_host_control_plane_runs_forward_drafts(weights, draft, spec):
     checks = {"extend": 0, "levels": 0, "ready": 0, "cycles": 0}
     extend, levels = HostDraft.extend, HostDraft.run_draft_levels
 
+    drafts = set()
+
     def spy_extend(self, batch, target_hidden):
+        drafts.add(self)
         out = extend(self, batch, target_hidden)
         _, k, probs, ids = self.backend._handed
         want = reference.select_topk(out.logits, k)  # the 'device' is the CPU: the logits are readable here
@@ -470,4 +473,6 @@ def test_host_control_plane_runs_forward_drafts(weights, draft, spec):
     assert [list(r.output) for r in results] == ar
     assert pool.num_free_pages == pool.num_pages
     assert checks["extend"] == checks["levels"] == checks["cycles"] == engine.draft.level_runs > 0
+    (host_draft,) = drafts  # every extend ran the levels ahead, and the draft transition took them
+    assert host_draft.ahead_used == checks["cycles"] and host_draft.ahead_missed == 0
     assert (checks["ready"] > 0) == (draft != "layerskip")
