@@ -5,6 +5,15 @@ in float32; each drafter, chain and tree, P 1 and 16. Results are written after 
 so a run cut short still reports what it finished.
 
     python -m bench.lossless_sweep --prompts ../shared/data/spec_bench_dev.jsonl --device cuda --out sweep.json
+
+``--fast`` runs the engine's fast path (`engine.fast`) with one of its op sets: ``invariant``
+(`kernels.BatchInvariantOps`: the row-invariant GEMMs of `engine.linear_triton` at every row count, so
+the 240-prompt batch's decode rows and verify rows compute the same bits: the bfloat16 parity run),
+``triton`` (the default `kernels.TritonOps`: those GEMMs up to 64 rows, cuBLAS above) or ``cublas``
+(`kernels.TritonCublasOps`: cuBLAS GEMMs, the fast path before them). ``off``: the reference path.
+
+    python -m bench.lossless_sweep --prompts spec_bench_dev.jsonl --device cuda --dtype bfloat16 \
+        --max-new-tokens 128 --fast invariant --out sweep-bf16-invariant.json
 """
 
 from __future__ import annotations
@@ -14,7 +23,6 @@ import json
 import time
 
 import torch
-
 from speccycle.core import SpecConfig
 from speccycle.engine.bench import device_label, load_prompts
 from speccycle.engine.engine import Engine, eagle_head_for
@@ -30,6 +38,14 @@ CASES = [
 ]
 
 
+def fast_ops(name: str):
+    """The op set of ``--fast`` (None: the reference path)."""
+    from speccycle.engine import kernels
+
+    return {"off": None, "invariant": kernels.BatchInvariantOps, "triton": kernels.TritonOps,
+            "cublas": kernels.TritonCublasOps}[name]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompts", default=None)
@@ -38,10 +54,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--fast", default="off", choices=["off", "invariant", "triton", "cublas"])
+    parser.add_argument("--max-requests", type=int, default=256, help="fast path: requests its static buffers hold")
     args = parser.parse_args()
     prompts = load_prompts(args.prompts, args.limit)
     record = {"device": device_label(args.device), "dtype": args.dtype, "prompts": len(prompts),
-              "new_tokens": args.max_new_tokens, "configs": []}
+              "new_tokens": args.max_new_tokens, "fast": args.fast, "configs": []}
     head = eagle_head_for(load_gguf_config(default_model_path()), version=1, seed=1)
     head = head.to(args.device, getattr(torch, args.dtype))
     head.dtype = getattr(torch, args.dtype)
@@ -54,8 +72,13 @@ def main() -> None:
     ar = None
     for draft, spec in CASES:
         start = time.time()
-        engine = Engine.load(draft=draft, spec=spec, device=args.device, dtype=getattr(torch, args.dtype), kv_tokens=kv_tokens,
-                             layerskip_layers=8, eagle_head=head if draft == "eagle" else None)
+        engine = Engine.load(draft=draft, spec=spec, device=args.device, dtype=getattr(torch, args.dtype),
+                             kv_tokens=kv_tokens, layerskip_layers=8, eagle_head=head if draft == "eagle" else None)
+        ops = fast_ops(args.fast)
+        if ops is not None:
+            from speccycle.engine.fast import accelerate
+
+            accelerate(engine, ops=ops, max_requests=max(args.max_requests, len(prompts)))
         ids = [engine.chat_prompt(p["text"]) for p in prompts]
         if ar is None:
             ar = engine.generate_autoregressive(ids, args.max_new_tokens)

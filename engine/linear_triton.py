@@ -411,3 +411,29 @@ def norm_gate_up_silu_rows(x, residual, norm_weight, eps, weight, sum_out=None, 
 
     h, gate_up = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
     return h, silu_mul_triton(gate_up)
+
+
+def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
+    """`_row_linear_kernel` at SmolLM2-135M's and Llama-3-8B's tiles, for `backends.cuda.compile_check`.
+
+    (kernel, argument types, constexpr sets, arguments the JIT marks 16-divisible); ``rows`` is never
+    specialized (``do_not_specialize``), so one compiled kernel serves every row count.
+    """
+    out = []
+    for dt in ("fp32", "bf16"):
+        p = "*" + dt
+        strides = ("stride_x", "stride_r", "stride_h", "stride_s", "stride_w", "stride_o")
+        signature = dict(x_ptr=p, r_ptr=p, nw_ptr=p, h_ptr=p, s_ptr=p, w_ptr=p, out_ptr=p, rows="i32", N="i32",
+                         K="i32", **{name: "i32" for name in strides}, eps="fp32")  # fmt: skip
+        aligned = ("x_ptr", "r_ptr", "nw_ptr", "h_ptr", "s_ptr", "w_ptr", "out_ptr", "N", "K", *strides)
+        sets = []
+        shapes = ((960, 576, True, True, False), (576, 576, False, False, False), (1536, 576, True, True, True),
+                  (576, 1536, False, False, False), (49152, 576, False, False, False), (6144, 4096, True, False, False),
+                  (14336, 4096, True, True, True), (4096, 14336, False, False, False))  # fmt: skip
+        for n, k, norm, residual, silu in shapes:  # (N: columns out, K, norm prologue, residual add, SiLU-mul)
+            config = row_linear_config(n, k, torch.float32 if dt == "fp32" else torch.bfloat16)
+            sets.append(dict(NORM=norm, RESIDUAL=residual, STORE_H=residual, STORE_SUM=residual, SILU=silu,
+                             INTERPRET=False, IEEE=dt == "fp32", BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+                             BLOCK_K=config.block_k))  # fmt: skip
+        out.append((_row_linear_kernel, signature, sets, aligned))
+    return out

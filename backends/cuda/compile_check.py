@@ -4,7 +4,7 @@ The interpreter (how CI runs the kernels) checks what a kernel computes, not tha
 accepts it. This compiles each kernel, at the block sizes the backend picks on a GPU, down to a cubin
 for ``sm_90`` and a code object for ``gfx942`` (the ROCm backend's "kernels that port"), using the
 compilers that ship inside the triton wheel. The fast engine path's kernels (`engine.attention_triton`,
-`engine.kernels`) are compiled for ``sm_90`` too, at the constexprs, dtypes and argument
+`engine.kernels`, `engine.linear_triton`) are compiled for ``sm_90`` too, at the constexprs, dtypes and argument
 specializations of real models (SmolLM2-135M: 9 / 3 heads of 64; Llama-3-8B: 32 / 8 of 128): the
 JIT marks 16-divisible pointers and integers and turns an integer equal to 1 (``page_size`` 1) into a
 constant, and Triton's layout passes have failed on one combination and not another. Run it without
@@ -91,6 +91,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     """
     from ...engine import attention_triton as attention
     from ...engine import kernels as fused
+    from ...engine import linear_triton
 
     i64, i32 = "*i64", "i32"
     out = []
@@ -154,6 +155,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         )
         out.append((fused._silu_mul_kernel, dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, inter=i32),
                     [dict(BLOCK=1024)], ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter")))  # fmt: skip
+    out += linear_triton.compile_specs()  # the row-invariant GEMMs at both models' tiles
     return out
 
 
