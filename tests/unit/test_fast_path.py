@@ -476,3 +476,45 @@ def test_host_control_plane_runs_forward_drafts(weights, draft, spec):
     (host_draft,) = drafts  # every extend ran the levels ahead, and the draft transition took them
     assert host_draft.ahead_used == checks["cycles"] and host_draft.ahead_missed == 0
     assert (checks["ready"] > 0) == (draft != "layerskip")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize(
+    "draft,spec",
+    [
+        ("eagle1", SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)),
+        ("layerskip", SpecConfig(num_steps=4, topk=1, page_size=4)),
+    ],
+)
+def test_host_control_plane_forward_drafts_on_cuda(weights, draft, spec):
+    """On CUDA with graphs: a fast forward draft on the host plane gives the autoregressive output and the
+    device plane's, frees every page, and syncs twice per cycle (the verify's copy back, the draft's), once
+    more for the prefill's target forward."""
+    from speccycle.engine.host_control import HostDraft
+
+    prompts = [tokens_of(61, 6) * 2, tokens_of(62, 5), tokens_of(63, 9)]
+    model = LlamaModel(TINY, weights, device="cuda")
+    pool = PagedKVPool(num_pages=128, page_size=spec.page_size, device="cuda")
+
+    def build(engine):
+        if draft == "layerskip":
+            return LlamaDraft(model, pool, num_layers=2)
+        return EagleDraft(EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3, device="cuda"), model, pool)
+
+    engine = Engine(model, pool, build, spec, fast=True)
+    assert engine.host_control and isinstance(engine._cycle_ports(None)[0].draft, HostDraft)
+    ar = engine.generate_autoregressive(prompts, 16)
+    host, _ = engine.generate(prompts, 16, checked=True)
+    engine.host_control = False
+    device, _ = engine.generate(prompts, 16)
+    engine.host_control = True
+    assert [list(r.output) for r in host] == [list(r.output) for r in device] == ar
+    assert pool.num_free_pages == pool.num_pages
+    engine.generate(prompts[:1], 16)  # every graph of batch 1 captured
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        results, stats = engine.generate(prompts[:1], 16)
+    counts = {e.key: e.count for e in prof.key_averages() if "Synchronize" in e.key}
+    syncs = counts.get("cudaStreamSynchronize", 0) + counts.get("cudaDeviceSynchronize", 0)
+    assert list(results[0].output) == ar[0]
+    assert syncs <= 1 + 2 * stats.verifies, (counts, stats.verifies)
