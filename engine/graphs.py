@@ -318,8 +318,9 @@ class ForwardGraphs:
             staging["done"].synchronize()  # the previous copy out of the staging buffers has finished
             torch.cat(parts, out=staging["packed"][:total])
             staging["table"][:bs, :width].copy_(batch.page_table)
+            staging["table"][:bs, width:] = -1  # whole rows: a contiguous copy (a strided one stages pageable memory)
             self.packed[:total].copy_(staging["packed"][:total], non_blocking=True)
-            self.table[:bs, :width].copy_(staging["table"][:bs, :width], non_blocking=True)
+            self.table[:bs].copy_(staging["table"][:bs], non_blocking=True)
             staging["done"].record()
         else:
             torch.cat(parts, out=self.packed[:total])
