@@ -6,10 +6,10 @@
 row attention of `engine.attention_triton`; Q/K/V and gate/up are the models' concatenated weights
 (``qkv_weight``, ``gate_up_weight``), so each layer runs 4 GEMMs. With `kernels.TorchOps` (and above
 `linear_triton.MAX_ROWS` rows) a layer is norm, QKV, RoPE + KV write, attention, O, add + norm,
-gate-up, SiLU-mul, down: 9 kernels. With `kernels.TritonOps` the norms and SiLU-mul fuse into the
-row-invariant GEMMs of `engine.linear_triton` (a row's bits never depend on the row count, so a
-verify row computes the decode step's logits): (add +) norm + QKV, RoPE + KV write, attention, O,
-add + norm + gate-up + SiLU-mul, down: 6 kernels.
+gate-up, SiLU-mul, down: 9 kernels. With `kernels.TritonOps` the norms, RoPE + KV write and SiLU-mul
+fuse into the row-invariant GEMMs of `engine.linear_triton` (a row's bits never depend on the row
+count, so a verify row computes the decode step's logits): (add +) norm + QKV + RoPE + KV write,
+attention, O, add + norm + gate-up + SiLU-mul, down: 5 kernels.
 
 The port implementations wrap the reference ones and keep their weights, caches and contracts:
 
@@ -98,11 +98,11 @@ def llama_rows_forward(
     delta = None  # the previous layer's MLP output, added to x by the next norm
     for i in range(depth):
         layer = model.layers[i]
-        # (x + delta), RMSNorm and the QKV GEMM: one kernel with TritonOps (`engine.linear_triton`)
-        x, qkv = ops.norm_linear(x, delta, layer.input_norm.weight, eps, layer.qkv_weight, views.get(i))
         k_cache, v_cache = kv[i]
-        q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
-                              c.num_heads, c.num_kv_heads)  # fmt: skip
+        # (x + delta), RMSNorm, the QKV GEMM, RoPE and the KV write: one kernel with TritonOps (`engine.linear_triton`)
+        x, q = ops.norm_qkv_rope(x, delta, layer.input_norm.weight, eps, layer.qkv_weight, views.get(i),
+                                 inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
+                                 c.num_heads, c.num_kv_heads)  # fmt: skip
         attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                              inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
         o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
@@ -134,17 +134,17 @@ def eagle_rows_forward(
     x = hidden_in.to(head.dtype)
     if c.version == 1:
         x = ops.linear(torch.cat([embed, x], -1), head.fc)
-        x, qkv = ops.norm_linear(x, None, head.input_norm.weight, eps, head.qkv)
+        attn_in, norm_weight = x, head.input_norm.weight  # normed in the QKV kernel
     else:
         if from_target:
             x = ops.linear(x, head.fc)  # [T, 3H] -> [T, H]
         attn_in = torch.cat(
             [ops.rms_norm(embed, head.embed_norm.weight, eps), ops.rms_norm(x, head.hidden_norm.weight, eps)], -1
         )
-        qkv = ops.linear(attn_in, head.qkv)
+        norm_weight = None
     k_cache, v_cache = draft.kv
-    q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
-                          c.num_heads, c.num_kv_heads)  # fmt: skip
+    _, q = ops.norm_qkv_rope(attn_in, None, norm_weight, eps, head.qkv, None, inputs.positions, rope.cos, rope.sin,
+                             inputs.out_slots, k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
     attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                          inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
     o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), head.o)

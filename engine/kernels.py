@@ -17,7 +17,8 @@ other rows of the batch (what keeps the verify and the decode forwards of one to
 * `silu_mul(gate_up) -> silu(gate) * up`.
 
 `Ops` bundles them with the attention and the GEMMs (``linear``, ``norm_linear``: RMSNorm, optionally
-after the residual add, then a GEMM; ``norm_gate_up_silu``: that with the gate/up weight and SiLU-mul);
+after the residual add, then a GEMM; ``norm_gate_up_silu``: that with the gate/up weight and SiLU-mul;
+``norm_qkv_rope``: that with the Q/K/V weight, then RoPE and the KV write);
 `TorchOps` runs anywhere (``F.linear``), `TritonOps` on CUDA (or on CPU tensors under
 ``TRITON_INTERPRET=1``, as the tests do) with the row-invariant fused GEMMs of `engine.linear_triton`
 up to its ``MAX_ROWS`` rows, `BatchInvariantOps` with them at any row count.
@@ -38,6 +39,8 @@ from .linear_triton import (
     norm_gate_up_silu_torch,
     norm_linear_rows,
     norm_linear_torch,
+    norm_qkv_rope_rows,
+    norm_qkv_rope_torch,
 )
 
 try:
@@ -346,6 +349,7 @@ class TorchOps:
     linear = staticmethod(linear_torch)
     norm_linear = staticmethod(norm_linear_torch)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_torch)
+    norm_qkv_rope = staticmethod(norm_qkv_rope_torch)
     needs_kv_bound = True  # the torch attention gathers keys up to a static bound
 
 
@@ -361,6 +365,7 @@ class TritonOps(TorchOps):
     linear = staticmethod(linear_rows)  # row-invariant up to linear_triton.MAX_ROWS rows, F.linear above
     norm_linear = staticmethod(norm_linear_rows)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)
+    norm_qkv_rope = staticmethod(norm_qkv_rope_rows)
     needs_kv_bound = False
 
 
@@ -372,6 +377,7 @@ class BatchInvariantOps(TritonOps):
     linear = staticmethod(functools.partial(linear_rows, max_rows=None))
     norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=None))
     norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=None))
+    norm_qkv_rope = staticmethod(functools.partial(norm_qkv_rope_rows, max_rows=None))
 
 
 class TritonCublasOps(TritonOps):
@@ -382,6 +388,7 @@ class TritonCublasOps(TritonOps):
     linear = staticmethod(functools.partial(linear_rows, max_rows=0))
     norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=0))
     norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=0))
+    norm_qkv_rope = staticmethod(functools.partial(norm_qkv_rope_rows, max_rows=0))
 
 
 def triton_available() -> bool:

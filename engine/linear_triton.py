@@ -131,6 +131,39 @@ def norm_gate_up_silu_torch(
     return h, silu_mul_torch(gate_up)
 
 
+def norm_qkv_rope_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear_torch` with the Q/K/V weight, then `kernels.rope_write_kv_torch`: ``(h, q [T, H, D])``.
+
+    ``norm_weight`` None: no norm (``x`` is the GEMM's input, ``h`` is ``x``); K and V go to the caches at
+    ``out_slots`` (-1: not written).
+    """
+    from .kernels import rope_write_kv_torch
+
+    if norm_weight is None:
+        if residual is not None or sum_out is not None:
+            raise ValueError("norm_qkv_rope: a residual or sum_out needs the norm (norm_weight)")
+        h, qkv = x, linear_torch(x, weight)
+    else:
+        h, qkv = norm_linear_torch(x, residual, norm_weight, eps, weight, sum_out)
+    q = rope_write_kv_torch(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads, num_kv_heads)
+    return h, q
+
+
 # ---- the Triton kernel ----------------------------------------------------------------------------
 if triton is not None:
 
@@ -172,6 +205,57 @@ if triton is not None:
             x = _round(x.to(tl.float32) + r.to(tl.float32), DTYPE)
         return x
 
+    @triton.jit
+    def _rstd(x_ptr, r_ptr, h_ptr, s_ptr, rows_m, mask_m, K, stride_x, stride_r, stride_h, stride_s, eps, writer,
+              RESIDUAL: tl.constexpr, STORE_H: tl.constexpr, STORE_SUM: tl.constexpr, DTYPE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """``1 / sqrt(mean(h^2) + eps)`` of the rows, over the whole row in one fixed blocked order (every
+        program alike); the ``writer`` program stores ``h`` (and its copy) on the way."""
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols_k = k0 + offs_k
+            mask = mask_m[:, None] & (cols_k < K)[None, :]
+            h = _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL, DTYPE)
+            if writer:
+                if STORE_H:
+                    tl.store(h_ptr + rows_m[:, None] * stride_h + cols_k[None, :], h, mask=mask)
+                if STORE_SUM:
+                    tl.store(s_ptr + rows_m[:, None] * stride_s + cols_k[None, :], h, mask=mask)
+            h32 = h.to(tl.float32)
+            squares += tl.sum(h32 * h32, axis=1)
+        return 1.0 / tl.sqrt(squares / K + eps)
+
+    @triton.jit
+    def _gemm(x_ptr, r_ptr, nw_ptr, w_ptr, rows_m, mask_m, cols_n, mask_n, second, K, stride_x, stride_r, stride_w,
+              rstd, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TWO: tl.constexpr, INTERPRET: tl.constexpr,
+              IEEE: tl.constexpr, DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+        """``A @ W[cols_n]^T`` (and with ``TWO`` ``A @ W[cols_n + second]^T`` over the same A tiles), float32,
+        the K loop in one fixed order. ``A``: the rows of ``x``, or with ``NORM`` ``rms_norm(x (+ r))`` with
+        `kernels.rms_norm_torch`'s roundings: ``weight * (h32 * rstd).to(dtype)``, the product rounded."""
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            cols_k = k0 + offs_k
+            mask_k = cols_k < K
+            mask = mask_m[:, None] & mask_k[None, :]
+            if NORM:
+                h = _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL, DTYPE)
+                normed = _round(h.to(tl.float32) * rstd[:, None], DTYPE)
+                nw = tl.load(nw_ptr + cols_k, mask=mask_k, other=0.0)
+                a = _round(nw.to(tl.float32)[None, :] * normed.to(tl.float32), DTYPE)
+            else:
+                a = tl.load(x_ptr + rows_m[:, None] * stride_x + cols_k[None, :], mask=mask, other=0.0)
+            w_mask = mask_k[:, None] & mask_n[None, :]
+            w_tile = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None], mask=w_mask, other=0.0)
+            acc = _mma(a, w_tile, acc, INTERPRET, IEEE)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
+            if TWO:
+                w2 = tl.load(w_ptr + (cols_n[None, :] + second) * stride_w + cols_k[:, None], mask=w_mask, other=0.0)
+                acc2 = _mma(a, w2, acc2, INTERPRET, IEEE)
+        return acc, acc2
+
     @triton.jit(do_not_specialize=["rows"])
     def _row_linear_kernel(
         x_ptr,  # [T, K] activations (model dtype)
@@ -209,44 +293,13 @@ if triton is not None:
         mask_m = rows_m < rows
         cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = cols_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-
-        if NORM:  # the rows' mean of squares, over the whole row in a fixed order (every program alike)
-            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols_k = k0 + offs_k
-                mask = mask_m[:, None] & (cols_k < K)[None, :]
-                h = _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL, DTYPE)
-                if pid_n == 0:  # column block 0 writes h once
-                    if STORE_H:
-                        tl.store(h_ptr + rows_m[:, None] * stride_h + cols_k[None, :], h, mask=mask)
-                    if STORE_SUM:
-                        tl.store(s_ptr + rows_m[:, None] * stride_s + cols_k[None, :], h, mask=mask)
-                h32 = h.to(tl.float32)
-                squares += tl.sum(h32 * h32, axis=1)
-            rstd = 1.0 / tl.sqrt(squares / K + eps)
-
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if SILU:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols_k = k0 + offs_k
-            mask_k = cols_k < K
-            mask = mask_m[:, None] & mask_k[None, :]
-            if NORM:  # rms_norm_torch: weight * (h32 * rstd).to(dtype), each product rounded to the dtype
-                h = _load_h(x_ptr, r_ptr, rows_m, cols_k, mask, stride_x, stride_r, RESIDUAL, DTYPE)
-                normed = _round(h.to(tl.float32) * rstd[:, None], DTYPE)
-                nw = tl.load(nw_ptr + cols_k, mask=mask_k, other=0.0)
-                a = _round(nw.to(tl.float32)[None, :] * normed.to(tl.float32), DTYPE)
-            else:
-                a = tl.load(x_ptr + rows_m[:, None] * stride_x + cols_k[None, :], mask=mask, other=0.0)
-            w_mask = mask_k[:, None] & mask_n[None, :]
-            w_tile = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None], mask=w_mask, other=0.0)
-            acc = _mma(a, w_tile, acc, INTERPRET, IEEE)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
-            if SILU:
-                up_tile = tl.load(w_ptr + (cols_n[None, :] + N) * stride_w + cols_k[:, None], mask=w_mask, other=0.0)
-                acc_up = _mma(a, up_tile, acc_up, INTERPRET, IEEE)
-
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:
+            rstd = _rstd(x_ptr, r_ptr, h_ptr, s_ptr, rows_m, mask_m, K, stride_x, stride_r, stride_h, stride_s, eps,
+                         pid_n == 0, RESIDUAL, STORE_H, STORE_SUM, DTYPE, BLOCK_M, BLOCK_K)  # fmt: skip
+        acc, acc_up = _gemm(x_ptr, r_ptr, nw_ptr, w_ptr, rows_m, mask_m, cols_n, mask_n, N, K, stride_x, stride_r,
+                            stride_w, rstd, NORM, RESIDUAL, SILU, INTERPRET, IEEE, DTYPE, BLOCK_M, BLOCK_N,
+                            BLOCK_K)  # fmt: skip
         if SILU:  # silu_mul_torch: gate and up rounded to the dtype, silu rounded, the product rounded
             gate = _round(acc, DTYPE).to(tl.float32)
             up = _round(acc_up, DTYPE).to(tl.float32)
@@ -256,6 +309,103 @@ if triton is not None:
             y = _round(acc, DTYPE)
         out_mask = mask_m[:, None] & mask_n[None, :]
         tl.store(out_ptr + rows_m[:, None] * stride_o + cols_n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _rotate(a, b, c1, c2, s1, s2, DTYPE: tl.constexpr):
+        """`kernels.rope_write_kv_torch`'s RoPE of one head's halves ``(a, b)``: ``x * cos + cat(-b, a) * sin``,
+        each product and each sum rounded to the dtype (as `kernels._rope_write_kv_kernel`)."""
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        p1 = _round(a * c1, DTYPE).to(tl.float32)
+        p2 = _round(-b * s1, DTYPE).to(tl.float32)
+        p3 = _round(b * c2, DTYPE).to(tl.float32)
+        p4 = _round(a * s2, DTYPE).to(tl.float32)
+        return _round(p1 + p2, DTYPE), _round(p3 + p4, DTYPE)
+
+    @triton.jit(do_not_specialize=["rows"])
+    def _qkv_rope_kernel(
+        x_ptr,  # [T, K] activations
+        r_ptr,  # [T, K] residual (RESIDUAL)
+        nw_ptr,  # [K] RMSNorm weight (NORM)
+        h_ptr,  # [T, K] out: x + r (STORE_H)
+        s_ptr,  # [T, K] out: a copy of h (STORE_SUM)
+        w_ptr,  # [(H + 2 Hkv) D, K] the concatenated Q/K/V weight
+        pos_ptr,  # [T] positions
+        cos_ptr,  # [max_position, D] (model dtype)
+        sin_ptr,
+        slot_ptr,  # [T] KV slots, -1: write nothing
+        q_ptr,  # [T, H, D] out: rotated Q
+        k_ptr,  # [num_slots, Hkv, D] K cache
+        v_ptr,  # [num_slots, Hkv, D] V cache
+        rows,
+        K,
+        stride_x,
+        stride_r,
+        stride_h,
+        stride_s,
+        stride_w,
+        stride_table,
+        stride_qt,
+        stride_qh,
+        stride_ks,
+        stride_kh,
+        stride_vs,
+        stride_vh,
+        eps,
+        NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr,
+        STORE_H: tl.constexpr,
+        STORE_SUM: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        IEEE: tl.constexpr,
+        NUM_HEADS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        head = tl.program_id(0)  # 0..H-1: Q, H..H+Hkv-1: K, then V
+        pid_m = tl.program_id(1)
+        DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rows_m < rows
+        j = tl.arange(0, BLOCK_HALF)
+        mask_j = j < HALF
+        cols = head * (2 * HALF) + j  # the head's first half; its second half HALF columns on
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:
+            rstd = _rstd(x_ptr, r_ptr, h_ptr, s_ptr, rows_m, mask_m, K, stride_x, stride_r, stride_h, stride_s, eps,
+                         head == 0, RESIDUAL, STORE_H, STORE_SUM, DTYPE, BLOCK_M, BLOCK_K)  # fmt: skip
+        acc1, acc2 = _gemm(x_ptr, r_ptr, nw_ptr, w_ptr, rows_m, mask_m, cols, mask_j, HALF, K, stride_x, stride_r,
+                           stride_w, rstd, NORM, RESIDUAL, True, INTERPRET, IEEE, DTYPE, BLOCK_M, BLOCK_HALF,
+                           BLOCK_K)  # fmt: skip
+        x1 = _round(acc1, DTYPE)  # the QKV GEMM's output, as the unfused path stores it
+        x2 = _round(acc2, DTYPE)
+        mask = mask_m[:, None] & mask_j[None, :]
+        slot = tl.load(slot_ptr + rows_m, mask=mask_m, other=-1)
+        write = mask & (slot >= 0)[:, None]
+        safe = tl.maximum(slot, 0).to(tl.int64)
+        if head >= NUM_HEADS + NUM_KV_HEADS:  # V: written as is
+            dst = v_ptr + safe[:, None] * stride_vs + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + j[None, :]
+            tl.store(dst, x1.to(v_ptr.dtype.element_ty), mask=write)
+            tl.store(dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=write)
+        else:
+            pos = tl.load(pos_ptr + rows_m, mask=mask_m, other=0)
+            table = pos[:, None] * stride_table + j[None, :]
+            c1 = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
+            c2 = tl.load(cos_ptr + table + HALF, mask=mask, other=0.0).to(tl.float32)
+            s1 = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32)
+            s2 = tl.load(sin_ptr + table + HALF, mask=mask, other=0.0).to(tl.float32)
+            out1, out2 = _rotate(x1, x2, c1, c2, s1, s2, DTYPE)
+            if head < NUM_HEADS:
+                dst = q_ptr + rows_m[:, None] * stride_qt + head * stride_qh + j[None, :]
+                tl.store(dst, out1, mask=mask)
+                tl.store(dst + HALF, out2, mask=mask)
+            else:
+                dst = k_ptr + safe[:, None] * stride_ks + (head - NUM_HEADS) * stride_kh + j[None, :]
+                tl.store(dst, out1.to(k_ptr.dtype.element_ty), mask=write)
+                tl.store(dst + HALF, out2.to(k_ptr.dtype.element_ty), mask=write)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
@@ -374,6 +524,67 @@ def norm_gate_up_silu_triton(
     return (x if h is None else h), out
 
 
+def norm_qkv_rope_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_qkv_rope_torch` in one kernel, row-invariant: one program per (head, row block) computes the
+    head's two halves (two accumulators), rotates Q and K (`kernels.rope_write_kv_triton`'s roundings)
+    and writes Q, and K and V into the caches; the ``[T, (H + 2 Hkv) D]`` QKV never exists."""
+    _check(x, weight, "norm_qkv_rope")
+    head_dim = cos_table.shape[1]
+    if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(
+            f"norm_qkv_rope: the weight has {weight.shape[0]} rows; (H + 2 Hkv) D = "
+            f"({num_heads} + 2 x {num_kv_heads}) x {head_dim} expected, D even"
+        )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cos_table", cos_table), ("sin_table", sin_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"norm_qkv_rope: {name} needs a contiguous last dimension")
+    if norm_weight is None:
+        if residual is not None or sum_out is not None:
+            raise ValueError("norm_qkv_rope: a residual or sum_out needs the norm (norm_weight)")
+        x, h = _contiguous_rows(x), None
+    else:
+        x, residual, norm_weight, h = _norm_args(x, residual, norm_weight, sum_out, "norm_qkv_rope")
+    rows, k = x.shape
+    q = torch.empty((rows, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if rows:
+        half = head_dim // 2
+        block_k = block_k or row_linear_config(weight.shape[0], k, x.dtype).block_k
+        dummy = x
+        _qkv_rope_kernel[(num_heads + 2 * num_kv_heads, triton.cdiv(rows, BLOCK_M))](
+            x, dummy if residual is None else residual, dummy if norm_weight is None else norm_weight,
+            dummy if h is None else h, dummy if sum_out is None else sum_out, weight,
+            positions, cos_table, sin_table, out_slots, q, k_cache, v_cache,
+            rows, k,
+            x.stride(0), 0 if residual is None else residual.stride(0), 0 if h is None else h.stride(0),
+            0 if sum_out is None else sum_out.stride(0), weight.stride(0), cos_table.stride(0),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            eps,
+            NORM=norm_weight is not None, RESIDUAL=residual is not None, STORE_H=h is not None,
+            STORE_SUM=sum_out is not None, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+            IEEE=x.dtype == torch.float32, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+            BLOCK_M=BLOCK_M, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=block_k,
+            num_warps=4, num_stages=3, enable_fp_fusion=False,
+        )  # fmt: skip
+    return (x if h is None else h), q
+
+
 # ---- what the op sets call: the kernels up to a row bound, the unfused path above -----------------------
 def _fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None) -> bool:
     return (max_rows is None or x.shape[0] <= max_rows) and x.dtype == weight.dtype and x.dtype in DTYPES
@@ -413,8 +624,25 @@ def norm_gate_up_silu_rows(x, residual, norm_weight, eps, weight, sum_out=None, 
     return h, silu_mul_triton(gate_up)
 
 
+
+def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table, out_slots,
+                       k_cache, v_cache, num_heads, num_kv_heads, *, max_rows=MAX_ROWS):  # fmt: skip
+    """`norm_qkv_rope_triton` up to ``max_rows`` rows, else `norm_linear_rows` and the RoPE + KV-write kernel."""
+    if _fits(x, weight, max_rows):
+        return norm_qkv_rope_triton(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table,
+                                    out_slots, k_cache, v_cache, num_heads, num_kv_heads)  # fmt: skip
+    from .kernels import rope_write_kv_triton
+
+    if norm_weight is None:
+        h, qkv = x, linear_rows(x, weight, max_rows=max_rows)
+    else:
+        h, qkv = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
+    q = rope_write_kv_triton(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads,
+                             num_kv_heads)  # fmt: skip
+    return h, q
+
 def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
-    """`_row_linear_kernel` at SmolLM2-135M's and Llama-3-8B's tiles, for `backends.cuda.compile_check`.
+    """The kernels at SmolLM2-135M's and Llama-3-8B's tiles (and an EAGLE-3 QKV), for `backends.cuda.compile_check`.
 
     (kernel, argument types, constexpr sets, arguments the JIT marks 16-divisible); ``rows`` is never
     specialized (``do_not_specialize``), so one compiled kernel serves every row count.
@@ -436,4 +664,21 @@ def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]
                              INTERPRET=False, IEEE=dt == "fp32", BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
                              BLOCK_K=config.block_k))  # fmt: skip
         out.append((_row_linear_kernel, signature, sets, aligned))
+        rope_strides = ("stride_x", "stride_r", "stride_h", "stride_s", "stride_w", "stride_table", "stride_qt",
+                        "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh")  # fmt: skip
+        signature = dict(x_ptr=p, r_ptr=p, nw_ptr=p, h_ptr=p, s_ptr=p, w_ptr=p, pos_ptr="*i64", cos_ptr=p, sin_ptr=p,
+                         slot_ptr="*i64", q_ptr=p, k_ptr=p, v_ptr=p, rows="i32", K="i32",
+                         **{name: "i32" for name in rope_strides}, eps="fp32")  # fmt: skip
+        aligned = ("x_ptr", "r_ptr", "nw_ptr", "h_ptr", "s_ptr", "w_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr",
+                   "v_ptr", "K", *rope_strides)  # fmt: skip
+        sets = []
+        models = ((9, 3, 32, 576, True, True), (9, 3, 32, 576, True, False), (9, 3, 32, 1152, False, False),
+                  (32, 8, 64, 4096, True, True))  # fmt: skip
+        for heads, kv_heads, half, k, norm, residual in models:  # (H, Hkv, D / 2, K, norm prologue, residual add)
+            dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+            block_k = row_linear_config((heads + 2 * kv_heads) * 2 * half, k, dtype).block_k
+            sets.append(dict(NORM=norm, RESIDUAL=residual, STORE_H=residual, STORE_SUM=residual, INTERPRET=False,
+                             IEEE=dt == "fp32", NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=half, BLOCK_M=BLOCK_M,
+                             BLOCK_HALF=half, BLOCK_K=block_k, enable_fp_fusion=False))  # fmt: skip
+        out.append((_qkv_rope_kernel, signature, sets, aligned))
     return out

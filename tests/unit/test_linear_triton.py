@@ -20,7 +20,7 @@ from speccycle.engine.fast import FastOptions, FastTarget
 from speccycle.engine.greedy import extend_batch
 from speccycle.engine.kernels import BatchInvariantOps, TorchOps, TritonCublasOps, TritonOps
 from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import random_llama_weights
+from speccycle.engine.llama import random_llama_weights, rope_cos_sin
 from speccycle.engine.target import LlamaTarget
 from speccycle.engine.weights_gguf import LlamaConfig
 
@@ -106,6 +106,57 @@ def test_norm_gate_up_silu_equals_reference_and_is_row_invariant(dtype):
         for t in (1, 5, 16, 17):
             _, act_t = lt.norm_gate_up_silu_triton(x[:t], None if residual is None else r[:t], norm_w, 1e-5, w)
             assert torch.equal(act_t, act[:t]), t
+
+
+def _rope_case(dtype, rows=21, heads=3, kv_heads=1, head_dim=16, num_slots=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = 48
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    r = torch.randn(rows, k, generator=gen).to(dtype).to(DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    w = (0.2 * torch.randn((heads + 2 * kv_heads) * head_dim, k, generator=gen)).to(dtype).to(DEVICE)
+    cos, sin = rope_cos_sin(torch.arange(64), head_dim, 10000.0, dtype)
+    positions = torch.randint(0, 64, (rows,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_slots, generator=gen)[:rows].to(DEVICE)
+    slots[[2, 7]] = -1  # padding rows: no KV write
+    return x, r, norm_w, w, positions, cos.to(DEVICE), sin.to(DEVICE), slots, (heads, kv_heads, head_dim, num_slots)
+
+
+def _caches(dims, dtype):
+    heads, kv_heads, head_dim, num_slots = dims
+    return [torch.full((num_slots, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_qkv_rope_equals_reference_and_is_row_invariant(dtype):
+    x, r, norm_w, w, positions, cos, sin, slots, dims = _rope_case(dtype)
+    heads, kv_heads = dims[:2]
+    for residual, nw in ((r, norm_w), (None, norm_w), (None, None)):
+        features = torch.zeros(21, 2 * 48, dtype=dtype, device=DEVICE) if nw is not None else None
+        sum_out = None if features is None else features[:, 48:]
+        k_cache, v_cache = _caches(dims, dtype)
+        h, q = lt.norm_qkv_rope_triton(x, residual, nw, 1e-5, w, sum_out, positions, cos, sin, slots, k_cache,
+                                       v_cache, heads, kv_heads)  # fmt: skip
+        k_ref, v_ref = _caches(dims, dtype)
+        h_ref, q_ref = lt.norm_qkv_rope_torch(x, residual, nw, 1e-5, w, None, positions, cos, sin, slots, k_ref,
+                                              v_ref, heads, kv_heads)  # fmt: skip
+        assert torch.equal(h, h_ref)
+        if sum_out is not None:
+            assert torch.equal(sum_out, h_ref)
+        tol = _tol(dtype)
+        torch.testing.assert_close(q.float(), q_ref.float(), **tol)
+        torch.testing.assert_close(k_cache.float(), k_ref.float(), **tol)
+        torch.testing.assert_close(v_cache.float(), v_ref.float(), **tol)
+        untouched = torch.ones(dims[3], dtype=torch.bool)
+        untouched[slots[slots >= 0].cpu()] = False
+        assert bool((k_cache[untouched.to(DEVICE)] == 7).all() and (v_cache[untouched.to(DEVICE)] == 7).all())
+        for t in (1, 16, 17):  # the first t rows alone: the same Q and cache bits
+            k_t, v_t = _caches(dims, dtype)
+            _, q_t = lt.norm_qkv_rope_triton(x[:t], None if residual is None else residual[:t], nw, 1e-5, w, None,
+                                             positions[:t], cos, sin, slots[:t], k_t, v_t, heads, kv_heads)  # fmt: skip
+            assert torch.equal(q_t, q[:t])
+            written = slots[:t][slots[:t] >= 0]
+            assert torch.equal(k_t[written], k_cache[written]) and torch.equal(v_t[written], v_cache[written])
 
 
 def test_op_sets_route_by_row_count():
