@@ -2,13 +2,14 @@
 
 Parts (``--parts``, comma-separated):
 
-* ``gemm``: at SmolLM2-135M's shapes (QKV 576->960 with the norm prologue, O 576->576, gate-up
-  576->2x1536 with the norm prologue and SiLU-mul, down 1536->576, LM head 576->49152) and Llama-3-8B's
-  (QKV 4096->6144, gate-up 4096->2x14336, down 14336->4096), rows 1..64: the time of one call of the
-  fused Triton kernel against what it replaces (``F.linear``, plus the unfused Triton RMSNorm / SiLU-mul
-  for the fused ones), both replayed from a CUDA graph (GPU time, launch gaps included; median of
-  rounds); and bitwise invariance: row ``r`` of a ``T``-row call equals the 64-row call's row ``r`` and
-  the one-row call on it, for every ``T`` (the same counted for ``F.linear``, for contrast).
+* ``gemm``: at SmolLM2-135M's shapes (QKV 576->960 with the norm prologue, and with RoPE + KV write
+  too, O 576->576, gate-up 576->2x1536 with the norm prologue and SiLU-mul, down 1536->576, LM head
+  576->49152) and Llama-3-8B's (QKV 4096->6144, gate-up 4096->2x14336, down 14336->4096), rows 1..64:
+  the time of one call of the fused Triton kernel against what it replaces (``F.linear``, plus the
+  unfused Triton RMSNorm / RoPE / SiLU-mul for the fused ones), both replayed from a CUDA graph (GPU
+  time, launch gaps included, the weights warm in L2 for the small ones; median of rounds); and bitwise
+  invariance: row ``r`` of a ``T``-row call equals the 64-row call's row ``r`` and the one-row call on
+  it, for every ``T`` (the same counted for the cuBLAS path, for contrast).
 * ``configs``: other tiles (``BLOCK_N``, ``BLOCK_K``, warps, stages) per shape at 1 and 16 rows, to
   check `linear_triton.row_linear_config`'s choice (every tile is row-invariant; pick the fastest).
 * ``model``: SmolLM2-135M (``$SPECCYCLE_DEFAULT_MODEL``) in bfloat16 on the fast path, with
@@ -37,16 +38,19 @@ import torch.nn.functional as F
 
 from .common import write_result
 
-SHAPES = [  # (name, kind, N columns out, K)
+SHAPES = [  # (name, kind, N columns out, K); rope: (H, Hkv, D) in HEADS
     ("smollm2 qkv (norm)", "norm", 960, 576),
+    ("smollm2 qkv (norm, rope + kv write)", "rope", 960, 576),
     ("smollm2 o", "plain", 576, 576),
     ("smollm2 gate-up (norm, silu)", "silu", 1536, 576),
     ("smollm2 down", "plain", 576, 1536),
     ("smollm2 lm head (float32 out)", "head", 49152, 576),
     ("llama3-8b qkv (norm)", "norm", 6144, 4096),
+    ("llama3-8b qkv (norm, rope + kv write)", "rope", 6144, 4096),
     ("llama3-8b gate-up (norm, silu)", "silu", 14336, 4096),
     ("llama3-8b down", "plain", 4096, 14336),
 ]
+HEADS = {576: (9, 3, 64), 4096: (32, 8, 128)}  # by K: SmolLM2-135M, Llama-3-8B
 FAILURES: list[str] = []
 
 
@@ -98,6 +102,20 @@ def ops_for(kind: str, n: int, k: int, dtype, gen):
         fused = lambda x, r: lt.norm_linear_triton(x, r, nw, 1e-5, w)[1]  # noqa: E731
         plain = lambda x, r: F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w)  # noqa: E731
         return fused, plain
+    if kind == "rope":  # Q compared; K and V go to 64 distinct slots of a cache
+        from speccycle.engine.llama import rope_cos_sin
+
+        heads, kv_heads, head_dim = HEADS[k]
+        cos, sin = rope_cos_sin(torch.arange(4096, device="cuda"), head_dim, 500000.0, dtype)
+        positions = torch.randint(0, 4096, (64,), device="cuda", generator=gen)
+        slots = torch.randperm(256, device="cuda", generator=gen)[:64]
+        k_cache, v_cache = (torch.zeros(256, kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        rest = lambda t: (positions[:t], cos, sin, slots[:t], k_cache, v_cache, heads, kv_heads)  # noqa: E731
+        fused = lambda x, r: lt.norm_qkv_rope_triton(x, r, nw, 1e-5, w, None, *rest(x.shape[0]))[1]  # noqa: E731
+        plain = lambda x, r: kernels.rope_write_kv_triton(  # noqa: E731
+            F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w), *rest(x.shape[0])
+        )
+        return fused, plain
     fused = lambda x, r: lt.norm_gate_up_silu_triton(x, r, nw, 1e-5, w)[1]  # noqa: E731
     plain = lambda x, r: kernels.silu_mul_triton(F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w))  # noqa: E731
     return fused, plain
@@ -108,7 +126,7 @@ def invariance(fn, x, r, rows_list) -> dict:
     full = fn(x, r)
     differ = {}
     for t in rows_list:
-        differ[t] = int((fn(x[:t], r[:t]) != full[:t]).any(dim=1).sum())
+        differ[t] = int((fn(x[:t], r[:t]) != full[:t]).reshape(t, -1).any(dim=1).sum())
     singles = sum(int(not torch.equal(fn(x[i : i + 1], r[i : i + 1])[0], full[i])) for i in range(0, x.shape[0], 7))
     return {"rows_differing_by_T": differ, "single_rows_differing": singles}
 
@@ -159,6 +177,8 @@ def part_configs(args, record) -> None:
                         if block_k > max(32, k) or block_n > max(16, n):
                             continue
                         config = lt.RowLinearConfig(block_n, block_k, warps, stages)
+                        if kind == "rope":  # its tile is the head: timed in gemm
+                            continue
                         if kind in ("silu", "norm"):
                             fn = lt.norm_gate_up_silu_triton if kind == "silu" else lt.norm_linear_triton
                             args_ = (x, None, nw, 1e-5, w)

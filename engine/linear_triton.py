@@ -17,7 +17,7 @@ the weight only:
 So row ``r`` of a ``T``-row call is bitwise the one-row call on that row, for any ``T`` (tested under
 ``TRITON_INTERPRET=1`` and by ``bench/row_linear_bench.py`` on a GPU).
 
-Fused variants, to cut the launches of a Llama layer from 9 to 6 (QKV, RoPE + KV write, attention,
+Fused variants, to cut the launches of a Llama layer from 9 to 5 (QKV + RoPE + KV write, attention,
 O, gate-up, down):
 
 * `norm_linear`: RMSNorm prologue. Optionally the residual add first (``h = x + r`` in the dtype, as
@@ -28,6 +28,9 @@ O, gate-up, down):
 * `norm_gate_up_silu`: the same prologue, the gate and up column blocks of one program side by side
   (two accumulators over one A tile) and the SiLU-and-mul epilogue (`kernels.silu_mul_torch`'s
   roundings): ``[T, K] -> [T, I]`` without the ``[T, 2I]`` intermediate.
+* `norm_qkv_rope`: the same prologue (or none), one program per (head, row block) computing the head's
+  two halves side by side, then RoPE on Q and K (`kernels.rope_write_kv_torch`'s roundings) and the
+  K and V writes at the rows' slots (-1: none): returns the rotated Q, the QKV never exists.
 * ``out_dtype``: the output stored as the dtype's rounding, widened (the LM head writes float32
   logits directly: the reference's ``F.linear(...).float()``, one kernel fewer).
 
@@ -624,7 +627,6 @@ def norm_gate_up_silu_rows(x, residual, norm_weight, eps, weight, sum_out=None, 
     return h, silu_mul_triton(gate_up)
 
 
-
 def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table, out_slots,
                        k_cache, v_cache, num_heads, num_kv_heads, *, max_rows=MAX_ROWS):  # fmt: skip
     """`norm_qkv_rope_triton` up to ``max_rows`` rows, else `norm_linear_rows` and the RoPE + KV-write kernel."""
@@ -640,6 +642,7 @@ def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions
     q = rope_write_kv_triton(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads,
                              num_kv_heads)  # fmt: skip
     return h, q
+
 
 def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
     """The kernels at SmolLM2-135M's and Llama-3-8B's tiles (and an EAGLE-3 QKV), for `backends.cuda.compile_check`.
