@@ -87,7 +87,8 @@ def graph_us(fn, *args, reps: int = 20, rounds: int = 7, iters: int = 10, **kwar
 
 
 def ops_for(kind: str, n: int, k: int, dtype, gen):
-    """(fused Triton call, the call it replaces, weights) for one shape: ``f(x, r) -> output``."""
+    """(fused Triton call, the call it replaces) for one shape: ``f(x, r, start) -> output`` (``x``: rows
+    ``start ..`` of the 64 the invariance check uses; the RoPE kernel reads their positions and slots)."""
     from speccycle.engine import kernels
     from speccycle.engine import linear_triton as lt
 
@@ -95,12 +96,13 @@ def ops_for(kind: str, n: int, k: int, dtype, gen):
     w = (torch.randn(rows_w, k, device="cuda", generator=gen) / k**0.5).to(dtype)
     nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
     if kind == "plain":
-        return (lambda x, r: lt.row_linear(x, w)), (lambda x, r: F.linear(x, w))
+        return (lambda x, r, start=0: lt.row_linear(x, w)), (lambda x, r, start=0: F.linear(x, w))
     if kind == "head":
-        return (lambda x, r: lt.row_linear(x, w, torch.float32)), (lambda x, r: F.linear(x, w).float())
+        fused = lambda x, r, start=0: lt.row_linear(x, w, torch.float32)  # noqa: E731
+        return fused, (lambda x, r, start=0: F.linear(x, w).float())
     if kind == "norm":
-        fused = lambda x, r: lt.norm_linear_triton(x, r, nw, 1e-5, w)[1]  # noqa: E731
-        plain = lambda x, r: F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w)  # noqa: E731
+        fused = lambda x, r, start=0: lt.norm_linear_triton(x, r, nw, 1e-5, w)[1]  # noqa: E731
+        plain = lambda x, r, start=0: F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w)  # noqa: E731
         return fused, plain
     if kind == "rope":  # Q compared; K and V go to 64 distinct slots of a cache
         from speccycle.engine.llama import rope_cos_sin
@@ -110,14 +112,16 @@ def ops_for(kind: str, n: int, k: int, dtype, gen):
         positions = torch.randint(0, 4096, (64,), device="cuda", generator=gen)
         slots = torch.randperm(256, device="cuda", generator=gen)[:64]
         k_cache, v_cache = (torch.zeros(256, kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        rest = lambda t: (positions[:t], cos, sin, slots[:t], k_cache, v_cache, heads, kv_heads)  # noqa: E731
-        fused = lambda x, r: lt.norm_qkv_rope_triton(x, r, nw, 1e-5, w, None, *rest(x.shape[0]))[1]  # noqa: E731
-        plain = lambda x, r: kernels.rope_write_kv_triton(  # noqa: E731
-            F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w), *rest(x.shape[0])
+        # rows start .. start + T - 1 of the 64: their positions and slots
+        rest = lambda x, start: (positions[start : start + x.shape[0]], cos, sin, slots[start : start + x.shape[0]],  # noqa: E731
+                                 k_cache, v_cache, heads, kv_heads)  # fmt: skip
+        fused = lambda x, r, start=0: lt.norm_qkv_rope_triton(x, r, nw, 1e-5, w, None, *rest(x, start))[1]  # noqa: E731
+        plain = lambda x, r, start=0: kernels.rope_write_kv_triton(  # noqa: E731
+            F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w), *rest(x, start)
         )
         return fused, plain
-    fused = lambda x, r: lt.norm_gate_up_silu_triton(x, r, nw, 1e-5, w)[1]  # noqa: E731
-    plain = lambda x, r: kernels.silu_mul_triton(F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w))  # noqa: E731
+    fused = lambda x, r, start=0: lt.norm_gate_up_silu_triton(x, r, nw, 1e-5, w)[1]  # noqa: E731
+    plain = lambda x, r, start=0: kernels.silu_mul_triton(F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w))  # noqa: E731
     return fused, plain
 
 
@@ -127,7 +131,7 @@ def invariance(fn, x, r, rows_list) -> dict:
     differ = {}
     for t in rows_list:
         differ[t] = int((fn(x[:t], r[:t]) != full[:t]).reshape(t, -1).any(dim=1).sum())
-    singles = sum(int(not torch.equal(fn(x[i : i + 1], r[i : i + 1])[0], full[i])) for i in range(0, x.shape[0], 7))
+    singles = sum(int(not torch.equal(fn(x[i : i + 1], r[i : i + 1], i)[0], full[i])) for i in range(0, x.shape[0], 7))
     return {"rows_differing_by_T": differ, "single_rows_differing": singles}
 
 
