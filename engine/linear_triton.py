@@ -28,9 +28,10 @@ O, gate-up, down):
 * `norm_gate_up_silu`: the same prologue, the gate and up column blocks of one program side by side
   (two accumulators over one A tile) and the SiLU-and-mul epilogue (`kernels.silu_mul_torch`'s
   roundings): ``[T, K] -> [T, I]`` without the ``[T, 2I]`` intermediate.
-* `norm_qkv_rope`: the same prologue (or none), one program per (head, row block) computing the head's
-  two halves side by side, then RoPE on Q and K (`kernels.rope_write_kv_torch`'s roundings) and the
-  K and V writes at the rows' slots (-1: none): returns the rotated Q, the QKV never exists.
+* `norm_qkv_rope`: the same prologue (or none), a program per (16 columns of a head's first half, row
+  block) computing them and their RoPE partners in the second half side by side, then RoPE on Q and
+  K (`kernels.rope_write_kv_torch`'s roundings) and the K and V writes at the rows' slots (-1: none):
+  returns the rotated Q; the QKV never exists.
 * ``out_dtype``: the output stored as the dtype's rounding, widened (the LM head writes float32
   logits directly: the reference's ``F.linear(...).float()``, one kernel fewer).
 
@@ -73,18 +74,21 @@ class RowLinearConfig:
 
 
 def row_linear_config(n: int, k: int, dtype: torch.dtype) -> RowLinearConfig:
-    """The tile for an ``[N, K]`` weight: enough column blocks to spread over the SMs, a short K loop.
+    """The tile for an ``[N, K]`` weight (``N``: output columns): enough programs to spread over the SMs,
+    a short K loop. Not yet tuned on a GPU (``bench/row_linear_bench.py --parts configs`` sweeps tiles).
 
     At batch 1 these GEMMs are tiny (SmolLM2's QKV weight is 1.1 MB): their time is launch plus the K
-    loop's latency, not bandwidth. 32 columns per program gives 30 programs for SmolLM2's QKV (960),
-    48 for its gate-up (2 x 1536), 18 for O and down (576); 64 for wide weights (an LM head).
+    loop's latency, not bandwidth. Narrow outputs get 16 columns a program (SmolLM2's O and down: 36
+    programs), middling ones 32 (its gate-up: 48 programs of 2 x 32), wide ones 64 (an LM head: 768);
+    a long K takes 128 a step (SmolLM2's down: 12 steps). 16 columns keep 2 warps busy, wider tiles 4.
     """
-    block_n = 64 if n >= 8192 else 32
-    block_k = 128 if k >= 4096 else 64
+    block_n = 16 if n <= 1024 else 32 if n < 8192 else 64
+    block_k = 128 if k >= 1024 else 64
     if dtype == torch.float32:  # float32 tiles take twice the registers and shared memory
         block_k = min(block_k, 32)
     cap = lambda size, block: max(16, min(block, triton.next_power_of_2(size)))  # noqa: E731
-    return RowLinearConfig(block_n=cap(n, block_n), block_k=cap(k, block_k))
+    block_n, block_k = cap(n, block_n), cap(k, block_k)
+    return RowLinearConfig(block_n=block_n, block_k=block_k, num_warps=2 if block_n <= 16 else 4)
 
 
 # ---- torch references ---------------------------------------------------------------------------
@@ -368,18 +372,20 @@ if triton is not None:
         BLOCK_HALF: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        head = tl.program_id(0)  # 0..H-1: Q, H..H+Hkv-1: K, then V
+        SPLIT: tl.constexpr = (HALF + BLOCK_HALF - 1) // BLOCK_HALF  # programs per head
+        pid = tl.program_id(0)
+        head = pid // SPLIT  # 0..H-1: Q, H..H+Hkv-1: K, then V
         pid_m = tl.program_id(1)
         DTYPE: tl.constexpr = x_ptr.dtype.element_ty
         rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows_m < rows
-        j = tl.arange(0, BLOCK_HALF)
+        j = (pid % SPLIT) * BLOCK_HALF + tl.arange(0, BLOCK_HALF)  # RoPE pairs column j with j + HALF
         mask_j = j < HALF
-        cols = head * (2 * HALF) + j  # the head's first half; its second half HALF columns on
+        cols = head * (2 * HALF) + j  # in the head's first half; the partners HALF columns on
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if NORM:
             rstd = _rstd(x_ptr, r_ptr, h_ptr, s_ptr, rows_m, mask_m, K, stride_x, stride_r, stride_h, stride_s, eps,
-                         head == 0, RESIDUAL, STORE_H, STORE_SUM, DTYPE, BLOCK_M, BLOCK_K)  # fmt: skip
+                         pid == 0, RESIDUAL, STORE_H, STORE_SUM, DTYPE, BLOCK_M, BLOCK_K)  # fmt: skip
         acc1, acc2 = _gemm(x_ptr, r_ptr, nw_ptr, w_ptr, rows_m, mask_m, cols, mask_j, HALF, K, stride_x, stride_r,
                            stride_w, rstd, NORM, RESIDUAL, True, INTERPRET, IEEE, DTYPE, BLOCK_M, BLOCK_HALF,
                            BLOCK_K)  # fmt: skip
@@ -544,10 +550,12 @@ def norm_qkv_rope_triton(
     num_kv_heads: int,
     *,
     block_k: int | None = None,
+    block_half: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_qkv_rope_torch` in one kernel, row-invariant: one program per (head, row block) computes the
-    head's two halves (two accumulators), rotates Q and K (`kernels.rope_write_kv_triton`'s roundings)
-    and writes Q, and K and V into the caches; the ``[T, (H + 2 Hkv) D]`` QKV never exists."""
+    """`norm_qkv_rope_torch` in one kernel, row-invariant: a program per (``block_half`` columns of a head's
+    first half, row block) computes them and their partners in the second half (two accumulators),
+    rotates Q and K (`kernels.rope_write_kv_triton`'s roundings) and writes Q, and K and V into the
+    caches; the ``[T, (H + 2 Hkv) D]`` QKV never exists. ``block_k``, ``block_half``: tile overrides."""
     _check(x, weight, "norm_qkv_rope")
     head_dim = cos_table.shape[1]
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
@@ -570,7 +578,9 @@ def norm_qkv_rope_triton(
         half = head_dim // 2
         block_k = block_k or row_linear_config(weight.shape[0], k, x.dtype).block_k
         dummy = x
-        _qkv_rope_kernel[(num_heads + 2 * num_kv_heads, triton.cdiv(rows, BLOCK_M))](
+        block_half = max(16, min(block_half, triton.next_power_of_2(half)))
+        split = triton.cdiv(half, block_half)
+        _qkv_rope_kernel[((num_heads + 2 * num_kv_heads) * split, triton.cdiv(rows, BLOCK_M))](
             x, dummy if residual is None else residual, dummy if norm_weight is None else norm_weight,
             dummy if h is None else h, dummy if sum_out is None else sum_out, weight,
             positions, cos_table, sin_table, out_slots, q, k_cache, v_cache,
@@ -582,8 +592,8 @@ def norm_qkv_rope_triton(
             NORM=norm_weight is not None, RESIDUAL=residual is not None, STORE_H=h is not None,
             STORE_SUM=sum_out is not None, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
             IEEE=x.dtype == torch.float32, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-            BLOCK_M=BLOCK_M, BLOCK_HALF=max(16, triton.next_power_of_2(half)), BLOCK_K=block_k,
-            num_warps=4, num_stages=3, enable_fp_fusion=False,
+            BLOCK_M=BLOCK_M, BLOCK_HALF=block_half, BLOCK_K=block_k,
+            num_warps=2 if block_half <= 16 else 4, num_stages=3, enable_fp_fusion=False,
         )  # fmt: skip
     return (x if h is None else h), q
 
@@ -682,6 +692,6 @@ def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]
             block_k = row_linear_config((heads + 2 * kv_heads) * 2 * half, k, dtype).block_k
             sets.append(dict(NORM=norm, RESIDUAL=residual, STORE_H=residual, STORE_SUM=residual, INTERPRET=False,
                              IEEE=dt == "fp32", NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HALF=half, BLOCK_M=BLOCK_M,
-                             BLOCK_HALF=half, BLOCK_K=block_k, enable_fp_fusion=False))  # fmt: skip
+                             BLOCK_HALF=16, BLOCK_K=block_k, enable_fp_fusion=False))  # fmt: skip
         out.append((_qkv_rope_kernel, signature, sets, aligned))
     return out

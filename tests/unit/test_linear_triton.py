@@ -127,9 +127,11 @@ def _caches(dims, dtype):
     return [torch.full((num_slots, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE) for _ in range(2)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_norm_qkv_rope_equals_reference_and_is_row_invariant(dtype):
-    x, r, norm_w, w, positions, cos, sin, slots, dims = _rope_case(dtype)
+@pytest.mark.parametrize(
+    "dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 64)], ids=str
+)  # D 64: two programs per head (16 of its 32 rotated pairs each)
+def test_norm_qkv_rope_equals_reference_and_is_row_invariant(dtype, head_dim):
+    x, r, norm_w, w, positions, cos, sin, slots, dims = _rope_case(dtype, head_dim=head_dim)
     heads, kv_heads = dims[:2]
     for residual, nw in ((r, norm_w), (None, norm_w), (None, None)):
         features = torch.zeros(21, 2 * 48, dtype=dtype, device=DEVICE) if nw is not None else None
