@@ -13,6 +13,7 @@ final norm), the indexing of Hugging Face's ``hidden_states`` tuple and of SGLan
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -58,6 +59,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def _packs_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`PackedLinear` runs oneDNN: float32 on a CPU, 2-D, rows to run, no autograd through it."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class PackedLinear:
+    """``F.linear(x, weight)`` (no bias); on a CPU in float32 through a oneDNN copy of ``weight`` packed once.
+
+    Why: a CPU forward of SmolLM2-135M is memory-bound, so a verify of ``n`` rows should cost about one
+    decode row. ``F.linear`` runs MKL's GEMV at 1 row but packs ``W`` for a GEMM at 2+ rows: all the
+    linears of a forward cost 1.8x (2 rows) to 2.8x (16 rows) the 1-row call; through the packed weight
+    0.92x, 1.0x, 1.2x, 1.5x, 2.3x at 1, 2, 4, 8, 16 rows (1 thread, ``bench/cpu_linear.py``,
+    docs/engine.md). Row ``r`` of the result is bitwise the same whatever the number of rows, so a
+    verify row equals the decode row of the same input. Elsewhere (GPU, other dtypes, autograd) it is
+    ``F.linear``. The packed copy (one per weight, as much memory again) is remade when the weight is
+    replaced, moved or changed in place. One instance per module: ``self.linear(x, self.o_weight)``.
+    """
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[weakref.ref, int, int | None, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # x: [T, in], weight: [out, in] -> [T, out]
+        if not _packs_on_cpu(x, weight):
+            return F.linear(x, weight)
+        version = None if weight.is_inference() else weight._version
+        entry = self._packed.get(id(weight))
+        if entry is None or entry[0]() is not weight or entry[1] != weight.data_ptr() or entry[2] != version:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            entry = (weakref.ref(weight), weight.data_ptr(), version, packed)
+            self._packed[id(weight)] = entry
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[3], None, "none", [], "")
+
+
 def set_projections(layer: nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
     """The layer's matmul weights: Q/K/V concatenated (``qkv_weight [(H + 2Hkv) D, hidden]``), ``o_weight``,
     gate/up concatenated (``gate_up_weight [2I, hidden]``), ``down_weight``."""
@@ -82,6 +126,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(weights[prefix + "input_layernorm.weight"], c.rms_norm_eps)
         self.post_attention_norm = RMSNorm(weights[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
         set_projections(self, weights, prefix)
+        self.linear = PackedLinear()
 
     def forward(
         self,
@@ -94,7 +139,7 @@ class DecoderLayer(nn.Module):
         # x: [T, hidden]
         num_rows = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(self.input_norm(x), self.qkv_weight)  # [T, (H + 2Hkv) D]
+        qkv = self.linear(self.input_norm(x), self.qkv_weight)  # [T, (H + 2Hkv) D]
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(num_rows, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
         k = apply_rope(k.view(num_rows, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
@@ -102,9 +147,9 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv
         write_kv(plan, k_cache, v_cache, k, v)
         attn = paged_attention(plan, q, k_cache, v_cache)  # [T, H, D]
-        h = x + F.linear(attn.reshape(num_rows, q_size), self.o_weight)
-        gate, up = F.linear(self.post_attention_norm(h), self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
-        return h + F.linear(F.silu(gate) * up, self.down_weight)
+        h = x + self.linear(attn.reshape(num_rows, q_size), self.o_weight)
+        gate, up = self.linear(self.post_attention_norm(h), self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
+        return h + self.linear(F.silu(gate) * up, self.down_weight)
 
 
 class LlamaModel(nn.Module):
@@ -149,6 +194,7 @@ class LlamaModel(nn.Module):
         self.norm = self._make_norm(w["model.norm.weight"], config.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head_weight = nn.Parameter(head, requires_grad=False)  # [V, hidden]
+        self.head_linear = PackedLinear()
 
     def _make_layer(self, config: LlamaConfig, weights: dict[str, torch.Tensor], index: int) -> nn.Module:
         return DecoderLayer(config, weights, f"model.layers.{index}.")
@@ -209,7 +255,7 @@ class LlamaModel(nn.Module):
         """Final norm and LM head on the chosen rows. Shapes: ``x [T, hidden]``, ``rows [R]`` -> ``[R, V]`` float32."""
         if rows is not None:
             x = x.index_select(0, rows)
-        return F.linear(self.norm(x), self.lm_head_weight).float()
+        return self.head_linear(self.norm(x), self.lm_head_weight).float()
 
 
 def random_llama_weights(config: LlamaConfig, seed: int = 0, scale: float = 0.05) -> dict[str, torch.Tensor]:
