@@ -396,5 +396,10 @@ def triton_available() -> bool:
 
 
 def default_ops(device: torch.device | str) -> type[TorchOps]:
-    """Triton on CUDA when triton imports, torch otherwise."""
-    return TritonOps if torch.device(device).type == "cuda" and triton is not None else TorchOps
+    """`TritonCublasOps` on CUDA when triton imports, torch otherwise.
+
+    The row-invariant Triton GEMMs (`TritonOps`, `BatchInvariantOps`) are not the default: on an H100
+    (bench/row_linear_bench.py, SmolLM2 bf16, 2026-11-22) they decoded at 593 tokens/s against cuBLAS's 769,
+    and a 16-row cuBLAS verify already gave the 1-row decode's logits bitwise there. Pass ``ops=`` to use them.
+    """
+    return TritonCublasOps if torch.device(device).type == "cuda" and triton is not None else TorchOps
