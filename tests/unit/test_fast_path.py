@@ -488,8 +488,9 @@ def test_host_control_plane_runs_forward_drafts(weights, draft, spec):
 )
 def test_host_control_plane_forward_drafts_on_cuda(weights, draft, spec):
     """On CUDA with graphs: a fast forward draft on the host plane gives the autoregressive output and the
-    device plane's, frees every page, and syncs twice per cycle (the verify's copy back, the draft's), once
-    more for the prefill's target forward."""
+    device plane's, frees every page, and syncs twice per cycle (the verify's copy back, the draft's), twice
+    more around the prefill (its target forward, the first draft extend; one more than first counted, seen on
+    an H100)."""
     from speccycle.engine.host_control import HostDraft
 
     prompts = [tokens_of(61, 6) * 2, tokens_of(62, 5), tokens_of(63, 9)]
@@ -517,4 +518,4 @@ def test_host_control_plane_forward_drafts_on_cuda(weights, draft, spec):
     counts = {e.key: e.count for e in prof.key_averages() if "Synchronize" in e.key}
     syncs = counts.get("cudaStreamSynchronize", 0) + counts.get("cudaDeviceSynchronize", 0)
     assert list(results[0].output) == ar[0]
-    assert syncs <= 1 + 2 * stats.verifies, (counts, stats.verifies)
+    assert syncs <= 2 + 2 * stats.verifies, (counts, stats.verifies)
