@@ -25,6 +25,13 @@ decode rows exactly) and the largest difference from ``F.linear``.
     OMP_NUM_THREADS=2 .venv/bin/python -m bench.cpu_linear --threads 2 --write   # idle machine only
 
 Without ``--write`` nothing is stored: on a shared machine the timings are indicative only.
+
+``--model`` times whole target forwards instead (the engine's SmolLM2-135M, float32): ``n`` causal
+rows after a ``--context``-token prompt, over a one-row forward, with the engine's linears
+(`engine.llama.PackedLinear`) and with plain ``F.linear``, interleaved; medians. These ratios are the
+row costs `bench/ngram_tau.py` weighs verifies with.
+
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.cpu_linear --threads 2 --model --write
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ SHAPES = {
     "head": (49152, 576),
 }
 NUM_LAYERS = 30
+CLOCK = [time.perf_counter]  # --clock thread: time.thread_time, this thread's CPU time (1 thread only)
 
 
 def _tiles(weight: torch.Tensor, tile_mb: float) -> list[tuple[int, torch.Tensor]]:
@@ -160,10 +168,10 @@ def bench_shape(name: str, names: list[str], rows: list[int], reps: int, tile_mb
             call = table[v][1]
             packs = prepared[(v, n if v in PER_ROW_COUNT else 0)]
             x = xs[n]
-            tick = time.perf_counter()
+            tick = CLOCK[0]()
             for p in packs:  # every copy once: each call finds its weight cold, as in a forward
                 call(x, p)
-            times[(v, n)].append((time.perf_counter() - tick) / len(packs))
+            times[(v, n)].append((CLOCK[0]() - tick) / len(packs))
     base = statistics.median(times[("linear", 1)]) if "linear" in names else None
     result = {"shape": [out_f, in_f], "copies": copies, "variants": {}}
     for v in names:
@@ -179,6 +187,48 @@ def bench_shape(name: str, names: list[str], rows: list[int], reps: int, tile_mb
     return result
 
 
+@torch.no_grad()
+def bench_model(rows: list[int], reps: int, context: int) -> dict:
+    """Median seconds of a target forward of ``n`` rows after ``context`` tokens, packed vs F.linear."""
+    from speccycle.engine import llama
+    from speccycle.engine.engine import Engine
+    from speccycle.engine.greedy import extend_batch
+
+    engine = Engine.load(draft="ngram", device="cpu", dtype=torch.float32)
+    pool, target = engine.pool, engine.target
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 20000, (context,), generator=gen).tolist()
+    rid = 10**9
+    target.forward(extend_batch(pool, [rid], [prompt], [0]))
+    packs = llama._packs_on_cpu
+    modes = {"packed": packs, "f_linear": lambda x, w: False}
+    times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in modes for n in rows}
+    try:
+        for rep in range(reps):
+            order = [(m, n) for m in modes for n in rows]
+            for mode, n in order if rep % 2 == 0 else reversed(order):
+                llama._packs_on_cpu = modes[mode]
+                batch = extend_batch(pool, [rid], [prompt[:n]], [context], last_logits_only=False)
+                tick = CLOCK[0]()
+                target.forward(batch)
+                times[(mode, n)].append(CLOCK[0]() - tick)
+    finally:
+        llama._packs_on_cpu = packs
+        pool.free(rid)
+    out = {"context_tokens": context, "reps": reps, "modes": {}}
+    base = statistics.median(times[("f_linear", 1)])
+    for mode in modes:
+        own = statistics.median(times[(mode, 1)])
+        out["modes"][mode] = {
+            "median_ms": {str(n): round(statistics.median(times[(mode, n)]) * 1e3, 2) for n in rows},
+            "ratio": {str(n): round(statistics.median(times[(mode, n)]) / own, 3) for n in rows},
+            "vs_f_linear_1row": {str(n): round(statistics.median(times[(mode, n)]) / base, 3) for n in rows},
+            "min_ms": {str(n): round(min(times[(mode, n)]) * 1e3, 2) for n in rows},
+            "min_ratio": {str(n): round(min(times[(mode, n)]) / min(times[(mode, 1)]), 3) for n in rows},
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -188,17 +238,41 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--tile-mb", type=float, default=0.5, help="gemv_tiled: MB of W per tile")
     parser.add_argument("--cold-mb", type=float, default=96.0, help="MB of weight copies per shape (> the L3)")
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="thread: count this thread's CPU time, not wall time (with --threads 1 on a shared machine: time "
+        "spent descheduled is left out, memory contention is not)",
+    )
+    parser.add_argument("--model", action="store_true", help="time whole forwards (packed vs F.linear) instead")
+    parser.add_argument("--context", type=int, default=900, help="--model: prompt tokens before the rows")
     parser.add_argument("--write", action="store_true", help="store the record in bench/results (idle machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        if args.threads != 1:
+            raise ValueError("--clock thread counts one thread's CPU time: use it with --threads 1")
+        CLOCK[0] = time.thread_time
     rows = [int(n) for n in args.rows.split(",")]
     if rows[0] != 1:
         raise ValueError("--rows must start with 1 (every ratio is against the 1-row call)")
+    if args.model:
+        result = {"clock": args.clock, **bench_model(rows, args.reps, args.context)}
+        for mode, entry in result["modes"].items():
+            cells = "  ".join(f"{n}:{entry['median_ms'][n]:>7.1f} {entry['ratio'][n]:.2f}" for n in entry["ratio"])
+            print(f"{mode:<9} forward median ms, ratio to own 1 row: {cells}", flush=True)
+            cells = "  ".join(f"{n}:{entry['min_ms'][n]:>7.1f} {entry['min_ratio'][n]:.2f}" for n in entry["ratio"])
+            print(f"{mode:<9} forward min ms, ratio to own 1 row:    {cells}", flush=True)
+        if args.write:
+            print(f"wrote {write_result('cpu_linear_model', {'threads': args.threads, **result})}")
+        return
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in variants(1.0)]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}: choose from {', '.join(variants(1.0))}")
-    record = {"threads": args.threads, "rows": rows, "reps": args.reps, "tile_mb": args.tile_mb, "shapes": {}}
+    record = {"threads": args.threads, "clock": args.clock, "rows": rows, "reps": args.reps, "tile_mb": args.tile_mb}
+    record["shapes"] = {}
     for name in args.shapes.split(","):
         result = bench_shape(name, names, rows, args.reps, args.tile_mb, args.cold_mb)
         record["shapes"][name] = result

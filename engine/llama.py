@@ -59,15 +59,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+# Above this many rows (a prefill) MKL's GEMM beats the packed weight: at 1024 rows all the linears of a
+# SmolLM2-135M forward took 1.67 s through F.linear, 1.78 s packed; at 256 rows 0.48 s and 0.44 s.
+PACKED_MAX_ROWS = 512
+
+
 def _packs_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """`PackedLinear` runs oneDNN: float32 on a CPU, 2-D, rows to run, no autograd through it."""
+    """`PackedLinear` runs oneDNN: float32 on a CPU, 2-D, 1 to `PACKED_MAX_ROWS` rows, no autograd."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and x.dim() == 2
-        and x.shape[0] > 0
+        and 0 < x.shape[0] <= PACKED_MAX_ROWS
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and torch.backends.mkldnn.is_available()
     )
@@ -77,13 +82,14 @@ class PackedLinear:
     """``F.linear(x, weight)`` (no bias); on a CPU in float32 through a oneDNN copy of ``weight`` packed once.
 
     Why: a CPU forward of SmolLM2-135M is memory-bound, so a verify of ``n`` rows should cost about one
-    decode row. ``F.linear`` runs MKL's GEMV at 1 row but packs ``W`` for a GEMM at 2+ rows: all the
-    linears of a forward cost 1.8x (2 rows) to 2.8x (16 rows) the 1-row call; through the packed weight
-    0.92x, 1.0x, 1.2x, 1.5x, 2.3x at 1, 2, 4, 8, 16 rows (1 thread, ``bench/cpu_linear.py``,
-    docs/engine.md). Row ``r`` of the result is bitwise the same whatever the number of rows, so a
-    verify row equals the decode row of the same input. Elsewhere (GPU, other dtypes, autograd) it is
-    ``F.linear``. The packed copy (one per weight, as much memory again) is remade when the weight is
-    replaced, moved or changed in place. One instance per module: ``self.linear(x, self.o_weight)``.
+    decode row. ``F.linear`` runs MKL's GEMV at 1 row but packs ``W`` for a GEMM from 2 rows on: all the
+    linears of a forward took 1.9x (2 rows) to 2.1x (16 rows) the 1-row call; through the packed weight
+    0.65x, 0.66x, 0.77x, 0.93x, 1.32x at 1, 2, 4, 8, 16 rows (2 threads, ``bench/cpu_linear.py``,
+    docs/engine.md). Row ``r`` of the result is bitwise the same whatever the number of rows (up to
+    `PACKED_MAX_ROWS`), so a verify row equals the decode row of the same input. Elsewhere (a prefill of
+    more rows, GPU, other dtypes, autograd) it is ``F.linear``. The packed copy (one per weight, as much
+    memory again) is remade when the weight is replaced, moved or changed in place. One instance per
+    module: ``self.linear(x, self.o_weight)``.
     """
 
     def __init__(self) -> None:

@@ -11,8 +11,8 @@ How much to propose can follow the evidence: a long match is usually a copy in p
 being accepted, a one-token match rarely is. With ``depth_per_match`` a match of length ``m``
 proposes ``ceil(depth_per_match * m)`` tokens (at most ``S``); matches shorter than ``min_ngram``
 propose nothing, and the verify is one row, a plain decode step. Where a verify row costs time
-(`for_device`: on a CPU a verify of 2 rows costs ~1.6 one-row forwards) that trades a little tau
-for much cheaper verifies; measured in docs/ngram.md and ``bench/ngram_tau.py``.
+(`for_device`: on a CPU a verify of 2 rows costs ~1.13 one-row forwards, 8 rows ~1.4, 16 rows ~1.8)
+that trades a little tau for cheaper verifies; measured in docs/ngram.md and ``bench/ngram_tau.py``.
 
 For a chain (``topk == 1``) the best match's continuation is the draft; for a tree the continuations
 of up to ``max_matches`` distinct matches, best first, merge into a trie, so guesses share their
@@ -27,9 +27,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-# Measured on SmolLM2-135M float32, 2 CPU threads (bench/ngram_tau.py, docs/ngram.md): a verify of
-# 2+ rows costs ~1.6-2x a one-row forward, so on a CPU weak guesses are not worth their rows.
-CPU_OPTIONS = {"min_ngram": 2, "depth_per_match": 2.0}
+# Replayed on SmolLM2-135M float32, 2 CPU threads (docs/ngram.md): with the engine's packed CPU
+# linears (engine.llama.PackedLinear) a verify of n rows costs ~1 + 0.075 n one-row forwards, so a
+# guess of 2 m tokens for a match of m pays from a 1-token match on; S >= 8 all predict the same.
+CPU_OPTIONS = {"min_ngram": 1, "depth_per_match": 2.0}
 CPU_NUM_STEPS = 16
 
 
@@ -66,8 +67,8 @@ class NgramDraft:
 
     @classmethod
     def for_device(cls, vocab_size: int, device: str | torch.device, **options) -> NgramDraft:
-        """The measured options for ``device``: on a CPU `CPU_OPTIONS` (no guess below a 2-token match,
-        ``2 m`` tokens for a match of ``m``); elsewhere the defaults. ``options`` override either."""
+        """The measured options for ``device``: on a CPU `CPU_OPTIONS` (``2 m`` tokens for a match of
+        ``m``, at most ``S``); elsewhere the defaults. ``options`` override either."""
         base = CPU_OPTIONS if torch.device(device).type == "cpu" else {}
         return cls(vocab_size, **{**base, **options})
 

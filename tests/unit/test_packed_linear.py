@@ -50,3 +50,15 @@ def test_other_dtypes_empty_inputs_and_autograd_take_f_linear():
     trained = weight.clone().requires_grad_(True)
     linear(x, trained).sum().backward()  # F.linear: the gradient flows
     torch.testing.assert_close(trained.grad, x.sum(0).expand(8, 4))
+
+
+def test_more_rows_than_packed_max_rows_take_f_linear():
+    from speccycle.engine.llama import PACKED_MAX_ROWS
+
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(8, 4, generator=gen), torch.randn(PACKED_MAX_ROWS + 1, 4, generator=gen)
+    linear = PackedLinear()
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert not linear._packed  # nothing was packed: a prefill this long runs MKL's GEMM
+    linear(x[:PACKED_MAX_ROWS], weight)
+    assert len(linear._packed) == 1
