@@ -48,7 +48,7 @@ from .common import write_result
 DEV = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl")
 
 # name -> (SpecConfig, NgramDraft options). "full": every match proposes S tokens (NgramDraft's
-# defaults); "cpu": NgramDraft.CPU_OPTIONS (no guess below a 2-token match, 2 m tokens for a match of m).
+# defaults); "cpu": NgramDraft.CPU_OPTIONS (2 m tokens for a match of m, from a 1-token match on).
 FULL = {"depth_per_match": None}
 CPU = dict(CPU_OPTIONS)
 CONFIGS: dict[str, tuple[SpecConfig, dict]] = {
