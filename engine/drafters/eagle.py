@@ -14,7 +14,8 @@ prediction), so ``hidden`` of the output is the layer output ``[T, H]``.
 
 Weights live in one safetensors file; its metadata key ``speccycle.eagle`` holds the `EagleConfig`
 as JSON, and ``speccycle.eagle.lm_head`` says where the logits come from (``own`` or ``target``).
-`EagleHead.random` builds one with random weights for tests.
+`EagleHead.random` builds one with random weights for tests. ``speccycle.eagle.storage`` (absent in a
+plain file) names a compact storage, ``int8-rowwise`` (`eagle_pack`): ``load`` dequantizes it.
 """
 
 from __future__ import annotations
@@ -201,10 +202,20 @@ class EagleHead(nn.Module):
             )
         return {k: v.detach().contiguous() for k, v in out.items()}
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, storage: str | None = None) -> None:
+        """Write the head file; ``storage`` ``"int8-rowwise"``: packed (`eagle_pack`), None: as the weights are."""
         from safetensors.torch import save_file
 
-        save_file(self.state(), str(path), metadata=file_metadata(self.config))
+        if storage is None:
+            save_file(self.state(), str(path), metadata=file_metadata(self.config))
+            return
+        from .eagle_pack import PACK_KEY, STORAGE_KEY, STORAGES, pack_state
+
+        if storage not in STORAGES:
+            raise ValueError(f"unknown EAGLE head storage {storage!r}: choose one of {', '.join(STORAGES)} or None")
+        tensors, record = pack_state(self.state())
+        meta = {**file_metadata(self.config), STORAGE_KEY: storage, PACK_KEY: json.dumps(record)}
+        save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, dtype=torch.float32, device="cpu") -> EagleHead:
@@ -215,12 +226,16 @@ class EagleHead(nn.Module):
             raise ModelLoadError(f"no EAGLE head at {path}: pass the path of its .safetensors file")
         try:
             with safe_open(str(path), framework="pt") as f:
-                meta = (f.metadata() or {}).get(METADATA_KEY)
+                metadata = f.metadata() or {}
                 weights = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(f"{path} is not a readable safetensors file: {err}") from err
+        meta = metadata.get(METADATA_KEY)
         if meta is None:
             raise ModelLoadError(f"{path} has no '{METADATA_KEY}' metadata: it was not saved by EagleHead.save")
+        from .eagle_pack import STORAGE_KEY, unpack_state
+
+        weights = unpack_state(weights, metadata.get(STORAGE_KEY), path)  # int8 storage -> float32; else as stored
         return cls(EagleConfig(**json.loads(meta)), weights, dtype, device)
 
     def layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
