@@ -6,7 +6,7 @@ request); `greedy_decode` prefills a batch of prompts and decodes one token per 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,15 +59,19 @@ def greedy_decode(
     max_new_tokens: int,
     stop_token_ids: Sequence[int] = (),
     first_request_id: int = 0,
+    pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of each prompt: one prefill forward, then one forward per new token.
 
     Requests that hit a stop token (kept in the output) leave the batch. Frees their pages at the end.
+    ``pick`` chooses each live request's next token from its logits (``[live, V] -> [live]``; default
+    argmax): a sampler turns this into plain sampling (`train.data.EngineGenerator`).
     """
+    pick = pick or (lambda logits: logits.argmax(dim=-1))
     request_ids = [first_request_id + i for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
     batch = extend_batch(pool, request_ids, prompts, [0] * len(prompts))
-    next_tokens = target.forward(batch).logits.argmax(dim=-1).tolist()
+    next_tokens = pick(target.forward(batch).logits).tolist()
     lengths = [len(p) for p in prompts]
     live = list(range(len(prompts)))
     try:
@@ -85,7 +89,7 @@ def greedy_decode(
             )
             for b in live:
                 lengths[b] += 1
-            next_tokens = target.forward(batch).logits.argmax(dim=-1).tolist()
+            next_tokens = pick(target.forward(batch).logits).tolist()
     finally:
         for request_id in request_ids:
             if pool.has_request(request_id):
