@@ -53,6 +53,18 @@ def load_train_prompts(path: str | os.PathLike) -> list[dict]:
     return prompts
 
 
+def load_prompt_files(paths: str | Sequence[str | os.PathLike]) -> list[dict]:
+    """The prompts of several files (a comma-separated string or a list), concatenated in order."""
+    if isinstance(paths, str):
+        paths = [p.strip() for p in paths.split(",") if p.strip()]
+    if not paths:
+        raise ValueError("no training prompts file given: pass --prompts FILE[,FILE...]")
+    prompts = []
+    for path in paths:
+        prompts += load_train_prompts(path)
+    return prompts
+
+
 def encode_prompts(
     tokenizer, prompts: Sequence[dict], max_prompt_tokens: int, limit: int | None = None, seed: int = 0
 ) -> list[tuple[int, list[int]]]:
@@ -142,6 +154,43 @@ class SelfDistilledData:
                 meta=json.loads(bytes(f["meta"]).decode()) if "meta" in f else {},
             )
 
+    @classmethod
+    def concatenate(cls, parts: Sequence[SelfDistilledData], names: Sequence[str] | None = None) -> SelfDistilledData:
+        """One dataset of several, in order. ``meta["parts"]`` keeps each part's meta, name and first sequence.
+
+        ``prompt_index`` stays each part's own (an index into that part's prompts file).
+        """
+        if not parts:
+            raise ValueError("nothing to concatenate: pass at least one data file")
+        if len(parts) == 1:
+            return parts[0]
+        wide = any(p.tokens.dtype != np.uint16 for p in parts)
+        tokens = np.concatenate([p.tokens.astype(np.int32) if wide else p.tokens for p in parts])
+        starts = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
+        offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, starts)])
+        names = list(names) if names is not None else [f"part{i}" for i in range(len(parts))]
+        first = np.cumsum([0] + [len(p) for p in parts[:-1]])
+        meta = {
+            "parts": [
+                {"file": name, "first_sequence": int(f), "sequences": len(p), **p.meta}
+                for name, f, p in zip(names, first, parts)
+            ]
+        }
+        return cls(
+            tokens=tokens,
+            offsets=offsets.astype(np.int64),
+            prompt_lens=np.concatenate([p.prompt_lens for p in parts]).astype(np.int32),
+            prompt_index=np.concatenate([p.prompt_index for p in parts]).astype(np.int32),
+            meta=meta,
+        )
+
+    @classmethod
+    def load_many(cls, paths: str | Sequence[str | os.PathLike]) -> SelfDistilledData:
+        """Several ``.npz`` files (a comma-separated string or a list) as one, in the order given."""
+        if isinstance(paths, str):
+            paths = [p.strip() for p in paths.split(",") if p.strip()]
+        return cls.concatenate([cls.load(p) for p in paths], [Path(p).name for p in paths])
+
     def subset(self, indices: Sequence[int]) -> SelfDistilledData:
         return SelfDistilledData.from_sequences(
             [self.items_at(int(i)) for i in indices], 1 << 16 if self.tokens.dtype == np.uint16 else 1 << 31, self.meta
@@ -187,7 +236,15 @@ class HFGenerator:
         self.device, self.stop_ids = device, tuple(stop_ids)
 
     @torch.inference_mode()
-    def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """Greedy (``temperature`` 0) or sampled continuations; ``seed`` seeds the sampling (RNG state restored)."""
         width = max(len(p) for p in prompts)
         pad = self.stop_ids[0]
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -195,21 +252,26 @@ class HFGenerator:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
-        sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-        out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            max_new_tokens=max_new_tokens,
-            do_sample=bool(temperature),
-            pad_token_id=pad,
-            eos_token_id=list(self.stop_ids),
-            **sampling,
-        )
+        sampling = {"temperature": temperature, "top_k": 0, "top_p": top_p} if temperature else {}
+        devices = [torch.device(self.device)] if torch.device(self.device).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=bool(temperature),
+                pad_token_id=pad,
+                eos_token_id=list(self.stop_ids),
+                **sampling,
+            )
         return [cut_at_stop(row, self.stop_ids) for row in out[:, width:].tolist()]
 
 
 class EngineGenerator:
-    """Batched greedy generation with the project's own engine (`greedy_decode` over a paged pool)."""
+    """Batched generation with the project's own engine (`greedy_decode` over a paged pool): greedy, or
+    sampled (temperature and top-p through `process_logits`, a seeded `torch.Generator`)."""
 
     def __init__(self, config, weights, device: str, dtype: torch.dtype, stop_ids: Sequence[int]):
         from ..engine.llama import LlamaModel
@@ -219,18 +281,34 @@ class EngineGenerator:
         self.target_cls, self.device, self.stop_ids = LlamaTarget, device, tuple(stop_ids)
         self.dtype = dtype
 
-    def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        from ..backends.torch.sampling import process_logits
         from ..engine.greedy import greedy_decode
         from ..engine.kv_pool import PagedKVPool
 
+        pick = None
         if temperature:
-            raise ValueError("--generator engine decodes greedily: use --temperature 0 or --generator hf")
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(0 if seed is None else seed)
+
+            def pick(logits: torch.Tensor) -> torch.Tensor:  # [live, V] -> [live]
+                probs = process_logits(logits, temperature, 0, top_p)
+                return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
         c = self.model.config
         tokens = sum(len(p) for p in prompts) + len(prompts) * (max_new_tokens + 16)
         pool = PagedKVPool(num_pages=-(-tokens // 16) + len(prompts), page_size=16, device=self.device)
         kv = pool.add_cache("target", c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
         with torch.inference_mode():
-            outputs = greedy_decode(self.target_cls(self.model, kv), pool, prompts, max_new_tokens, self.stop_ids)
+            target = self.target_cls(self.model, kv)
+            outputs = greedy_decode(target, pool, prompts, max_new_tokens, self.stop_ids, pick=pick)
         return [cut_at_stop(o, self.stop_ids) for o in outputs]
 
 

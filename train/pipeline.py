@@ -52,7 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from what OUT (and --work-dir) already hold")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("generate")
-    g.add_argument("--prompts", default=None, help="training prompts JSONL ({'prompt': ...}), .gz accepted")
+    g.add_argument(
+        "--prompts",
+        default=None,
+        help="training prompts JSONL ({'prompt': ...}), .gz accepted; several comma-separated (concatenated)",
+    )
     g.add_argument("--num-prompts", type=int, default=None, help="use at most this many (shuffled) prompts")
     g.add_argument("--max-prompt-tokens", type=int, default=384, help="longer chat-templated prompts are skipped")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -60,7 +64,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers (what greedy verify sees)")
     g.add_argument("--generator", choices=["hf", "engine"], default="hf")
     g.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long, keep the rest")
-    g.add_argument("--data", default=None, help="generated data file (default: OUT/data.npz)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="generated data file (default: OUT/data.npz); the train stage takes several, comma-separated "
+        "(concatenated)",
+    )
+    g.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        help="the target first samples this many user turns from its chat template's opening of one, keeps the "
+        "well-formed ones and answers them too (saved beside the data as DATA.self_prompts.jsonl)",
+    )
+    g.add_argument("--self-prompt-tokens", type=int, default=128, help="a sampled user turn's length, at most")
+    g.add_argument("--self-prompt-temperature", type=float, default=1.0)
+    g.add_argument("--self-prompt-top-p", type=float, default=0.95)
+    g.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        help="Spec-Bench JSONL that self-prompts must not overlap (repeatable; --eval-prompts is added)",
+    )
     t = p.add_argument_group("train")
     t.add_argument(
         "--versions",
@@ -144,7 +169,57 @@ def _tokenizer(args, model_path: Path):
 
 
 def _data_path(args) -> Path:
+    """Where the generate stage writes (one file)."""
+    if args.data and "," in args.data:
+        raise ValueError(f"--data {args.data}: the generate stage writes one file; several are for --stage train")
     return Path(args.data) if args.data else Path(args.out) / "data.npz"
+
+
+def _load_data(args):
+    """The train stage's data: ``--data`` (several comma-separated files concatenated), else OUT/data.npz."""
+    from .data import SelfDistilledData
+
+    return SelfDistilledData.load_many(args.data) if args.data else SelfDistilledData.load(Path(args.out) / "data.npz")
+
+
+def _self_prompts(args, tokenizer, generator, stop_ids, prompts, path: Path, source: str, log: Log):
+    """``--self-prompts``: sampled user turns as prompt rows, ``(rows, stats)``; reloaded on resume."""
+    from .augment import OverlapFilter, excluded_texts, write_jsonl
+    from .data import load_train_prompts
+    from .self_prompts import sample_user_turns, user_turn_prefix
+
+    saved = path.with_name(path.stem + ".self_prompts.jsonl")
+    if args.resume and saved.is_file():
+        rows = load_train_prompts(saved)
+        log(f"[self-prompts] resuming: {len(rows)} self-prompts from {saved}")
+        return rows, {"kept": len(rows), "file": saved.name, "resumed": True}
+    exclude = OverlapFilter(excluded_texts([*args.exclude, *([args.eval_prompts] if args.eval_prompts else [])]))
+    prefix = user_turn_prefix(tokenizer)
+    log(f"[self-prompts] sampling {args.self_prompts} user turns from {prefix.text!r}")
+    start = time.perf_counter()
+    texts, stats = sample_user_turns(
+        generator,
+        tokenizer,
+        prefix,
+        args.self_prompts,
+        args.gen_batch,
+        args.self_prompt_tokens,
+        args.self_prompt_temperature,
+        args.self_prompt_top_p,
+        args.seed,
+        stop_ids,
+        exclude,
+        seen=[p["prompt"] for p in prompts],
+        log=log,
+    )
+    rows = [{"source": source, "prompt": text} for text in texts]
+    write_jsonl(rows, saved)
+    stats["file"] = saved.name
+    log(
+        f"[self-prompts] {stats['kept']} of {stats['sampled']} kept (refused: {stats['refused']}) in "
+        f"{time.perf_counter() - start:.0f}s -> {saved}"
+    )
+    return rows, stats
 
 
 def stage_generate(args, log: Log) -> None:
@@ -157,27 +232,32 @@ def stage_generate(args, log: Log) -> None:
         SelfDistilledData,
         encode_prompts,
         generate_responses,
-        load_train_prompts,
+        load_prompt_files,
     )
 
-    if not args.prompts:
-        raise ValueError("the generate stage needs --prompts (a training prompts JSONL, not Spec-Bench)")
+    if not args.prompts and not args.self_prompts:
+        raise ValueError(
+            "the generate stage needs --prompts (a training prompts JSONL, not Spec-Bench) or --self-prompts"
+        )
     device = _device(args)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     start = time.perf_counter()
     config, weights, model_path = load_model(args.model, torch.float32)
     tokenizer = _tokenizer(args, model_path)
-    prompts = load_train_prompts(args.prompts)
-    encoded = encode_prompts(tokenizer, prompts, args.max_prompt_tokens, args.num_prompts, args.seed)
-    too_big = max((max(ids) for _, ids in encoded), default=0)
-    if too_big >= config.vocab_size:
-        raise ValueError(f"the tokenizer produced id {too_big}, past the model's vocabulary of {config.vocab_size}")
-    log(
-        f"[generate] {len(prompts)} prompts read, {len(encoded)} kept (<= {args.max_prompt_tokens} tokens), "
-        f"{sum(len(i) for _, i in encoded)} prompt tokens; model {model_path.name} on {device} "
-        f"({time.perf_counter() - start:.1f}s)"
-    )
+    prompts = load_prompt_files(args.prompts) if args.prompts else []
+    prompts_file = ",".join(Path(p.strip()).name for p in args.prompts.split(",")) if args.prompts else ""
+    path = _data_path(args)
+    done = SelfDistilledData.load(path) if args.resume and path.is_file() else None
+    if done is not None and done.meta.get("prompts_file", prompts_file) != prompts_file:
+        raise ValueError(
+            f"{path} was generated from --prompts {done.meta['prompts_file']}, not {prompts_file}: resuming would "
+            "mix up prompt indices; pass the same --prompts, or another --data"
+        )
     stop_ids = tuple(config.eos_token_ids) or (tokenizer.eos_token_id,)
+    if args.self_prompts:
+        from .self_prompts import user_turn_prefix
+
+        stop_ids = tuple(dict.fromkeys([*stop_ids, *user_turn_prefix(tokenizer).end_ids]))
     if args.generator == "hf":
         from ..engine.weights_hf import save_hf
 
@@ -186,12 +266,25 @@ def stage_generate(args, log: Log) -> None:
     else:
         generator = EngineGenerator(config, weights, device, dtype, stop_ids)
     del weights
-    path = _data_path(args)
-    done = SelfDistilledData.load(path) if args.resume and path.is_file() else None
+    self_stats = None
+    if args.self_prompts:
+        source = f"self:{model_path.name}"
+        rows, self_stats = _self_prompts(args, tokenizer, generator, stop_ids, prompts, path, source, log)
+        prompts = prompts + rows  # after the files' prompts: their indices stay those of the files
+    encoded = encode_prompts(tokenizer, prompts, args.max_prompt_tokens, args.num_prompts, args.seed)
+    too_big = max((max(ids) for _, ids in encoded), default=0)
+    if too_big >= config.vocab_size:
+        raise ValueError(f"the tokenizer produced id {too_big}, past the model's vocabulary of {config.vocab_size}")
+    log(
+        f"[generate] {len(prompts)} prompts, {len(encoded)} kept (<= {args.max_prompt_tokens} tokens), "
+        f"{sum(len(i) for _, i in encoded)} prompt tokens; model {model_path.name} on {device} "
+        f"({time.perf_counter() - start:.1f}s)"
+    )
     if done is not None:
         log(f"[generate] resuming: {len(done)} sequences already in {path}")
     meta = {
-        "prompts_file": Path(args.prompts).name,
+        "prompts_file": prompts_file,
+        "prompts": len(prompts),
         "model": model_path.name,
         "max_prompt_tokens": args.max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
@@ -199,6 +292,10 @@ def stage_generate(args, log: Log) -> None:
         "generator": args.generator,
         "seed": args.seed,
     }
+    if self_stats is not None:  # a resumed run keeps the first run's record of its sampling
+        resumed = self_stats.get("resumed") and done is not None and "self_prompts" in done.meta
+        meta["self_prompts"] = done.meta["self_prompts"] if resumed else self_stats
+    budget = args.gen_minutes * 60 - (time.perf_counter() - start) if args.gen_minutes else None
     data = generate_responses(
         generator,
         encoded,
@@ -207,7 +304,7 @@ def stage_generate(args, log: Log) -> None:
         args.max_new_tokens,
         args.temperature,
         done=done,
-        time_budget_s=args.gen_minutes * 60 if args.gen_minutes else None,
+        time_budget_s=budget,
         on_save=lambda d: d.save(path),
         save_every_s=args.save_every,
         meta=meta,
@@ -267,11 +364,10 @@ def stage_train(args, log: Log) -> None:
 
     from ..engine.engine import load_model
     from ..engine.llama import LlamaModel
-    from .data import SelfDistilledData
     from .trainer import train_head
 
     device = _device(args)
-    data = SelfDistilledData.load(_data_path(args))
+    data = _load_data(args)
     config, weights, model_path = load_model(args.model, torch.float32)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     target = LlamaModel(config, weights, dtype=dtype, device=device)
