@@ -4,6 +4,7 @@
     encoded = encode_prompts(tokenizer, prompts, max_prompt_tokens=384)
     data = generate_responses(model_dir_or_engine, encoded, ...)      # a `SelfDistilledData`
     data.save("data.npz"); SelfDistilledData.load("data.npz")
+    SelfDistilledData.load_many("data.npz,aug_data.npz")              # several files as one, in order
 
 A sequence is ``prompt ids (chat template) + response ids`` (the response ends with an end-of-turn id
 unless it hit ``max_new_tokens``). Target features are not stored: the trainer recomputes them with a

@@ -3,12 +3,14 @@
 Stages (``--stage``):
 
 * ``generate``: the target answers training prompts (chat template, greedy by default), batched on
-  the GPU with transformers (or the engine); token ids only -> ``OUT/data.npz`` (a few MB).
+  the GPU with transformers (or the engine); token ids only -> ``OUT/data.npz`` (a few MB), or ``--data``.
+  ``--prompts`` takes several files (e.g. the training prompts and ``speccycle.train.augment``'s output);
+  ``--self-prompts N`` first has the target sample N user turns of its own and answers the well-formed ones.
 * ``train``: EAGLE-1 and/or EAGLE-3 heads (``--versions 1,3,3full``; ``3full`` is EAGLE-3 over the
   target's own final norm and LM head, full vocabulary); target features are recomputed per batch by a
   frozen target forward, never stored -> ``OUT/eagle1.safetensors``, ``OUT/eagle3.safetensors``,
   ``OUT/eagle3full.safetensors`` (bfloat16, the engine's `EagleHead` format, training record in the
-  file's metadata). It needs only ``OUT/data.npz`` (or ``--data``) and the target.
+  file's metadata). It needs only ``OUT/data.npz`` (or ``--data``, several files concatenated) and the target.
 * ``eval``: tau per Spec-Bench category and acceptance per draft position, chains and trees, with the
   engine -> ``OUT/eval.json``, ``OUT/eval.png``, ``OUT/HEAD_README.md`` (for the best head) and the
   benchmark record ``OUT/train_draft_eval-DATE.json`` (device, commit; it belongs in bench/results/).
