@@ -1,0 +1,132 @@
+"""Where a CPU verify forward of a few rows spends its time, against a decode step, over a long context.
+
+Prefills one Spec-Bench prompt, then times (interleaved, min and median of ``--reps``) the target
+forward of
+
+* ``decode``: one causal row with logits for that row, as `greedy.greedy_decode` runs it;
+* ``verify n``: the chain verify of ``n`` rows exactly as `statemachine.transitions.target_verify_forward`
+  builds it (prefix ``L``, each row's ancestors and itself as extra slots, logits of every row).
+
+``--profile`` adds a `torch.profiler` table (self CPU time per op) for the decode step and each ``n``.
+Timings on a shared machine are indicative; run on an idle one for figures of record.
+
+    OMP_NUM_THREADS=2 .venv/bin/python -m bench.verify_profile --threads 2 --rows 1,2,5,9,17 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from speccycle.core.ports import ForwardBatch
+from speccycle.engine import attention
+from speccycle.engine.bench import load_prompts
+from speccycle.engine.engine import Engine
+from speccycle.engine.greedy import extend_batch
+
+from .common import write_result
+from .ngram_tau import DEV
+
+
+def verify_batch(engine: Engine, rid: int, tokens: list[int], start: int) -> ForwardBatch:
+    """The chain verify batch of ``tokens`` at positions ``start + i`` (as the cycle builds it)."""
+    pool, n = engine.pool, len(tokens)
+    pool.allocate(rid, start + n)
+    page_table = pool.page_table([rid])
+    positions = torch.arange(start, start + n)
+    slots = pool.slots_for([rid], positions[None, :])[0]  # [n]
+    chain = positions[:, None] >= positions[None, :]
+    extra = torch.where(chain, slots[None, :], -1)
+    return ForwardBatch(
+        input_ids=torch.tensor(tokens, dtype=torch.long),
+        positions=positions,
+        row_request=torch.zeros(n, dtype=torch.long),
+        out_slots=slots,
+        prefix_lens=torch.full((n,), start, dtype=torch.long),
+        extra_slots=extra,
+        page_table=page_table,
+        page_size=pool.page_size,
+        request_ids=(rid,),
+        logits_rows=None,
+    )
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--category", default="rag")
+    parser.add_argument("--index", type=int, default=0, help="which prompt of the category")
+    parser.add_argument("--rows", default="1,2,5,9,17")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--compare-reference",
+        action="store_true",
+        help="also time every case with the reference attention plan (interleaved; the one-request CPU plan off)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine.load(draft="ngram", device="cpu", dtype=torch.float32)
+    prompt = engine.chat_prompt(load_prompts(DEV, categories=[args.category])[args.index]["text"])
+    rid, start = 10**9, len(prompt)
+    engine.target.forward(extend_batch(engine.pool, [rid], [prompt], [0]))
+    rows = [int(n) for n in args.rows.split(",")]
+    cases = {"decode": lambda: extend_batch(engine.pool, [rid], [prompt[-1:]], [start])}
+    for n in rows:
+        cases[f"verify {n}"] = lambda n=n: verify_batch(engine, rid, (prompt * n)[:n], start)
+    modes = ["", "reference "] if args.compare_reference else [""]
+    times: dict[str, list[float]] = {mode + name: [] for name in cases for mode in modes}
+    one_request = attention._plan_one_request
+
+    def run(mode: str, make) -> float:
+        attention._plan_one_request = one_request if not mode else (lambda batch: None)
+        try:
+            batch = make()
+            tick = time.perf_counter()
+            engine.target.forward(batch)
+            return time.perf_counter() - tick
+        finally:
+            attention._plan_one_request = one_request
+
+    for _ in range(2):  # warm-up: oneDNN packs, allocator
+        for make in cases.values():
+            for mode in modes:
+                run(mode, make)
+    for _ in range(args.reps):
+        for name, make in cases.items():
+            for mode in modes:  # interleaved: drifting load hits both alike
+                times[mode + name].append(run(mode, make))
+    base = min(times["decode"])
+    summary = {
+        name: {
+            "min_ms": round(1e3 * min(t), 2),
+            "median_ms": round(1e3 * statistics.median(t), 2),
+            "min_over_decode": round(min(t) / base, 3),
+        }
+        for name, t in times.items()
+    }
+    print(f"context {start} tokens, {torch.get_num_threads()} threads")
+    for name, s in summary.items():
+        print(f"{name:<20} min {s['min_ms']:7.2f} ms  median {s['median_ms']:7.2f} ms  x{s['min_over_decode']:.3f}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, make in cases.items():
+            batches = [make() for _ in range(5)]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for batch in batches:
+                    engine.target.forward(batch)
+            print(f"\n=== {name} (5 forwards) ===")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+    engine.pool.free(rid)
+    if not args.no_write:
+        record = {"category": args.category, "index": args.index, "context_tokens": start, "reps": args.reps}
+        print(f"wrote {write_result('verify_profile', {**record, 'timings': summary})}")
+
+
+if __name__ == "__main__":
+    main()
