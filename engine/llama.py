@@ -90,15 +90,23 @@ class PackedLinear:
     more rows, GPU, other dtypes, autograd) it is ``F.linear``. The packed copy (one per weight, as much
     memory again) is remade when the weight is replaced, moved or changed in place. One instance per
     module: ``self.linear(x, self.o_weight)``.
+
+    ``skinny=True`` (the engine's layers and LM head) runs 2 to `SKINNY_MAX_ROWS` rows through MKL's
+    ``W @ x.T`` instead, ~1 packed 1-row call at 2 and 4 rows (a verify of 3 or 4 rows then costs about
+    a decode step); those rows are not bitwise the 1-row call's, like the attention of a verify row
+    (docs/engine.md). The default keeps every row bitwise row-count-invariant.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, skinny: bool = False) -> None:
         self._packed: dict[int, tuple[weakref.ref, int, int | None, torch.Tensor]] = {}
+        self.skinny = skinny
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # x: [T, in], weight: [out, in] -> [T, out]
         if not _packs_on_cpu(x, weight):
             return F.linear(x, weight)
+        if self.skinny and 2 <= x.shape[0] <= SKINNY_MAX_ROWS:
+            return _skinny_linear(x, weight)
         version = None if weight.is_inference() else weight._version
         entry = self._packed.get(id(weight))
         if entry is None or entry[0]() is not weight or entry[1] != weight.data_ptr() or entry[2] != version:
@@ -106,6 +114,20 @@ class PackedLinear:
             entry = (weakref.ref(weight), weight.data_ptr(), version, packed)
             self._packed[id(weight)] = entry
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[3], None, "none", [], "")
+
+
+# With ``skinny``, 2 to 4 rows run MKL's GEMM with the rows as columns (``W @ x.T``, 3 rows padded to 4): it
+# streams the weight once, and all the linears of a SmolLM2-135M forward took ~25 ms at 2 and 4 rows, as
+# the packed 1-row call, against ~26, 27.5 and 30.7 ms packed at 2, 3, 4 rows (2 threads, indicative,
+# docs/engine.md). Those rows are not bitwise the 1-row call's.
+SKINNY_MAX_ROWS = 4
+
+
+def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as ``(weight @ x.T).T`` over 2 or 4 columns. Shapes: ``x [n, in]`` -> ``[n, out]``."""
+    n = x.shape[0]
+    columns = x if n % 2 == 0 else torch.cat([x, x[-1:]])  # [2 or 4, in]
+    return torch.mm(weight, columns.t()).t()[:n].contiguous()
 
 
 def set_projections(layer: nn.Module, weights: dict[str, torch.Tensor], prefix: str) -> None:
@@ -132,7 +154,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(weights[prefix + "input_layernorm.weight"], c.rms_norm_eps)
         self.post_attention_norm = RMSNorm(weights[prefix + "post_attention_layernorm.weight"], c.rms_norm_eps)
         set_projections(self, weights, prefix)
-        self.linear = PackedLinear()
+        self.linear = PackedLinear(skinny=True)
 
     def forward(
         self,
@@ -200,7 +222,7 @@ class LlamaModel(nn.Module):
         self.norm = self._make_norm(w["model.norm.weight"], config.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head_weight = nn.Parameter(head, requires_grad=False)  # [V, hidden]
-        self.head_linear = PackedLinear()
+        self.head_linear = PackedLinear(skinny=True)
 
     def _make_layer(self, config: LlamaConfig, weights: dict[str, torch.Tensor], index: int) -> nn.Module:
         return DecoderLayer(config, weights, f"model.layers.{index}.")

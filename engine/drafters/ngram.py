@@ -9,10 +9,11 @@ proposes the ``p`` tokens that followed it, repeated: the match says the text re
 
 How much to propose can follow the evidence: a long match is usually a copy in progress and keeps
 being accepted, a one-token match rarely is. With ``depth_per_match`` a match of length ``m``
-proposes ``ceil(depth_per_match * m)`` tokens (at most ``S``); matches shorter than ``min_ngram``
-propose nothing, and the verify is one row, a plain decode step. Where a verify row costs time
-(`for_device`: on a CPU a verify of 2 rows costs ~1.13 one-row forwards, 8 rows ~1.4, 16 rows ~1.8)
-that trades a little tau for cheaper verifies; measured in docs/ngram.md and ``bench/ngram_tau.py``.
+proposes ``ceil(depth_per_match * m)`` tokens, at least ``min_depth`` and at most ``S``; matches
+shorter than ``min_ngram`` propose nothing, and the verify is one row, a plain decode step. Where a
+verify row costs time (`for_device`: on the 2-core development CPU a verify of 2 to 4 rows costs
+~1.05-1.09 one-row forwards, 5 rows ~1.26, 9 ~1.44, 17 ~1.87) that trades a little tau for cheaper
+verifies; measured in docs/ngram.md, ``bench/ngram_tau.py`` and ``bench/ngram_cost.py``.
 
 For a chain (``topk == 1``) the best match's continuation is the draft; for a tree the continuations
 of up to ``max_matches`` distinct matches, best first, merge into a trie, so guesses share their
@@ -27,10 +28,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-# Replayed on SmolLM2-135M float32, 2 CPU threads (docs/ngram.md): with the engine's packed CPU
-# linears (engine.llama.PackedLinear) a verify of n rows costs ~1 + 0.075 n one-row forwards, so a
-# guess of 2 m tokens for a match of m pays from a 1-token match on; S >= 8 all predict the same.
-CPU_OPTIONS = {"min_ngram": 1, "depth_per_match": 2.0}
+# Replayed on SmolLM2-135M float32, 2 CPU threads (docs/ngram.md, bench/ngram_cost.py): on a CPU the
+# engine's verify of 2 to 4 rows costs about a decode step (skinny linears, matmul attention) and 5 rows
+# ~1.26, so every match proposes at least 3 tokens (4 rows) and a longer one 1.5 per matched token.
+CPU_OPTIONS = {"min_ngram": 1, "depth_per_match": 1.5, "min_depth": 3}
 CPU_NUM_STEPS = 16
 
 
@@ -40,6 +41,7 @@ class NgramDraft:
     * ``max_ngram``: the longest suffix compared; a match's length saturates there.
     * ``min_ngram``: matches shorter than this propose nothing.
     * ``depth_per_match``: draft tokens per matched token; None: every match proposes ``S`` tokens.
+    * ``min_depth``: the fewest tokens a match proposes (with ``depth_per_match``; at most ``S``).
     * ``max_matches``: continuations a tree merges.
 
     The defaults propose whenever something matches (most tau); `for_device` picks the measured
@@ -55,6 +57,7 @@ class NgramDraft:
         min_ngram: int = 1,
         max_matches: int = 8,
         depth_per_match: float | None = None,
+        min_depth: int = 1,
     ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
@@ -63,12 +66,14 @@ class NgramDraft:
         if depth_per_match is not None and not depth_per_match > 0:
             raise ValueError(f"depth_per_match={depth_per_match} must be > 0, or None to always propose S tokens")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
-        self.max_matches, self.depth_per_match = max_matches, depth_per_match
+        if min_depth < 1:
+            raise ValueError(f"min_depth={min_depth} must be >= 1")
+        self.max_matches, self.depth_per_match, self.min_depth = max_matches, depth_per_match, min_depth
 
     @classmethod
     def for_device(cls, vocab_size: int, device: str | torch.device, **options) -> NgramDraft:
-        """The measured options for ``device``: on a CPU `CPU_OPTIONS` (``2 m`` tokens for a match of
-        ``m``, at most ``S``); elsewhere the defaults. ``options`` override either."""
+        """The measured options for ``device``: on a CPU `CPU_OPTIONS` (``max(3, ceil(1.5 m))`` tokens for
+        a match of ``m``, at most ``S``); elsewhere the defaults. ``options`` override either."""
         base = CPU_OPTIONS if torch.device(device).type == "cpu" else {}
         return cls(vocab_size, **{**base, **options})
 
@@ -110,10 +115,11 @@ class NgramDraft:
         return [int(history[end + 1 + i % period]) for i in range(length)]
 
     def draft_depth(self, match_length: int, num_steps: int) -> int:
-        """Tokens a match of ``match_length`` proposes: ``ceil(depth_per_match * m)``, at most ``num_steps``."""
+        """Tokens a match of ``match_length`` proposes: ``ceil(depth_per_match * m)``, at least ``min_depth``,
+        at most ``num_steps``."""
         if self.depth_per_match is None:
             return num_steps
-        return min(num_steps, math.ceil(self.depth_per_match * match_length))
+        return min(num_steps, max(self.min_depth, math.ceil(self.depth_per_match * match_length)))
 
     def continuations(self, history: Sequence[int], length: int, limit: int) -> list[list[int]]:
         """Up to ``limit`` distinct continuations of at most ``length`` tokens, best first."""

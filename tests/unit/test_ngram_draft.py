@@ -48,6 +48,8 @@ def test_the_draft_depth_follows_the_match_length():
     assert chain(NgramDraft(VOCAB, depth_per_match=1.5), history, steps=6) == [9, 9, 9]
     assert chain(NgramDraft(VOCAB, depth_per_match=2.0), history, steps=3) == [9, 9, 9]  # at most S
     assert chain(NgramDraft(VOCAB, min_ngram=3), history, steps=6) == []  # too weak: nothing
+    assert chain(NgramDraft(VOCAB, depth_per_match=1.0, min_depth=3), history, steps=6) == [9, 9, 9]
+    assert chain(NgramDraft(VOCAB, depth_per_match=1.0, min_depth=3), history, steps=2) == [9, 9]  # at most S
 
 
 def test_no_match_proposes_nothing_and_a_batch_pads_to_its_widest_guess():
@@ -70,7 +72,11 @@ def test_a_tree_merges_distinct_continuations_best_first():
 
 def test_for_device_picks_the_measured_cpu_options():
     cpu = NgramDraft.for_device(VOCAB, "cpu")
-    assert (cpu.min_ngram, cpu.depth_per_match) == (CPU_OPTIONS["min_ngram"], CPU_OPTIONS["depth_per_match"])
+    assert (cpu.min_ngram, cpu.depth_per_match, cpu.min_depth) == (
+        CPU_OPTIONS["min_ngram"],
+        CPU_OPTIONS["depth_per_match"],
+        CPU_OPTIONS["min_depth"],
+    )
     gpu = NgramDraft.for_device(VOCAB, "cuda")
     assert (gpu.min_ngram, gpu.depth_per_match) == (1, None)
     assert NgramDraft.for_device(VOCAB, "cpu", max_ngram=4, min_ngram=1).max_ngram == 4
@@ -83,6 +89,7 @@ def test_for_device_picks_the_measured_cpu_options():
         ({"min_ngram": 5, "max_ngram": 4}, "min_ngram"),
         ({"max_matches": 0}, "max_matches"),
         ({"depth_per_match": 0.0}, "depth_per_match"),
+        ({"min_depth": 0}, "min_depth"),
     ],
 )
 def test_invalid_options_are_refused(kwargs, match):
