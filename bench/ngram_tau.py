@@ -48,7 +48,7 @@ from .common import write_result
 DEV = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_dev.jsonl")
 
 # name -> (SpecConfig, NgramDraft options). "full": every match proposes S tokens (NgramDraft's
-# defaults); "cpu": NgramDraft.CPU_OPTIONS (2 m tokens for a match of m, from a 1-token match on).
+# defaults); "cpu": NgramDraft.CPU_OPTIONS (max(3, ceil(1.5 m)) tokens for a match of m).
 FULL = {"depth_per_match": None}
 CPU = dict(CPU_OPTIONS)
 CONFIGS: dict[str, tuple[SpecConfig, dict]] = {
