@@ -88,18 +88,13 @@ class NgramDraft:
         tokens = np.asarray(history, dtype=np.int64)
         size = len(tokens)
         ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if size > 1 else np.zeros(0, dtype=np.int64)
-        lengths = np.ones(len(ends), dtype=np.int64)
-        alive = np.arange(len(ends))
-        for k in range(1, self.max_ngram):  # extend every match backwards while it still agrees
-            before = ends[alive] - k
-            agree = before >= 0
-            agree[agree] = tokens[before[agree]] == tokens[size - 1 - k]
-            alive = alive[agree]
-            if not len(alive):
-                break
-            lengths[alive] += 1
         if not len(ends):
-            return ends, lengths
+            return ends, np.ones(0, dtype=np.int64)
+        # All at once: column k compares the token k before each match with the token k before the end.
+        back = np.arange(min(self.max_ngram, size))  # [W]
+        before = ends[:, None] - back[None, :]  # [M, W]
+        agree = (before >= 0) & (tokens[np.maximum(before, 0)] == tokens[size - 1 - back][None, :])
+        lengths = np.cumprod(agree, axis=1).sum(axis=1)  # the run of agreement from column 0 (always True)
         period = size - 1 - ends
         next_token = tokens[ends + 1]  # the first token each match proposes (ends + 1 < size)
         # votes: matches of the same length proposing the same next token
