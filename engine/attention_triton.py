@@ -86,11 +86,38 @@ def paged_attention_rows_torch(
 if triton is not None:
 
     @triton.jit
+    def _row_keys(row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M: tl.constexpr):
+        """A row's prefix length (clamped to its page table), valid extra slots with their ranks, and key count."""
+        prefix_len = tl.minimum(tl.load(prefix_ptr + row), table_width * page_size)
+        # The row's valid extra slots, numbered 0, 1, ... in column order (holes skipped).
+        cols = tl.arange(0, BLOCK_M)
+        extra = tl.load(extra_ptr + row * stride_et + cols, mask=cols < num_extra, other=-1)
+        has_extra = extra >= 0
+        rank = tl.cumsum(has_extra.to(tl.int32), axis=0) - 1
+        rank = tl.where(has_extra, rank, -1)
+        total = prefix_len + tl.sum(has_extra.to(tl.int32), axis=0)
+        return prefix_len, extra, has_extra, rank, total
+
+    @triton.jit
+    def _row_chunks(total, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+        """Keys per chunk and the row's chunk count: functions of its key count ``total`` alone.
+
+        ``CHUNK`` keys per chunk, grown by whole multiples of ``CHUNK`` beyond ``CHUNK * MAX_CHUNKS``
+        keys so that no row has more than ``MAX_CHUNKS`` chunks; a row without keys has one (empty) chunk.
+        """
+        chunk_keys = CHUNK * tl.cdiv(total, CHUNK * MAX_CHUNKS)
+        num_chunks = tl.maximum(tl.cdiv(total, tl.maximum(chunk_keys, 1)), 1)
+        return chunk_keys, num_chunks
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
         out_ptr,
+        part_acc_ptr,
+        part_max_ptr,
+        part_sum_ptr,
         row_request_ptr,
         prefix_ptr,
         extra_ptr,
@@ -108,40 +135,53 @@ if triton is not None:
         num_extra,
         page_size,
         table_width,
+        num_heads,
+        grid_chunks,
         scale,
         GROUP: tl.constexpr,
         BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        CHUNK: tl.constexpr,
+        MAX_CHUNKS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         LOW_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
+        """One program per (row, KV head, chunk): the online softmax over the chunk's keys.
+
+        A row of one chunk stores its output; a row of several stores the chunk's running max, sum
+        and unnormalized accumulator for `_paged_attention_combine_kernel`. Chunks past the row's
+        count do nothing.
+        """
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
+        chunk = tl.program_id(2)
         request = tl.load(row_request_ptr + row)
-        prefix_len = tl.load(prefix_ptr + row)
-
-        # The row's valid extra slots, numbered 0, 1, ... in column order (holes skipped).
-        cols = tl.arange(0, BLOCK_M)
-        extra = tl.load(extra_ptr + row * stride_et + cols, mask=cols < num_extra, other=-1)
-        has_extra = extra >= 0
-        rank = tl.cumsum(has_extra.to(tl.int32), axis=0) - 1
-        rank = tl.where(has_extra, rank, -1)
-        total = prefix_len + tl.sum(has_extra.to(tl.int32), axis=0)
+        prefix_len, extra, has_extra, rank, total = _row_keys(
+            row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M
+        )
+        chunk_keys, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
+        lo = chunk * chunk_keys  # a multiple of CHUNK, hence of BLOCK_N
+        hi = tl.minimum(total, lo + chunk_keys)
+        # Masks as head-count limits: a program past the row's chunks loads and stores nothing. (Limits,
+        # not `mask & scalar`: the interpreter turns a block mask & a scalar condition into int32.)
+        own_heads = tl.where(chunk < row_chunks, GROUP, 0)
+        single_heads = tl.where(row_chunks == 1, own_heads, 0)  # one chunk: store the output
+        split_heads = tl.where(row_chunks > 1, own_heads, 0)  # several: store the partial state
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + g
-        q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+        q_mask = (g[:, None] < own_heads) & (d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         offs = tl.arange(0, BLOCK_N)
-        for start in range(0, total, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             n = start + offs  # virtual key index
             in_prefix = n < prefix_len
             page_col = tl.minimum(n // page_size, table_width - 1)
@@ -162,6 +202,11 @@ if triton is not None:
                 mask=valid[:, None] & (d[None, :] < HEAD_DIM),
                 other=0.0,
             )
+            v = tl.load(
+                v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0,
+            )
             if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             elif LOW_PRECISION:
@@ -174,11 +219,6 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            v = tl.load(
-                v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                mask=valid[:, None] & (d[None, :] < HEAD_DIM),
-                other=0.0,
-            )
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if LOW_PRECISION:  # probabilities rounded to the value dtype for the tensor cores (as flash attention)
                 p_low = p.to(v.dtype)
@@ -195,14 +235,86 @@ if triton is not None:
         tl.store(
             out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=q_mask,
+            mask=(g[:, None] < single_heads) & (d[None, :] < HEAD_DIM),
+        )
+        # several chunks: this chunk's partial state, at [row, head, chunk] of the [T, H, grid_chunks] scratch
+        part = (row.to(tl.int64) * num_heads + heads) * grid_chunks + chunk
+        split_mask = g < split_heads
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            acc,
+            mask=split_mask[:, None] & (d[None, :] < HEAD_DIM),
+        )
+        tl.store(part_max_ptr + part, m_i, mask=split_mask)
+        tl.store(part_sum_ptr + part, l_i, mask=split_mask)
+
+    @triton.jit
+    def _paged_attention_combine_kernel(
+        out_ptr,
+        part_acc_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        prefix_ptr,
+        extra_ptr,
+        stride_ot,
+        stride_oh,
+        stride_et,
+        num_extra,
+        page_size,
+        table_width,
+        num_heads,
+        grid_chunks,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        CHUNK: tl.constexpr,
+        MAX_CHUNKS: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """One program per (row, query head) of a row of several chunks: merges its chunks' states.
+
+        All ``BLOCK_C`` (a constant, ``MAX_CHUNKS`` rounded up) chunk lanes are reduced in one fixed
+        tree, absent chunks contributing exact zeros, so the result depends on the row's own chunks only.
+        """
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        _, _, _, _, total = _row_keys(row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M)
+        _, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
+        c = tl.arange(0, BLOCK_C)
+        d = tl.arange(0, BLOCK_D)
+        live = c < tl.where(row_chunks > 1, row_chunks, 0)  # a row of one chunk stored its output already
+        part = (row.to(tl.int64) * num_heads + head) * grid_chunks + c
+        m = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
+        l = tl.load(part_sum_ptr + part, mask=live, other=0.0)
+        a = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            mask=live[:, None] & (d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        top = tl.max(m, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m - top)  # 0 for absent chunks and chunks without a valid key
+        total_sum = tl.sum(w * l, axis=0)
+        o = tl.sum(w[:, None] * a, axis=0)
+        o = o / tl.where(total_sum > 0, total_sum, 1.0)
+        tl.store(
+            out_ptr + row * stride_ot + head * stride_oh + d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d < tl.where(row_chunks > 1, HEAD_DIM, 0),
         )
 
 
-BLOCK_N = 64
-
+BLOCK_N = 64  # keys per block of the online softmax
+CHUNK = 128  # keys per chunk (split) of a row, a multiple of BLOCK_N
+MAX_CHUNKS = 32  # chunks per row at most: beyond CHUNK * MAX_CHUNKS keys a chunk holds a larger multiple of CHUNK
 
 MIN_TRITON_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
+
+
+def chunk_layout(total: int, chunk: int = CHUNK, max_chunks: int = MAX_CHUNKS) -> tuple[int, int]:
+    """``(keys per chunk, chunks)`` of a row of ``total`` keys, as the kernels compute it (a host mirror)."""
+    chunk_keys = chunk * -(-total // (chunk * max_chunks))
+    return chunk_keys, max(-(-total // max(chunk_keys, 1)), 1)
 
 
 def paged_attention_rows_triton(
@@ -215,14 +327,27 @@ def paged_attention_rows_triton(
     page_table: torch.Tensor,
     page_size: int,
     kv_bound: int | None = None,
+    *,
+    chunk: int = CHUNK,
+    max_chunks: int = MAX_CHUNKS,
+    block_n: int = BLOCK_N,
 ) -> torch.Tensor:
-    """The Triton kernel; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
+    """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
 
     ``q`` and the caches need a contiguous last dimension; ``extra_slots`` and ``page_table`` a
     contiguous last dimension too (row strides are free, so views of wider static buffers work).
+
+    ``chunk``, ``max_chunks``, ``block_n``: the split's constants, for tests and benchmarks only: rows
+    agree bitwise only between calls with the same three. ``max_chunks=1`` is the single-pass kernel
+    (one program per (row, KV head) walks all the row's keys, no combine).
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
+    if block_n < 1 or block_n & (block_n - 1) or chunk < block_n or chunk % block_n or max_chunks < 1:
+        raise ValueError(
+            f"paged_attention_rows_triton: block_n={block_n} must be a power of two, chunk={chunk} a multiple "
+            f"of it and max_chunks={max_chunks} at least 1"
+        )
     num_rows, num_heads, head_dim = q.shape
     if q.is_cuda and head_dim < MIN_TRITON_HEAD_DIM:
         # tl.dot needs K >= 16 on a GPU (the interpreter does not check): small test models take the twin
@@ -252,13 +377,26 @@ def paged_attention_rows_triton(
         extra_slots = extra_slots.contiguous()
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
-    block_g = max(16, triton.next_power_of_2(group))
-    grid = (num_rows, num_kv_heads)
-    _paged_attention_kernel[grid](
+    # Chunks in the grid: a static bound from the shapes (the page table's positions plus the extra
+    # columns), so the launch is the same at every replay; a row's own count is read in the kernel.
+    table_width = page_table.shape[1]
+    grid_chunks = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
+    if grid_chunks > 1:  # partial states of rows of several chunks, [T, H, grid_chunks] (static shape)
+        part_acc = torch.empty((num_rows, num_heads, grid_chunks, head_dim), dtype=torch.float32, device=q.device)
+        part_stats = torch.empty((2, num_rows, num_heads, grid_chunks), dtype=torch.float32, device=q.device)
+        part_max, part_sum = part_stats[0], part_stats[1]
+    else:  # every row has one chunk and stores its output directly
+        part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
+    _paged_attention_kernel[(num_rows, num_kv_heads, grid_chunks)](
         q,
         k_cache,
         v_cache,
         out,
+        part_acc,
+        part_max,
+        part_sum,
         row_request,
         prefix_lens,
         extra_slots,
@@ -275,16 +413,44 @@ def paged_attention_rows_triton(
         page_table.stride(0),
         num_extra,
         page_size,
-        page_table.shape[1],
+        table_width,
+        num_heads,
+        grid_chunks,
         1.0 / math.sqrt(head_dim),
         GROUP=group,
-        BLOCK_G=block_g,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=BLOCK_N,
-        BLOCK_M=max(16, triton.next_power_of_2(max(num_extra, 1))),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        CHUNK=chunk,
+        MAX_CHUNKS=max_chunks,
+        BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
+    if grid_chunks > 1:
+        _paged_attention_combine_kernel[(num_rows, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            prefix_lens,
+            extra_slots,
+            out.stride(0),
+            out.stride(1),
+            extra_slots.stride(0) if num_extra else 0,
+            num_extra,
+            page_size,
+            table_width,
+            num_heads,
+            grid_chunks,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            CHUNK=chunk,
+            MAX_CHUNKS=max_chunks,
+            BLOCK_C=triton.next_power_of_2(max_chunks),
+            BLOCK_M=block_m,
+            num_warps=4,
+        )
     return out

@@ -2,8 +2,11 @@
 
 The reference is engine/attention.py (plan + SDPA, the engine's plain path); the torch twin is the
 static-shape version the fast path uses without Triton. Cases: causal extends, tree rows with extra
-slots (holes included), padding rows, several page sizes, grouped-query heads. Also: a verify row
-and a decode row of the same position give bitwise-equal outputs (one key order for both).
+slots (holes included), padding rows, several page sizes, grouped-query heads, rows split into
+several chunks (small ``chunk`` / ``block_n`` so that short contexts split, chunks grown past
+``max_chunks``) and the single-pass kernel. Also, bitwise: a verify row and a decode row of the same
+position give equal outputs (one key order for both), split or not; a row's output does not change
+when other rows, page-table columns or extra-slot columns are added.
 
 Runs on CPU under ``TRITON_INTERPRET=1`` (CI) and on a GPU as is.
 """
@@ -22,15 +25,20 @@ triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine.attention_triton import paged_attention_rows_triton  # noqa: E402
+from speccycle.engine.attention_triton import (  # noqa: E402
+    CHUNK,
+    MAX_CHUNKS,
+    chunk_layout,
+    paged_attention_rows_triton,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(seed: int, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int = 16):
-    """Two requests with scattered pages: request 0 extends causally, request 1 verifies a tree."""
+def _case(seed: int, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int = 16, lens=(11, 7)):
+    """Two requests with scattered pages: request 0 extends causally (its last 3 positions of ``lens[0]``),
+    request 1 verifies a 5-node tree after ``lens[1]`` positions."""
     gen = torch.Generator().manual_seed(seed)
-    lens = [11, 7]
     width = -(-(max(lens) + 8) // page_size)
     num_pages = 2 * width + 3
     slots = num_pages * page_size
@@ -43,8 +51,8 @@ def _case(seed: int, page_size: int, num_heads: int, num_kv_heads: int, head_dim
         return int(table[b, p // page_size]) * page_size + p % page_size
 
     rows = {"row_request": [], "positions": [], "prefix_lens": [], "out_slots": [], "extra": []}
-    # request 0: 3 causal rows at positions 8, 9, 10 (an extend)
-    for p in (8, 9, 10):
+    # request 0: 3 causal rows at positions lens[0] - 3 .. lens[0] - 1 (an extend)
+    for p in range(lens[0] - 3, lens[0]):
         rows["row_request"].append(0)
         rows["positions"].append(p)
         rows["prefix_lens"].append(p + 1)
@@ -122,13 +130,99 @@ def test_padding_rows_attend_nothing_and_return_zeros():
     torch.testing.assert_close(fast[:-pad], reference, atol=1e-5, rtol=1e-5)
 
 
+# Split settings small enough for the interpreter's short contexts: several chunks, and chunks grown
+# past max_chunks (a row of 75 keys, chunk 16, max_chunks 3: chunks of 32 keys).
+SPLITS = {
+    "split": dict(block_n=16, chunk=32, max_chunks=8),
+    "one-block-chunks": dict(block_n=16, chunk=16, max_chunks=8),
+    "grown": dict(block_n=16, chunk=16, max_chunks=3),
+    "single-pass": dict(block_n=16, chunk=16, max_chunks=1),
+}
+
+
+@pytest.mark.parametrize(
+    "page_size,heads,dtype,split",
+    [(1, (4, 2), torch.float32, "one-block-chunks"), (4, (6, 2), torch.float32, "split"),
+     (3, (6, 2), torch.float32, "grown"), (16, (9, 3), torch.bfloat16, "split"),
+     (4, (6, 2), torch.bfloat16, "grown"), (4, (4, 2), torch.float32, "single-pass")],
+)  # fmt: skip
+def test_split_kernel_equals_torch_twin_and_reference(page_size, heads, dtype, split):
+    """Rows of several chunks (and of grown chunks) merge to the twin's softmax; the single pass too."""
+    batch, q, k_cache, v_cache = _case(11 + page_size, page_size, *heads, lens=(75, 40))
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    options = SPLITS[split]
+    totals = (batch.prefix_lens + (batch.extra_slots >= 0).sum(dim=1)).tolist()
+    layouts = [chunk_layout(t, options["chunk"], options["max_chunks"]) for t in totals]
+    if options["max_chunks"] > 1:  # the case does exercise the split (and, "grown", the grown chunks)
+        assert max(n for _, n in layouts) > 1
+        assert (max(k for k, _ in layouts) > options["chunk"]) == (split == "grown")
+    kv_bound = batch.page_table.shape[1] * page_size
+    twin = paged_attention_rows_torch(q, k_cache, v_cache, *_rows_args(batch, "cpu"), page_size, kv_bound=kv_bound)
+    reference = paged_attention(plan_attention(batch), q, k_cache, v_cache).float()
+    fast = paged_attention_rows_triton(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                       *_rows_args(batch, DEVICE), page_size, **options).cpu()  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(twin.float(), reference, atol=tol, rtol=tol)
+    torch.testing.assert_close(fast.float(), twin.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_row_and_decode_row_are_bitwise_equal(dtype):
-    """A tree row at L + d (prefix L, ancestors as extra slots, holes between) == a decode row at L + d."""
+def test_row_output_does_not_depend_on_other_rows_or_static_widths(dtype):
+    """Bitwise: each row alone == the row in the batch == the row among padding rows, in another order,
+    with wider page tables and extra-slot buffers (so more chunks in the grid)."""
+    page_size, options = 4, SPLITS["split"]
+    batch, q, k_cache, v_cache = _case(23, page_size, 6, 2, lens=(75, 40))
+    q, k_cache, v_cache = q.to(dtype).to(DEVICE), k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE)
+    row_request, prefix, extra, table = _rows_args(batch, DEVICE)
+
+    def attend(rows, table, extra):
+        return paged_attention_rows_triton(
+            q[rows], k_cache, v_cache, row_request[rows], prefix[rows], extra[rows], table, page_size, **options
+        ).cpu()
+
+    everything = torch.arange(q.shape[0], device=DEVICE)
+    full = attend(everything, table, extra)
+    assert (chunk_layout(int(prefix.max()) + 1, options["chunk"], options["max_chunks"])[1]) > 1
+    for r in (0, 2, 3, q.shape[0] - 1):  # extend rows and tree rows, each alone
+        assert torch.equal(attend(everything[r : r + 1], table, extra)[0], full[r])
+    # wider static shapes (40 more page columns, 20 more extra columns, all -1: 8 chunks in the grid
+    # instead of 3) and 2 padding rows
+    wide_table = torch.cat([table, torch.full((table.shape[0], 40), -1, device=DEVICE)], dim=1)
+    wide_extra = torch.cat([extra, torch.full((extra.shape[0], 20), -1, device=DEVICE)], dim=1)
+    pad = q.shape[0]
+    q_pad = torch.cat([q, torch.randn(2, *q.shape[1:]).to(q)])
+    req_pad = torch.cat([row_request, torch.zeros(2, dtype=torch.long, device=DEVICE)])
+    prefix_pad = torch.cat([prefix, torch.zeros(2, dtype=torch.long, device=DEVICE)])
+    extra_pad = torch.cat([wide_extra, torch.full((2, wide_extra.shape[1]), -1, device=DEVICE)])
+    order = torch.tensor([pad, *reversed(range(pad)), pad + 1], device=DEVICE)
+    shuffled = paged_attention_rows_triton(
+        q_pad[order], k_cache, v_cache, req_pad[order], prefix_pad[order], extra_pad[order], wide_table, page_size,
+        **options,
+    ).cpu()  # fmt: skip
+    assert torch.equal(shuffled[1:-1], full.flip(0))
+    assert torch.count_nonzero(shuffled[0]) == 0 and torch.count_nonzero(shuffled[-1]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "length,split",
+    [(70, "default"), (300, "default"), (70, "split"), (70, "one-block-chunks"), (70, "grown"), (70, "single-pass")],
+)  # fmt: skip
+def test_verify_row_and_decode_row_are_bitwise_equal(dtype, length, split):
+    """A tree row at L + d (prefix L, ancestors as extra slots, holes between) == a decode row at L + d.
+
+    Split or not: the chunks cut the same virtual key sequence at the same places (the key count is the
+    same), although the verify call's grid has more chunks (its extra columns widen the static bound).
+    """
+    options = {} if split == "default" else SPLITS[split]
+    chunk, max_chunks = options.get("chunk", CHUNK), options.get("max_chunks", MAX_CHUNKS)
+    num_chunks = chunk_layout(length + 3, chunk, max_chunks)[1]  # the row's L + 3 keys
+    assert num_chunks == 1 if (split, length) == ("default", 70) or max_chunks == 1 else num_chunks > 1
     gen = torch.Generator().manual_seed(5)
-    page_size, length, heads, kv_heads, dim = 4, 70, 4, 2, 16  # the prefix crosses a block boundary
-    table = torch.randperm(40, generator=gen)[:30][None]  # one request
-    slots = 40 * page_size
+    page_size, heads, kv_heads, dim = 4, 4, 2, 16  # the prefix crosses block (and chunk) boundaries
+    num_pages = (length + 8) // page_size + 2
+    table = torch.randperm(num_pages + 10, generator=gen)[:num_pages][None]  # one request
+    slots = (num_pages + 10) * page_size
     k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
     q = torch.randn(1, heads, dim, generator=gen).to(dtype)
@@ -139,7 +233,8 @@ def test_verify_row_and_decode_row_are_bitwise_equal(dtype):
     # Tree path root(0) -> row 2 -> row 5, the node at depth 2 sits at position L + 2; its verify slots
     # are L + row. Rewire the decode view: positions L, L+1, L+2 hold the path's keys.
     path_rows = [0, 2, 5]
-    extra = torch.tensor([[slot(length + r) if r in path_rows else -1 for r in range(8)]])
+    # 64 extra columns (a 64-node tree's buffer): the verify call's grid has more chunks than the decode's
+    extra = torch.tensor([[slot(length + r) if r in path_rows else -1 for r in range(64)]])
     # The decode row sees positions [0, L + 3): a copy of the cache where position L + depth holds the
     # key of the path's node at that depth (what compaction would have moved there).
     decode_table = table.clone()
@@ -150,11 +245,11 @@ def test_verify_row_and_decode_row_are_bitwise_equal(dtype):
     one = torch.zeros(1, dtype=torch.long)
     verify = paged_attention_rows_triton(
         q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), one.to(DEVICE),
-        torch.tensor([length]).to(DEVICE), extra.to(DEVICE), table.to(DEVICE), page_size,
+        torch.tensor([length]).to(DEVICE), extra.to(DEVICE), table.to(DEVICE), page_size, **options,
     ).cpu()  # fmt: skip
     decode = paged_attention_rows_triton(
         q.to(DEVICE), k2.to(DEVICE), v2.to(DEVICE), one.to(DEVICE),
         torch.tensor([length + 3]).to(DEVICE), torch.empty((1, 0), dtype=torch.long).to(DEVICE),
-        decode_table.to(DEVICE), page_size,
+        decode_table.to(DEVICE), page_size, **options,
     ).cpu()  # fmt: skip
     assert torch.equal(verify, decode)
