@@ -1,0 +1,252 @@
+"""The paged row attention on a GPU: the single-pass kernel against the split (flash-decoding) kernel.
+
+`engine.attention_triton` runs one program per (row, KV head, chunk of ``CHUNK`` keys) and merges a
+row's chunks in a second kernel; ``max_chunks=1`` is the single pass (one program per (row, KV head)
+walks all the row's keys). This measures both, and other split constants, and checks on the GPU the
+properties the CPU tests check under the interpreter.
+
+* ``time``: SmolLM2-135M (9 / 3 heads of 64) and Llama-3-8B (32 / 8 of 128) in bfloat16, page size 16,
+  decode rows (each its own request with ``ctx`` keys) at 1, 1 + 15 padding rows (an engine's decode
+  bucket), 6 and 32 rows, and a 16-row verify of one request (a chain: row ``i`` has ``i + 1`` extra
+  slots); contexts 128 / 512 / 2048 / 8192; page tables ``tight`` (the context's pages) or ``wide``
+  (8192 + 16 keys for every request, as an engine's static table: most chunks of the grid idle). µs per
+  call: 20 calls captured in one CUDA graph, replayed (median of rounds; the KV cache warm in L2 where
+  it fits). Every output is checked against the float32 torch twin.
+* ``bitwise``: a verify row at ``L + d`` equals a decode row at ``L + d`` (chain rows, and a tree path
+  with holes in a 64-column extra buffer), a row alone equals the row among 16 / 32 rows and padding,
+  eager equals graph replay; bfloat16 and float32, at lengths that split into one, several and grown
+  chunks.
+
+    python -m bench.attention_bench --out $OUT                  # both parts, a few minutes
+    python -m bench.attention_bench --out $OUT --parts time --variants single,split --models smollm2
+
+Writes ``attention_bench-<date>.json`` into ``--out`` (default bench/results); exits 1 if a bitwise
+check fails or an output differs from the twin beyond tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .common import write_result
+from .row_linear_bench import graph_us
+
+MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (heads, KV heads, head dim)
+PAGE = 16
+WIDE_KEYS = 8192 + 16
+ROWS = {"1": (1, 0), "1+15pad": (1, 15), "6": (6, 0), "32": (32, 0), "verify16": (16, 0)}
+CONTEXTS = (128, 512, 2048, 8192)
+# name -> keyword options of paged_attention_rows_triton ({} = the defaults)
+VARIANTS = {
+    "single": dict(max_chunks=1),
+    "split": {},
+    "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
+    "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
+    "b64-c128-m64": dict(block_n=64, chunk=128, max_chunks=64),
+    "b64-c256-m32": dict(block_n=64, chunk=256, max_chunks=32),
+    "b32-c64-m32": dict(block_n=32, chunk=64, max_chunks=32),
+    "b32-c128-m32": dict(block_n=32, chunk=128, max_chunks=32),
+}
+FAILURES: list[str] = []
+DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
+    """Tensors of one call: decode rows (one request each) or a chain verify of one request."""
+    heads, kv_heads, dim = MODELS[model]
+    live, pad = ROWS[rows]
+    verify = rows == "verify16"
+    requests = 1 if verify else live
+    keys = ctx + (live if verify else 0)  # positions a request holds (a verify's rows write theirs after ctx)
+    pages = -(-keys // PAGE)
+    width = pages if table == "tight" else -(-WIDE_KEYS // PAGE)
+    perm = torch.randperm(requests * pages, generator=gen)
+    page_table = torch.full((requests, width), -1, dtype=torch.long)
+    page_table[:, :pages] = perm.view(requests, pages)
+    slots = requests * pages * PAGE
+    k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    total = live + pad
+    q = torch.randn(total, heads, dim, generator=gen).to(dtype)
+    row_request = torch.zeros(total, dtype=torch.long)
+    prefix = torch.zeros(total, dtype=torch.long)
+    if verify:
+        prefix[:live] = ctx
+        extra = torch.full((total, live), -1, dtype=torch.long)
+        own = [int(page_table[0, p // PAGE]) * PAGE + p % PAGE for p in range(ctx, ctx + live)]
+        for i in range(live):
+            extra[i, : i + 1] = torch.tensor(own[: i + 1])
+    else:
+        row_request[:live] = torch.arange(live)
+        prefix[:live] = ctx
+        extra = torch.empty((total, 0), dtype=torch.long)
+    args = (q, k_cache, v_cache, row_request, prefix, extra, page_table)
+    return dict(args=tuple(t.to(DEVICE) for t in args), keys=keys)
+
+
+def attend(args, options=None, **kwargs):
+    from speccycle.engine.attention_triton import paged_attention_rows_triton
+
+    return paged_attention_rows_triton(*args, PAGE, **(options or {}), **kwargs)
+
+
+def twin(args, keys: int) -> torch.Tensor:
+    from speccycle.engine.attention_triton import paged_attention_rows_torch
+
+    return paged_attention_rows_torch(*args, PAGE, kv_bound=keys).float()
+
+
+def time_part(models, variants, contexts, rows_cases, tables) -> list[dict]:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for model in models:
+        for rows in rows_cases:
+            for ctx in contexts:
+                for table in tables:
+                    case = rows_case(model, rows, ctx, table, torch.bfloat16, gen)
+                    reference = twin(case["args"], case["keys"])
+                    row = {"model": model, "rows": rows, "ctx": ctx, "table": table, "us": {}, "max_err": {}}
+                    for name in variants:
+                        options = VARIANTS[name]
+                        got = attend(case["args"], options).float()
+                        err = (got - reference).abs().max().item()
+                        row["max_err"][name] = err
+                        if not err <= 2e-2:
+                            FAILURES.append(f"time {model} {rows} ctx {ctx} {table} {name}: max error {err:.3g}")
+                        row["us"][name] = round(graph_us(attend, case["args"], options), 2) if DEVICE == "cuda" else 0.0
+                    if row["us"].get("single") and row["us"].get("split"):
+                        row["speedup"] = round(row["us"]["single"] / row["us"]["split"], 2)
+                    say(f"{model:9s} rows {rows:8s} ctx {ctx:5d} {table:5s}",
+                        "  ".join(f"{k} {v:7.2f}" for k, v in row["us"].items()))  # fmt: skip
+                    out.append(row)
+                    del case, reference
+                    torch.cuda.empty_cache()
+    return out
+
+
+def check(name: str, ok: bool, results: list[dict]) -> None:
+    results.append({"check": name, "ok": bool(ok)})
+    if not ok:
+        FAILURES.append(f"bitwise: {name}")
+    say(("ok  " if ok else "FAIL"), name)
+
+
+def bitwise_case(model: str, dtype, length: int, variants, gen, results: list[dict]) -> None:
+    """One request of ``length`` positions and 16 rows after it, on a page table scattered over the cache."""
+    heads, kv_heads, dim = MODELS[model]
+    n, pages = 16, -(-(length + 64) // PAGE)
+    host_table = torch.randperm(pages + 8, generator=gen)[:pages][None]
+    slots = [int(host_table[0, p // PAGE]) * PAGE + p % PAGE for p in range(length + n)]
+    table = host_table.to(DEVICE)
+    wide = torch.cat([table, torch.full((1, 300), -1, device=DEVICE)], dim=1)  # more chunks in the grid
+    k_cache = torch.randn((pages + 8) * PAGE, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn((pages + 8) * PAGE, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype).to(DEVICE)
+    own = torch.tensor(slots[length:], device=DEVICE)  # the 16 rows' slots
+    chain = torch.full((n, n), -1, dtype=torch.long, device=DEVICE)  # row i: rows 0 .. i as extra slots
+    for i in range(n):
+        chain[i, : i + 1] = own[: i + 1]
+    zeros = torch.zeros(n, dtype=torch.long, device=DEVICE)
+    positions = length + 1 + torch.arange(n, device=DEVICE)  # decode row i's prefix: L + i + 1
+    verify_args = (q, k_cache, v_cache, zeros, torch.full_like(zeros, length), chain, table)
+    decode_args = (q, k_cache, v_cache, zeros, positions, chain[:, :0], wide)
+    # a tree path with holes, rows 0 -> 2 -> 5 of a 64-column buffer, and its compacted decode row
+    path = [0, 2, 5]
+    tree_extra = torch.full((1, 64), -1, dtype=torch.long, device=DEVICE)
+    tree_extra[0, path] = own[path]
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    for depth, r in enumerate(path):
+        k2[slots[length + depth]] = k_cache[slots[length + r]]
+        v2[slots[length + depth]] = v_cache[slots[length + r]]
+    wide_extra = torch.full((2 * n, 64), -1, dtype=torch.long, device=DEVICE)
+    padded = (torch.cat([torch.zeros_like(q), q]), k_cache, v_cache, torch.cat([zeros, zeros]),
+              torch.cat([zeros, positions]), wide_extra, wide)  # fmt: skip
+    tag = f"{model} {str(dtype)[6:]} L={length}"
+    for name in variants:
+        options = VARIANTS[name]
+        verify = attend(verify_args, options)
+        decode = attend(decode_args, options)
+        check(f"{tag} {name}: 16 chain verify rows == 16 decode rows", torch.equal(verify, decode), results)
+        alone = [attend((q[i : i + 1], k_cache, v_cache, zeros[:1], positions[i : i + 1], chain[:1, :0], table),
+                        options) for i in (0, 7, 15)]  # fmt: skip
+        check(f"{tag} {name}: decode rows alone == in the batch", torch.equal(torch.cat(alone), decode[[0, 7, 15]]),
+              results)  # fmt: skip
+        check(f"{tag} {name}: decode rows after 16 padding rows, 64 extra columns == alone",
+              torch.equal(attend(padded, options)[n:], decode), results)  # fmt: skip
+        tree = attend((q[:1], k_cache, v_cache, zeros[:1], zeros[:1] + length, tree_extra, table), options)
+        flat = attend((q[:1], k2, v2, zeros[:1], zeros[:1] + length + 3, chain[:1, :0], table), options)
+        check(f"{tag} {name}: tree row with holes == decode row", torch.equal(tree, flat), results)
+        if DEVICE == "cpu":
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = attend(verify_args, options)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(f"{tag} {name}: graph replay == eager", torch.equal(replayed, verify), results)
+        del graph
+
+
+def bitwise_part(models, variants) -> list[dict]:
+    results: list[dict] = []
+    gen = torch.Generator().manual_seed(1)
+    lengths = (100, 300, 1000, 6000)  # one chunk of 128 keys, several, several, grown (> 128 * 32 keys)
+    for model in models:
+        for dtype in (torch.bfloat16, torch.float32):
+            for length in lengths:
+                bitwise_case(model, dtype, length, variants, gen, results)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    parser.add_argument("--parts", default="time,bitwise")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
+    parser.add_argument("--tables", default="tight,wide")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_bench needs a CUDA GPU")
+    from speccycle.engine import attention_triton
+
+    models = args.models.split(",")
+    variants = args.variants.split(",")
+    for name in (*models, *variants):
+        if name not in MODELS and name not in VARIANTS:
+            raise SystemExit(f"unknown model or variant {name!r}: models {list(MODELS)}, variants {list(VARIANTS)}")
+    payload = {
+        "defaults": dict(
+            block_n=attention_triton.BLOCK_N, chunk=attention_triton.CHUNK, max_chunks=attention_triton.MAX_CHUNKS
+        ),  # fmt: skip
+        "variants": {name: VARIANTS[name] for name in variants},
+        "page_size": PAGE,
+        "dtype": "bfloat16 (time); bfloat16 and float32 (bitwise)",
+    }
+    parts = args.parts.split(",")
+    if "time" in parts:
+        payload["time"] = time_part(models, variants, [int(c) for c in args.contexts.split(",")],
+                                    args.rows.split(","), args.tables.split(","))  # fmt: skip
+        totals = {name: round(sum(r["us"][name] for r in payload["time"]), 1) for name in variants}
+        payload["total_us_by_variant"] = totals
+        say("total us over all cases:", totals)
+    if "bitwise" in parts:
+        payload["bitwise"] = bitwise_part(models, [v for v in ("single", "split") if v in variants] or variants[:1])
+    payload["failures"] = FAILURES
+    path = write_result("attention_bench", payload, device=DEVICE, directory=args.out)
+    say(f"wrote {path}; {len(FAILURES)} failures")
+    for failure in FAILURES:
+        say(failure)
+    raise SystemExit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()
