@@ -1,21 +1,26 @@
 """The paged row attention on a GPU: the single-pass kernel against the split (flash-decoding) kernel.
 
-`engine.attention_triton` runs one program per (row, KV head, chunk of ``CHUNK`` keys) and merges a
-row's chunks in a second kernel; ``max_chunks=1`` is the single pass (one program per (row, KV head)
-walks all the row's keys). This measures both, and other split constants, and checks on the GPU the
-properties the CPU tests check under the interpreter.
+`engine.attention_triton` cuts each row's keys into chunks of ``CHUNK`` keys (``block_n`` per block,
+at most ``max_chunks`` chunks: longer rows get longer chunks), runs programs per (row, KV head) that
+each take every ``P``-th chunk (``programs_per_row``, default `default_programs_per_row`), and merges
+a row's chunks in a second kernel; ``max_chunks=1`` is the single pass (one program per (row, KV
+head) walks all the row's keys, one kernel). Variants (``--variants``): ``single``, ``split`` (the
+defaults), ``split-pmax`` / ``split-p4`` (one program per chunk of the static bound / 4 programs),
+and other ``b{block_n}-c{chunk}-m{max_chunks}`` constants. ``P`` changes no bit; the constants do
+(all rows of an engine must share them).
 
 * ``time``: SmolLM2-135M (9 / 3 heads of 64) and Llama-3-8B (32 / 8 of 128) in bfloat16, page size 16,
-  decode rows (each its own request with ``ctx`` keys) at 1, 1 + 15 padding rows (an engine's decode
-  bucket), 6 and 32 rows, and a 16-row verify of one request (a chain: row ``i`` has ``i + 1`` extra
-  slots); contexts 128 / 512 / 2048 / 8192; page tables ``tight`` (the context's pages) or ``wide``
-  (8192 + 16 keys for every request, as an engine's static table: most chunks of the grid idle). µs per
-  call: 20 calls captured in one CUDA graph, replayed (median of rounds; the KV cache warm in L2 where
-  it fits). Every output is checked against the float32 torch twin.
+  decode rows (each its own request with ``ctx`` keys) at 1, 1 + 7 and 1 + 15 padding rows (an
+  engine's decode buckets at batch 1), 6 and 32 rows, and a 16-row verify of one request (a chain: row
+  ``i`` has ``i + 1`` extra slots); contexts 128 / 512 / 2048 / 8192; page tables ``tight`` (the
+  context's pages) or ``wide`` (8192 + 16 keys for every request, as an engine's static table, whose
+  bound on the chunks sets the launch). µs per call: 20 calls captured in one CUDA graph, replayed
+  (median of rounds; the KV cache warm in L2 where it fits). Every output is checked against the
+  float32 torch twin.
 * ``bitwise``: a verify row at ``L + d`` equals a decode row at ``L + d`` (chain rows, and a tree path
-  with holes in a 64-column extra buffer), a row alone equals the row among 16 / 32 rows and padding,
-  eager equals graph replay; bfloat16 and float32, at lengths that split into one, several and grown
-  chunks.
+  with holes in a 64-column extra buffer), a row alone equals the row among 16 rows and padding rows,
+  1 program per row equals the default launch, eager equals graph replay; bfloat16 and float32, at
+  lengths that split into one, several and grown chunks.
 
     python -m bench.attention_bench --out $OUT                  # both parts, a few minutes
     python -m bench.attention_bench --out $OUT --parts time --variants single,split --models smollm2
@@ -36,12 +41,14 @@ from .row_linear_bench import graph_us
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (heads, KV heads, head dim)
 PAGE = 16
 WIDE_KEYS = 8192 + 16
-ROWS = {"1": (1, 0), "1+15pad": (1, 15), "6": (6, 0), "32": (32, 0), "verify16": (16, 0)}
+ROWS = {"1": (1, 0), "1+7pad": (1, 7), "1+15pad": (1, 15), "6": (6, 0), "32": (32, 0), "verify16": (16, 0)}
 CONTEXTS = (128, 512, 2048, 8192)
 # name -> keyword options of paged_attention_rows_triton ({} = the defaults)
 VARIANTS = {
     "single": dict(max_chunks=1),
     "split": {},
+    "split-pmax": dict(programs_per_row=1 << 20),  # one program per chunk of the static bound
+    "split-p4": dict(programs_per_row=4),
     "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
     "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
     "b64-c128-m64": dict(block_n=64, chunk=128, max_chunks=64),
@@ -93,7 +100,7 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
 def attend(args, options=None, **kwargs):
     from speccycle.engine.attention_triton import paged_attention_rows_triton
 
-    return paged_attention_rows_triton(*args, PAGE, **(options or {}), **kwargs)
+    return paged_attention_rows_triton(*args, PAGE, **{**(options or {}), **kwargs})
 
 
 def twin(args, keys: int) -> torch.Tensor:
@@ -182,6 +189,8 @@ def bitwise_case(model: str, dtype, length: int, variants, gen, results: list[di
         tree = attend((q[:1], k_cache, v_cache, zeros[:1], zeros[:1] + length, tree_extra, table), options)
         flat = attend((q[:1], k2, v2, zeros[:1], zeros[:1] + length + 3, chain[:1, :0], table), options)
         check(f"{tag} {name}: tree row with holes == decode row", torch.equal(tree, flat), results)
+        one_program = attend(decode_args, options, programs_per_row=1)
+        check(f"{tag} {name}: 1 program per row == the default launch", torch.equal(one_program, decode), results)
         if DEVICE == "cpu":
             continue
         graph = torch.cuda.CUDAGraph()

@@ -27,6 +27,7 @@ every row's keys up to a static bound ``kv_bound`` (positions) and computes in f
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -88,10 +89,12 @@ if triton is not None:
     @triton.jit
     def _row_keys(row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M: tl.constexpr):
         """A row's prefix length (clamped to its page table), valid extra slots with their ranks, and key count."""
-        prefix_len = tl.minimum(tl.load(prefix_ptr + row), table_width * page_size)
+        # int32 key indices and slots (a cache of < 2**31 slots): the [BLOCK_N, BLOCK_M] slot pick below
+        # costs half the registers of int64
+        prefix_len = tl.minimum(tl.load(prefix_ptr + row), table_width * page_size).to(tl.int32)
         # The row's valid extra slots, numbered 0, 1, ... in column order (holes skipped).
         cols = tl.arange(0, BLOCK_M)
-        extra = tl.load(extra_ptr + row * stride_et + cols, mask=cols < num_extra, other=-1)
+        extra = tl.load(extra_ptr + row * stride_et + cols, mask=cols < num_extra, other=-1).to(tl.int32)
         has_extra = extra >= 0
         rank = tl.cumsum(has_extra.to(tl.int32), axis=0) - 1
         rank = tl.where(has_extra, rank, -1)
@@ -136,7 +139,7 @@ if triton is not None:
         page_size,
         table_width,
         num_heads,
-        grid_chunks,
+        chunk_bound,
         scale,
         GROUP: tl.constexpr,
         BLOCK_G: tl.constexpr,
@@ -149,104 +152,108 @@ if triton is not None:
         LOW_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
-        """One program per (row, KV head, chunk): the online softmax over the chunk's keys.
+        """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
+        ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
+        bit: each chunk starts afresh and keeps its own result).
 
-        A row of one chunk stores its output; a row of several stores the chunk's running max, sum
-        and unnormalized accumulator for `_paged_attention_combine_kernel`. Chunks past the row's
-        count do nothing.
+        A row of one chunk stores its output; a row of several stores each chunk's running max, sum
+        and unnormalized accumulator for `_paged_attention_combine_kernel`. Programs past the row's
+        chunks do nothing.
         """
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
-        chunk = tl.program_id(2)
+        first_chunk = tl.program_id(2)
         request = tl.load(row_request_ptr + row)
         prefix_len, extra, has_extra, rank, total = _row_keys(
             row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M
         )
         chunk_keys, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
-        lo = chunk * chunk_keys  # a multiple of CHUNK, hence of BLOCK_N
-        hi = tl.minimum(total, lo + chunk_keys)
-        # Masks as head-count limits: a program past the row's chunks loads and stores nothing. (Limits,
-        # not `mask & scalar`: the interpreter turns a block mask & a scalar condition into int32.)
-        own_heads = tl.where(chunk < row_chunks, GROUP, 0)
-        single_heads = tl.where(row_chunks == 1, own_heads, 0)  # one chunk: store the output
-        split_heads = tl.where(row_chunks > 1, own_heads, 0)  # several: store the partial state
+        # Masks as head-count limits (not `mask & scalar`: the interpreter turns a block mask & a scalar
+        # condition into int32): a program past the row's chunks loads nothing; a row of one chunk stores
+        # its output, a row of several its chunks' partial states.
+        own_heads = tl.where(first_chunk < row_chunks, GROUP, 0)
+        single_heads = tl.where(row_chunks == 1, GROUP, 0)
+        split_heads = tl.where(row_chunks > 1, GROUP, 0)
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         heads = kv_head * GROUP + g
         q_mask = (g[:, None] < own_heads) & (d[None, :] < HEAD_DIM)
         q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-
-        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         offs = tl.arange(0, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + offs  # virtual key index
-            in_prefix = n < prefix_len
-            page_col = tl.minimum(n // page_size, table_width - 1)
-            page = tl.load(table_ptr + request * stride_pt + page_col, mask=in_prefix, other=-1)
-            prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
-            e = n - prefix_len  # index among the valid extra slots
-            pick = (rank[None, :] == e[:, None]) & has_extra[None, :]
-            # the extra slot of rank e (one column at most), plus one: 0 when none, so slot -1 then
-            extra_slot = tl.sum(tl.where(pick, extra[None, :] + 1, 0), axis=1) - 1
-            slot = tl.where(in_prefix, prefix_slot, extra_slot)
-            # slot >= 0 implies n < total. Kept to one select on `slot`: Triton 3.6's layout pass
-            # (TritonGPURemoveLayoutConversions) fails on `tl.where((n < total) & (slot >= 0), slot, 0)`.
-            valid = slot >= 0
-            safe = tl.maximum(slot, 0).to(tl.int64)
+        part_row = (row.to(tl.int64) * num_heads + heads) * chunk_bound  # [row, head, 0] of the scratch
+        for chunk in range(first_chunk, row_chunks, tl.num_programs(2)):
+            lo = chunk * chunk_keys  # a multiple of CHUNK, hence of BLOCK_N
+            hi = tl.minimum(total, lo + chunk_keys)
+            m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+            for start in range(lo, hi, BLOCK_N):
+                n = start + offs  # virtual key index
+                in_prefix = n < prefix_len
+                page_col = tl.minimum(n // page_size, table_width - 1)
+                page = tl.load(table_ptr + request * stride_pt + page_col, mask=in_prefix, other=-1)
+                prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
+                e = n - prefix_len  # index among the valid extra slots
+                pick = (rank[None, :] == e[:, None]) & has_extra[None, :]
+                # the extra slot of rank e (one column at most), plus one: 0 when none, so slot -1 then
+                extra_slot = tl.sum(tl.where(pick, extra[None, :] + 1, 0), axis=1) - 1
+                slot = tl.where(in_prefix, prefix_slot, extra_slot)
+                # slot >= 0 implies n < total. Kept to one select on `slot`: Triton 3.6's layout pass
+                # (TritonGPURemoveLayoutConversions) fails on `tl.where((n < total) & (slot >= 0), slot, 0)`.
+                valid = slot >= 0
+                safe = tl.maximum(slot, 0).to(tl.int64)
 
-            k = tl.load(
-                k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                mask=valid[:, None] & (d[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                mask=valid[:, None] & (d[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            elif LOW_PRECISION:
-                s = tl.dot(q, tl.trans(k))  # bfloat16 / float16 tensor cores, float32 accumulation
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            s = s * scale  # [BLOCK_G, BLOCK_N]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if LOW_PRECISION:  # probabilities rounded to the value dtype for the tensor cores (as flash attention)
-                p_low = p.to(v.dtype)
-                if UPCAST:
-                    pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                k = tl.load(
+                    k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                    other=0.0,
+                )
+                v = tl.load(
+                    v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                    mask=valid[:, None] & (d[None, :] < HEAD_DIM),
+                    other=0.0,
+                )
+                if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                elif LOW_PRECISION:
+                    s = tl.dot(q, tl.trans(k))  # bfloat16 / float16 tensor cores, float32 accumulation
                 else:
-                    pv = tl.dot(p_low, v)
-            else:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                s = s * scale  # [BLOCK_G, BLOCK_N]
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if LOW_PRECISION:  # probabilities rounded to the value dtype for the tensor cores (as flash attention)
+                    p_low = p.to(v.dtype)
+                    if UPCAST:
+                        pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                    else:
+                        pv = tl.dot(p_low, v)
+                else:
+                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=(g[:, None] < single_heads) & (d[None, :] < HEAD_DIM),
-        )
-        # several chunks: this chunk's partial state, at [row, head, chunk] of the [T, H, grid_chunks] scratch
-        part = (row.to(tl.int64) * num_heads + heads) * grid_chunks + chunk
-        split_mask = g < split_heads
-        tl.store(
-            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
-            acc,
-            mask=split_mask[:, None] & (d[None, :] < HEAD_DIM),
-        )
-        tl.store(part_max_ptr + part, m_i, mask=split_mask)
-        tl.store(part_sum_ptr + part, l_i, mask=split_mask)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(
+                out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=(g[:, None] < single_heads) & (d[None, :] < HEAD_DIM),
+            )
+            # several chunks: the chunk's partial state, at [row, head, chunk] of the [T, H, chunk_bound] scratch
+            part = part_row + chunk
+            split_mask = g < split_heads
+            tl.store(
+                part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                acc,
+                mask=split_mask[:, None] & (d[None, :] < HEAD_DIM),
+            )
+            tl.store(part_max_ptr + part, m_i, mask=split_mask)
+            tl.store(part_sum_ptr + part, l_i, mask=split_mask)
 
     @triton.jit
     def _paged_attention_combine_kernel(
@@ -263,7 +270,7 @@ if triton is not None:
         page_size,
         table_width,
         num_heads,
-        grid_chunks,
+        chunk_bound,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         CHUNK: tl.constexpr,
@@ -283,7 +290,7 @@ if triton is not None:
         c = tl.arange(0, BLOCK_C)
         d = tl.arange(0, BLOCK_D)
         live = c < tl.where(row_chunks > 1, row_chunks, 0)  # a row of one chunk stored its output already
-        part = (row.to(tl.int64) * num_heads + head) * grid_chunks + c
+        part = (row.to(tl.int64) * num_heads + head) * chunk_bound + c
         m = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
         l = tl.load(part_sum_ptr + part, mask=live, other=0.0)
         a = tl.load(
@@ -309,6 +316,23 @@ CHUNK = 128  # keys per chunk (split) of a row, a multiple of BLOCK_N
 MAX_CHUNKS = 32  # chunks per row at most: beyond CHUNK * MAX_CHUNKS keys a chunk holds a larger multiple of CHUNK
 
 MIN_TRITON_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
+MIN_PROGRAMS_PER_ROW = 4  # the default launch: at least this many programs per (row, KV head), up to the bound
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_programs_per_row(device: torch.device, rows: int, kv_heads: int, chunk_bound: int) -> int:
+    """Programs per (row, KV head) of the default launch: about two per multiprocessor over all rows (a
+    lone row's chunks run in parallel; padding rows and wide static page tables add few idle programs),
+    at least `MIN_PROGRAMS_PER_ROW`, at most ``chunk_bound``. Speed only: any count gives the same bits."""
+    if device.type != "cuda":
+        return chunk_bound  # the interpreter: one program per chunk
+    wanted = -(-2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+               // (rows * kv_heads))  # fmt: skip
+    return max(1, min(chunk_bound, max(MIN_PROGRAMS_PER_ROW, wanted)))
 
 
 def chunk_layout(total: int, chunk: int = CHUNK, max_chunks: int = MAX_CHUNKS) -> tuple[int, int]:
@@ -331,6 +355,7 @@ def paged_attention_rows_triton(
     chunk: int = CHUNK,
     max_chunks: int = MAX_CHUNKS,
     block_n: int = BLOCK_N,
+    programs_per_row: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
 
@@ -339,7 +364,9 @@ def paged_attention_rows_triton(
 
     ``chunk``, ``max_chunks``, ``block_n``: the split's constants, for tests and benchmarks only: rows
     agree bitwise only between calls with the same three. ``max_chunks=1`` is the single-pass kernel
-    (one program per (row, KV head) walks all the row's keys, no combine).
+    (one program per (row, KV head) walks all the row's keys, no combine). ``programs_per_row``: programs
+    per (row, KV head), each taking every ``programs_per_row``-th chunk (default:
+    `default_programs_per_row`); it changes the launch only, never a bit of the output.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
@@ -348,6 +375,8 @@ def paged_attention_rows_triton(
             f"paged_attention_rows_triton: block_n={block_n} must be a power of two, chunk={chunk} a multiple "
             f"of it and max_chunks={max_chunks} at least 1"
         )
+    if programs_per_row is not None and programs_per_row < 1:
+        raise ValueError(f"paged_attention_rows_triton: programs_per_row={programs_per_row} must be at least 1")
     num_rows, num_heads, head_dim = q.shape
     if q.is_cuda and head_dim < MIN_TRITON_HEAD_DIM:
         # tl.dot needs K >= 16 on a GPU (the interpreter does not check): small test models take the twin
@@ -377,19 +406,23 @@ def paged_attention_rows_triton(
         extra_slots = extra_slots.contiguous()
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
-    # Chunks in the grid: a static bound from the shapes (the page table's positions plus the extra
+    # A static bound on a row's chunks from the shapes (the page table's positions plus the extra
     # columns), so the launch is the same at every replay; a row's own count is read in the kernel.
     table_width = page_table.shape[1]
-    grid_chunks = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
-    if grid_chunks > 1:  # partial states of rows of several chunks, [T, H, grid_chunks] (static shape)
-        part_acc = torch.empty((num_rows, num_heads, grid_chunks, head_dim), dtype=torch.float32, device=q.device)
-        part_stats = torch.empty((2, num_rows, num_heads, grid_chunks), dtype=torch.float32, device=q.device)
+    chunk_bound = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
+    if chunk_bound > 1:  # partial states of rows of several chunks, [T, H, chunk_bound] (static shape)
+        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
+        part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
         part_max, part_sum = part_stats[0], part_stats[1]
     else:  # every row has one chunk and stores its output directly
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
-    _paged_attention_kernel[(num_rows, num_kv_heads, grid_chunks)](
+    if programs_per_row is None:
+        programs = default_programs_per_row(q.device, num_rows, num_kv_heads, chunk_bound)
+    else:
+        programs = min(programs_per_row, chunk_bound)
+    _paged_attention_kernel[(num_rows, num_kv_heads, programs)](
         q,
         k_cache,
         v_cache,
@@ -415,7 +448,7 @@ def paged_attention_rows_triton(
         page_size,
         table_width,
         num_heads,
-        grid_chunks,
+        chunk_bound,
         1.0 / math.sqrt(head_dim),
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
@@ -429,7 +462,7 @@ def paged_attention_rows_triton(
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )
-    if grid_chunks > 1:
+    if chunk_bound > 1:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
             out,
             part_acc,
@@ -444,7 +477,7 @@ def paged_attention_rows_triton(
             page_size,
             table_width,
             num_heads,
-            grid_chunks,
+            chunk_bound,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             CHUNK=chunk,

@@ -102,11 +102,11 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         row_keys = dict(prefix_ptr=i64, extra_ptr=i64)
         signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
                          row_request_ptr=i64, **row_keys, table_ptr=i64, **{name: i32 for name in strides},
-                         num_extra=i32, page_size=i32, table_width=i32, num_heads=i32, grid_chunks=i32,
+                         num_extra=i32, page_size=i32, table_width=i32, num_heads=i32, chunk_bound=i32,
                          scale="fp32")  # fmt: skip
         aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr",
                    "row_request_ptr", "prefix_ptr", "extra_ptr", "table_ptr", *strides[:8], "page_size",
-                   "table_width", "grid_chunks")  # fmt: skip
+                   "table_width", "chunk_bound")  # fmt: skip
         low = dt != "fp32"
         split = dict(CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)
         combine_sets = []
@@ -117,8 +117,8 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
             ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
                       BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
-            if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant grid_chunks 1
-                sets.append({**ce, "MAX_CHUNKS": 1, "grid_chunks": 1})
+            if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
+                sets.append({**ce, "MAX_CHUNKS": 1, "chunk_bound": 1})
             # SmolLM2's 9 heads are not 16-divisible, Llama's 32 are: both specializations of num_heads
             out.append((attention._paged_attention_kernel, signature, sets,
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
@@ -127,9 +127,9 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
             combine_sets.append({**combine, "page_size": 1} if page_one else combine)
         combine_signature = dict(out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, **row_keys,
                                  stride_ot=i32, stride_oh=i32, stride_et=i32, num_extra=i32, page_size=i32,
-                                 table_width=i32, num_heads=i32, grid_chunks=i32)  # fmt: skip
+                                 table_width=i32, num_heads=i32, chunk_bound=i32)  # fmt: skip
         combine_aligned = ("out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "prefix_ptr", "extra_ptr",
-                           "stride_ot", "stride_oh", "page_size", "table_width", "grid_chunks")  # fmt: skip
+                           "stride_ot", "stride_oh", "page_size", "table_width", "chunk_bound")  # fmt: skip
         out.append((attention._paged_attention_combine_kernel, combine_signature, combine_sets, combine_aligned))
         rope_strides = ("stride_qkv", "stride_table", "stride_qt", "stride_qh", "stride_ks", "stride_kh",
                         "stride_vs", "stride_vh")  # fmt: skip

@@ -137,6 +137,7 @@ SPLITS = {
     "one-block-chunks": dict(block_n=16, chunk=16, max_chunks=8),
     "grown": dict(block_n=16, chunk=16, max_chunks=3),
     "single-pass": dict(block_n=16, chunk=16, max_chunks=1),
+    "looped": dict(block_n=16, chunk=16, max_chunks=8, programs_per_row=2),  # programs take several chunks
 }
 
 
@@ -144,7 +145,8 @@ SPLITS = {
     "page_size,heads,dtype,split",
     [(1, (4, 2), torch.float32, "one-block-chunks"), (4, (6, 2), torch.float32, "split"),
      (3, (6, 2), torch.float32, "grown"), (16, (9, 3), torch.bfloat16, "split"),
-     (4, (6, 2), torch.bfloat16, "grown"), (4, (4, 2), torch.float32, "single-pass")],
+     (4, (6, 2), torch.bfloat16, "grown"), (4, (4, 2), torch.float32, "single-pass"),
+     (3, (6, 2), torch.bfloat16, "looped")],
 )  # fmt: skip
 def test_split_kernel_equals_torch_twin_and_reference(page_size, heads, dtype, split):
     """Rows of several chunks (and of grown chunks) merge to the twin's softmax; the single pass too."""
@@ -169,22 +171,24 @@ def test_split_kernel_equals_torch_twin_and_reference(page_size, heads, dtype, s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_output_does_not_depend_on_other_rows_or_static_widths(dtype):
     """Bitwise: each row alone == the row in the batch == the row among padding rows, in another order,
-    with wider page tables and extra-slot buffers (so more chunks in the grid)."""
+    with wider page tables and extra-slot buffers (a higher bound on the chunks), with fewer programs
+    per row than chunks (programs loop over chunks)."""
     page_size, options = 4, SPLITS["split"]
     batch, q, k_cache, v_cache = _case(23, page_size, 6, 2, lens=(75, 40))
     q, k_cache, v_cache = q.to(dtype).to(DEVICE), k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE)
     row_request, prefix, extra, table = _rows_args(batch, DEVICE)
 
-    def attend(rows, table, extra):
+    def attend(rows, table, extra, programs=None):
         return paged_attention_rows_triton(
-            q[rows], k_cache, v_cache, row_request[rows], prefix[rows], extra[rows], table, page_size, **options
-        ).cpu()
+            q[rows], k_cache, v_cache, row_request[rows], prefix[rows], extra[rows], table, page_size, **options,
+            programs_per_row=programs,
+        ).cpu()  # fmt: skip
 
     everything = torch.arange(q.shape[0], device=DEVICE)
     full = attend(everything, table, extra)
     assert (chunk_layout(int(prefix.max()) + 1, options["chunk"], options["max_chunks"])[1]) > 1
-    for r in (0, 2, 3, q.shape[0] - 1):  # extend rows and tree rows, each alone
-        assert torch.equal(attend(everything[r : r + 1], table, extra)[0], full[r])
+    for r, programs in ((0, None), (2, 1), (3, 2), (q.shape[0] - 1, None)):  # extend and tree rows, each alone
+        assert torch.equal(attend(everything[r : r + 1], table, extra, programs)[0], full[r])
     # wider static shapes (40 more page columns, 20 more extra columns, all -1: 8 chunks in the grid
     # instead of 3) and 2 padding rows
     wide_table = torch.cat([table, torch.full((table.shape[0], 40), -1, device=DEVICE)], dim=1)
@@ -197,7 +201,7 @@ def test_row_output_does_not_depend_on_other_rows_or_static_widths(dtype):
     order = torch.tensor([pad, *reversed(range(pad)), pad + 1], device=DEVICE)
     shuffled = paged_attention_rows_triton(
         q_pad[order], k_cache, v_cache, req_pad[order], prefix_pad[order], extra_pad[order], wide_table, page_size,
-        **options,
+        **options, programs_per_row=2,
     ).cpu()  # fmt: skip
     assert torch.equal(shuffled[1:-1], full.flip(0))
     assert torch.count_nonzero(shuffled[0]) == 0 and torch.count_nonzero(shuffled[-1]) == 0
