@@ -1,4 +1,4 @@
-"""Paged attention over rows, graph-capturable: a Triton kernel and its plain-torch twin.
+"""Paged attention over rows, graph-capturable: Triton kernels and their plain-torch twin.
 
 The rule is core.ports': a row of request ``b`` attends the slots of b's positions ``[0, prefix_len)``
 (through b's page table) plus the slots in its ``extra_slots`` row (-1 padded), after every row has
@@ -13,8 +13,26 @@ row's ancestors, root first, then itself), in blocks of ``BLOCK_N`` keys that st
 position (prefix ``L + d + 1``) therefore see the same keys in the same blocks, and the online softmax
 does the same arithmetic: their outputs are bitwise equal. That is what lets greedy speculative
 decoding reproduce autoregressive decoding in bfloat16 (together with GEMMs of one shape, see
-`engine.graphs`). One program per (row, KV head) handles the ``H / Hkv`` query heads of that KV head
-(Hugging Face's ``repeat_kv`` order), so a row's result never depends on the other rows.
+`engine.graphs`). A program handles the ``H / Hkv`` query heads of one KV head (Hugging Face's
+``repeat_kv`` order) of one row, so a row's result never depends on the other rows.
+
+**Split keys (flash decoding).** One program per (row, KV head) walking all keys leaves a GPU idle at
+batch 1 (3 programs for SmolLM2). So the virtual sequence is cut into chunks of ``chunk_keys`` keys,
+``chunk_keys = CHUNK * ceil(total / (CHUNK * MAX_CHUNKS))`` for a row of ``total`` keys: ``CHUNK`` keys
+up to ``CHUNK * MAX_CHUNKS`` keys, then longer chunks (whole multiples of ``CHUNK``, hence of
+``BLOCK_N``) so that no row has more than ``MAX_CHUNKS``. The chunks are a function of the key's index
+and of the row's own key count only: the verify row and the decode row above (same ``total``) are cut
+at the same places, whatever the number of rows, the batch, the page table's width or the launch.
+Each chunk runs the online softmax from scratch over its blocks and leaves ``(max, sum, accumulator)``
+in float32; `_paged_attention_combine_kernel` merges a row's chunks in one fixed reduction over
+``next_power_of_2(MAX_CHUNKS)`` lanes (absent chunks add exact zeros). A row of one chunk (at most
+``CHUNK`` keys) stores its output directly, as the single pass did; the combine skips it (merging one
+chunk would give the same bits: its weight is ``exp(0) = 1``). The launch: ``(rows, Hkv, P)``
+programs, program ``p`` taking the row's chunks ``p, p + P, ...``; ``P`` (`default_programs_per_row`,
+up to the static bound on a row's chunks from the page table's width and the extra columns) moves
+work between programs and changes no bit. Programs past a row's chunks do nothing. The partial
+states live in a ``[T, H, bound]`` float32 scratch allocated per call (static shape, so inside a
+graph it comes from the graph's pool).
 
 Precision: float32 models compute both products in IEEE float32; bfloat16 / float16 models use the
 tensor cores (QK^T products exact, float32 accumulation, the softmax probabilities rounded to the
