@@ -1,32 +1,55 @@
 """CPU cost of the state machine per cycle, checked and unchecked, with the models' time taken out.
 
-The models are the deterministic test models; their forward time is measured and subtracted, so
-what remains is the runner, the records, the reference ops and (checked) the invariant checks.
+The models are constant test models (every draft accepted, tau = S + 1); their forward time is
+measured and subtracted, so what remains is the runner, the records, the backend ops and (checked)
+the invariant checks: the host cost of a cycle, what `engine.host_control` pays on a GPU host.
 
-    .venv/bin/python -m bench.cycle_overhead [--cycles 200]
+    .venv/bin/python -m bench.cycle_overhead [--cycles 300] [--baseline DIR]
+
+Per draft family (``forward``: a model draft, EAGLE-like; ``lookup``: an n-gram-like draft), config,
+batch size and backend (``torch``: the reference ops, the CPU engine's; ``host``:
+`engine.host_control.HostBackend`, the GPU host plane's), unchecked and checked: the median and p90
+per cycle, and unchecked the median per transition (``phases``: the row's ``run`` only, models out;
+``runner``: the rest of the cycle, row selection and the runner). ``--baseline DIR`` first runs this
+same file against another checkout (``DIR/speccycle`` a copy of the package, e.g.
+``git archive <commit> | tar -x -C DIR/speccycle``) in a subprocess, so both are measured side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 from speccycle.backends.torch import TorchBackend
+from speccycle.bench.common import write_result
 from speccycle.core import Admitted, ModelOutput, Ports, Request, SamplingParams, SpecConfig
 from speccycle.statemachine import run_cycle
 
-from .common import write_result
+CONFIGS = {  # name -> (draft kind, config)
+    "chain S4": ("forward", dict(num_steps=4, topk=1)),
+    "tree S4K4N16": ("forward", dict(num_steps=4, topk=4, num_draft_tokens=16)),
+    "lookup S5": ("lookup", dict(num_steps=5, topk=1)),
+}
+
+
+class Clock:
+    """Seconds spent inside the models, subtracted from the cycle."""
+
+    seconds = 0.0
 
 
 class ConstantTarget:
     """Fixed logits and features: the cheapest model that satisfies `TargetModel`."""
 
-    def __init__(self, vocab_size: int = 128, features: int = 8):
-        self.vocab_size, self.features = vocab_size, features
+    def __init__(self, clock: Clock, vocab_size: int = 128, features: int = 8):
+        self.vocab_size, self.features, self.clock = vocab_size, features, clock
         self.device = torch.device("cpu")
-        self.seconds = 0.0
 
     def forward(self, batch):
         start = time.perf_counter()
@@ -35,7 +58,7 @@ class ConstantTarget:
         logits = torch.zeros(rows, self.vocab_size)
         logits[:, 1] = 1.0
         out = ModelOutput(logits=logits, hidden=torch.zeros(batch.num_rows, self.features))
-        self.seconds += time.perf_counter() - start
+        self.clock.seconds += time.perf_counter() - start
         return out
 
 
@@ -50,6 +73,23 @@ class ConstantDraft(ConstantTarget):
         return self.forward(batch)
 
 
+class ConstantLookup:
+    """A lookup draft that proposes the chain ``1, 1, ...`` of ``S`` tokens (an n-gram draft that always matches)."""
+
+    kind = "lookup"
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+
+    def propose(self, request_ids, histories, num_steps, max_nodes, topk):
+        start = time.perf_counter()
+        n = min(num_steps, max_nodes)
+        tokens = torch.ones((len(request_ids), n), dtype=torch.long)
+        parents = torch.arange(n).expand(len(request_ids), n).contiguous()  # verify rows: the root is row 0
+        self.clock.seconds += time.perf_counter() - start
+        return tokens, parents
+
+
 class UnboundedPool:
     """A pool with P = 1 and room for every request; the accounting is real, the KV a small tensor."""
 
@@ -62,45 +102,118 @@ class UnboundedPool:
         return getattr(self._pool, name)
 
 
-def measure(config: SpecConfig, batch: int, cycles: int, checked: bool) -> dict:
-    target, draft = ConstantTarget(), ConstantDraft()
-    ports = Ports(target=target, draft=draft, kv_pool=UnboundedPool())
-    backend = TorchBackend()
-    requests = tuple(Request(i, (2, 3, 4, 5), SamplingParams(max_new_tokens=10**6)) for i in range(batch))
+def make_backend(name: str):
+    if name == "host":
+        from speccycle.engine.host_control import HostBackend
+
+        return HostBackend("cpu")
+    return TorchBackend()
+
+
+def measure(name: str, batch: int, backend_name: str, cycles: int, checked: bool) -> dict:
+    kind, options = CONFIGS[name]
+    config = SpecConfig(**options)
+    clock = Clock()
+    draft = ConstantDraft(clock) if kind == "forward" else ConstantLookup(clock)
+    ports = Ports(target=ConstantTarget(clock), draft=draft, kv_pool=UnboundedPool())
+    backend = make_backend(backend_name)
+    requests = tuple(Request(i, (2, 3, 4, 5), SamplingParams(max_new_tokens=10**7)) for i in range(batch))
     ready = run_cycle(Admitted(config=config, requests=requests), ports, backend)
-    per_cycle = []
-    for _ in range(cycles):
-        target.seconds = draft.seconds = 0.0
-        start = time.perf_counter()
+    phases: dict[str, list[float]] = {}
+    seen = [0.0, 0.0]  # model seconds at the last trace event, run seconds of this cycle
+
+    def trace(event) -> None:  # the row's run time, the models' share taken out
+        models, seen[0] = clock.seconds - seen[0], clock.seconds
+        phases.setdefault(event.event, []).append(event.duration_s - models)
+        seen[1] += event.duration_s - models
+
+    for _ in range(min(20, cycles)):  # warm up
         ready = run_cycle(ready, ports, backend, checked=checked)
-        per_cycle.append(time.perf_counter() - start - target.seconds - draft.seconds)
-    return {
-        "config": {"S": config.num_steps, "K": config.topk, "N": config.num_draft_tokens, "P": config.page_size},
+    phases.clear()
+    per_cycle, runs = [], []
+    for _ in range(cycles):
+        clock.seconds = seen[0] = seen[1] = 0.0
+        start = time.perf_counter()
+        ready = run_cycle(ready, ports, backend, checked=checked, trace=None if checked else trace)
+        per_cycle.append(time.perf_counter() - start - clock.seconds)
+        runs.append(seen[1])
+    row = {
+        "config": name,
+        "draft": kind,
+        "S": config.num_steps,
+        "K": config.topk,
+        "N": config.num_draft_tokens,
+        "P": config.page_size,
         "batch_size": batch,
+        "backend": backend_name,
         "checked": checked,
         "cycles": cycles,
         "overhead_us_median": statistics.median(per_cycle) * 1e6,
         "overhead_us_p90": sorted(per_cycle)[int(0.9 * len(per_cycle))] * 1e6,
     }
+    if not checked:
+        row["phases_us_median"] = {e: round(statistics.median(v) * 1e6, 1) for e, v in phases.items()}
+        row["phases_us_median"]["runner"] = round(
+            statistics.median(c - r for c, r in zip(per_cycle, runs)) * 1e6, 1
+        )
+    return row
+
+
+def measure_all(cycles: int, configs, batches, backends) -> list[dict]:
+    rows = []
+    for name in configs:
+        for batch in batches:
+            for backend in backends:
+                for checked in (False, True):
+                    rows.append(measure(name, batch, backend, cycles, checked))
+    return rows
+
+
+def line(r: dict, label: str = "") -> str:
+    phases = r.get("phases_us_median")
+    tail = "" if not phases else "  " + " ".join(f"{k} {v:.0f}" for k, v in phases.items())
+    return (
+        f"{label}{r['config']:<13} bs={r['batch_size']:<2} {r['backend']:<5} checked={r['checked']!s:<5} "
+        f"median {r['overhead_us_median']:8.1f} us  p90 {r['overhead_us_p90']:8.1f} us{tail}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--cycles", type=int, default=200)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=300)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--backends", default="torch,host")
+    parser.add_argument("--baseline", default=None, help="a directory holding another copy of the package, speccycle/")
+    parser.add_argument("--baseline-commit", default=None, help="the commit the baseline copy was taken from")
+    parser.add_argument("--emit-json", action="store_true", help="print the rows as JSON and write nothing")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = []
-    for config in (SpecConfig(num_steps=4, topk=1), SpecConfig(num_steps=4, topk=4, num_draft_tokens=16)):
-        for batch in (1, 8):
-            for checked in (False, True):
-                rows.append(measure(config, batch, args.cycles, checked))
-                r = rows[-1]
-                print(
-                    f"S={config.num_steps} K={config.topk} N={config.num_draft_tokens} bs={batch:<2} "
-                    f"checked={checked!s:<5} overhead per cycle: median {r['overhead_us_median']:8.1f} us, "
-                    f"p90 {r['overhead_us_p90']:8.1f} us"
-                )
-    path = write_result("cycle_overhead", {"rows": rows, "note": "CPU, torch reference backend, models excluded"})
+    configs = args.configs.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    backends = args.backends.split(",")
+    baseline = None
+    if args.baseline:
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
+        command = [sys.executable, os.path.abspath(__file__), "--emit-json", "--cycles", str(args.cycles)]
+        command += ["--configs", args.configs, "--batches", args.batches, "--backends", args.backends]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True, cwd="/")
+        baseline = json.loads(done.stdout.strip().splitlines()[-1])
+        for r in baseline:
+            print(line(r, "before "))
+    rows = measure_all(args.cycles, configs, batches, backends)
+    if args.emit_json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(line(r, "after  " if baseline else ""))
+    payload = {
+        "rows": rows,
+        "note": "CPU, models excluded (constant test models, every draft accepted); median and p90 over cycles",
+    }
+    if baseline is not None:
+        payload["baseline"] = {"commit": args.baseline_commit, "rows": baseline}
+    path = write_result("cycle_overhead", payload)
     print(f"wrote {path}")
 
 
