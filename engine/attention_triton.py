@@ -418,8 +418,11 @@ def paged_attention_rows_triton(
         if t.stride(-1) != 1:
             raise ValueError(f"paged_attention_rows_triton: {name} needs a contiguous last dimension")
     num_extra = extra_slots.shape[1]
-    if num_extra == 0:  # a [T, 0] view may have any stride; give the kernel a valid one
-        extra_slots = page_table.new_full((1, 1), -1)
+    if num_extra == 0:
+        # No extra column: the kernels load no extra slot (every column is masked), so any valid int64
+        # device pointer serves; the page table's, rather than a fresh [1, 1] tensor whose fill would be
+        # a kernel (and a launch inside every captured layer) per call.
+        extra_slots = page_table
     elif extra_slots.stride(1) != 1:
         extra_slots = extra_slots.contiguous()
     if page_table.stride(1) != 1:

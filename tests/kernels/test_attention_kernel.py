@@ -257,3 +257,34 @@ def test_verify_row_and_decode_row_are_bitwise_equal(dtype, length, split):
         decode_table.to(DEVICE), page_size, **options,
     ).cpu()  # fmt: skip
     assert torch.equal(verify, decode)
+
+
+def test_rows_without_extra_columns_allocate_nothing_and_equal_a_column_of_holes():
+    """Decode rows (``extra_slots [T, 0]``, every captured decode layer) give the bits of the same rows
+    with one all -1 extra column, and the call creates no tensor of its own for the missing columns
+    (a ``new_full`` there was a fill kernel per layer and step inside the decode graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    batch, q, k_cache, v_cache = _case(5, 4, 6, 2, lens=(40, 30))
+    causal = batch.extra_slots.eq(-1).all(dim=1)  # request 0's extend rows: no extra slot
+    row_request, prefix, extra, table = _rows_args(batch, DEVICE)
+    rows = causal.nonzero().flatten().to(DEVICE)
+    q_rows, req_rows, prefix_rows = q.to(DEVICE)[rows], row_request[rows], prefix[rows]
+    options = dict(block_n=16, chunk=16, max_chunks=8)
+
+    class Ops(TorchDispatchMode):
+        names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    empty = extra[rows][:, :0]
+    with Ops() as ops:
+        none = paged_attention_rows_triton(q_rows, k_cache.to(DEVICE), v_cache.to(DEVICE), req_rows, prefix_rows,
+                                           empty, table, 4, **options)  # fmt: skip
+    assert not [name for name in ops.names if "fill" in name or "full" in name], ops.names
+    holes = torch.full((rows.numel(), 1), -1, dtype=torch.long, device=DEVICE)
+    with_holes = paged_attention_rows_triton(q_rows, k_cache.to(DEVICE), v_cache.to(DEVICE), req_rows, prefix_rows,
+                                             holes, table, 4, **options)  # fmt: skip
+    assert torch.equal(none, with_holes)
