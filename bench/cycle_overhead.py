@@ -90,16 +90,16 @@ class ConstantLookup:
         return tokens, parents
 
 
-class UnboundedPool:
-    """A pool with P = 1 and room for every request; the accounting is real, the KV a small tensor."""
+PAGE_SIZE = 16  # P, as the GPU benchmarks and the CLI run
 
-    def __init__(self, num_pages: int = 1 << 16):
-        from speccycle.testing import FingerprintPool
 
-        self._pool = FingerprintPool(num_pages=num_pages, page_size=1)
+def make_pool():
+    """The engine's pool (`engine.kv_pool.PagedKVPool`) with room for every request and a one-number KV."""
+    from speccycle.engine.kv_pool import PagedKVPool
 
-    def __getattr__(self, name):
-        return getattr(self._pool, name)
+    pool = PagedKVPool(num_pages=1 << 14, page_size=PAGE_SIZE)
+    pool.add_cache("target", num_layers=1, num_kv_heads=1, head_dim=1)
+    return pool
 
 
 def make_backend(name: str):
@@ -112,10 +112,10 @@ def make_backend(name: str):
 
 def measure(name: str, batch: int, backend_name: str, cycles: int, checked: bool) -> dict:
     kind, options = CONFIGS[name]
-    config = SpecConfig(**options)
+    config = SpecConfig(**options, page_size=PAGE_SIZE)
     clock = Clock()
     draft = ConstantDraft(clock) if kind == "forward" else ConstantLookup(clock)
-    ports = Ports(target=ConstantTarget(clock), draft=draft, kv_pool=UnboundedPool())
+    ports = Ports(target=ConstantTarget(clock), draft=draft, kv_pool=make_pool())
     backend = make_backend(backend_name)
     requests = tuple(Request(i, (2, 3, 4, 5), SamplingParams(max_new_tokens=10**7)) for i in range(batch))
     ready = run_cycle(Admitted(config=config, requests=requests), ports, backend)
@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a directory holding another copy of the package, speccycle/")
     parser.add_argument("--baseline-commit", default=None, help="the commit the baseline copy was taken from")
     parser.add_argument("--emit-json", action="store_true", help="print the rows as JSON and write nothing")
+    parser.add_argument("--no-write", action="store_true", help="print the rows, write no result file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     configs = args.configs.split(",")
@@ -207,6 +208,8 @@ def main() -> None:
         return
     for r in rows:
         print(line(r, "after  " if baseline else ""))
+    if args.no_write:
+        return
     payload = {
         "rows": rows,
         "note": "CPU, models excluded (constant test models, every draft accepted); median and p90 over cycles",

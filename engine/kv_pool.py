@@ -39,6 +39,10 @@ class PagedKVPool:
         self._pages: dict[int, list[int]] = {}
         self._freed: set[int] = set()
         self._storage: dict[str, torch.Tensor] = {}  # name -> [num_layers, 2, num_slots, Hkv, D]
+        # The last page table built, reused until a page changes hands: a cycle asks for the same
+        # table up to three times (draft, verify, draft extend) and most cycles allocate nothing.
+        self._version = 0
+        self._table: tuple | None = None  # (version, request_ids, device, table)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -77,6 +81,8 @@ class PagedKVPool:
             )
         self._pages[request_id] = pages
         self._freed.discard(request_id)
+        if needed > 0:
+            self._version += 1
         for _ in range(max(0, needed)):
             pages.append(self._free.pop())
 
@@ -88,6 +94,7 @@ class PagedKVPool:
             raise KVPoolError(f"request {request_id}: keep_tokens={keep_tokens} must be >= 0")
         pages = self._pages[request_id]
         keep = self.pages_needed(keep_tokens)
+        self._version += 1
         while len(pages) > keep:
             self._free.append(pages.pop())
 
@@ -95,6 +102,7 @@ class PagedKVPool:
         """Free every page the request holds and forget it. A second free raises `KVPoolError`."""
         if request_id not in self._pages:
             raise KVPoolError(self._unknown(request_id, "free"))
+        self._version += 1
         self._free.extend(reversed(self._pages.pop(request_id)))
         self._freed.add(request_id)
 
@@ -108,13 +116,22 @@ class PagedKVPool:
         return list(self._pages.get(request_id, ()))
 
     def page_table(self, request_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-        """Page ids of each request, -1 padded, on ``device`` (default the pool's): ``[bs, max(1, max_pages)]``."""
-        width = max([1] + [len(self._pages.get(r, ())) for r in request_ids])
-        table = torch.full((len(request_ids), width), -1, dtype=torch.long)
-        for row, request_id in enumerate(request_ids):
-            pages = self._pages.get(request_id, ())
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-        return table.to(self.device if device is None else device)
+        """Page ids of each request, -1 padded, on ``device`` (default the pool's): ``[bs, max(1, max_pages)]``.
+
+        The table is read-only to its callers: the same tensor is handed out again until a page is
+        allocated, released or freed.
+        """
+        device = self.device if device is None else torch.device(device)
+        ids = tuple(request_ids)
+        cached = self._table
+        if cached is not None and cached[0] == self._version and cached[1] == ids and cached[2] == device:
+            return cached[3]
+        rows = [self._pages.get(r, ()) for r in ids]
+        width = max([1] + [len(pages) for pages in rows])
+        table = torch.tensor([list(pages) + [-1] * (width - len(pages)) for pages in rows], dtype=torch.long)
+        table = table.reshape(len(ids), width).to(device)
+        self._table = (self._version, ids, device, table)
+        return table
 
     def slots_for(self, request_ids: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """Slot of each position of each request.

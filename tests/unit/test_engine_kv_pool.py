@@ -48,6 +48,23 @@ def test_page_table_is_padded_with_minus_one():
     assert table.tolist() == [[2, 3, 4], [0, 1, -1], [-1, -1, -1]]
 
 
+def test_page_table_is_reused_until_a_page_changes_hands():
+    pool = PagedKVPool(num_pages=8, page_size=2)
+    pool.allocate(1, 3)
+    pool.allocate(2, 1)
+    first = pool.page_table([1, 2])
+    assert pool.page_table([1, 2]) is first  # nothing changed: the same table
+    pool.allocate(1, 4)  # still 2 pages: nothing changed hands
+    assert pool.page_table([1, 2]) is first
+    assert pool.page_table([2, 1]).tolist() == [[first[1, 0].item(), -1], first[0].tolist()]
+    for change in (lambda: pool.allocate(2, 3), lambda: pool.release(1, 1), lambda: pool.free(1)):
+        before = pool.page_table([1, 2]).clone()
+        change()
+        after = pool.page_table([1, 2])
+        expected = [pool.pages(r) + [-1] * (after.shape[1] - pool.pages_held(r)) for r in (1, 2)]
+        assert after.tolist() == expected and not torch.equal(after, before)
+
+
 def test_slots_follow_the_page_table():
     pool = PagedKVPool(num_pages=8, page_size=4)
     pool.allocate(1, 4)  # page 0
