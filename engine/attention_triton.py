@@ -329,12 +329,26 @@ if triton is not None:
         )
 
 
-BLOCK_N = 64  # keys per block of the online softmax
-CHUNK = 128  # keys per chunk (split) of a row, a multiple of BLOCK_N
+# The split's constants, from the H100 sweep of bench/attention_bench.py (SmolLM2, bf16, CUDA graphs,
+# bench/results/attention_bench-H100-smollm2-20261124-074538.json): chunks of 64 keys in blocks of 32
+# ("b32-c64-m32") against the first choice, 128 keys in blocks of 64: 1 row at 512 / 2048 keys 8.8 / 8.8 us
+# against 10.7 / 10.6; 6 rows 9.1 / 17.1 against 10.7 / 17.7; 32 rows 15.3 / 51.9 against 19.7 / 64.2; a
+# 16-row verify 12.9 / 26.7 against 11.2 / 30.7; all cases summed 1,365 us against 1,527. Changing them
+# changes the bits of every row that splits, never the rule that a row's chunks depend on its key count
+# only (decode == verify holds for any one setting).
+BLOCK_N = 32  # keys per block of the online softmax
+CHUNK = 64  # keys per chunk (split) of a row, a multiple of BLOCK_N
 MAX_CHUNKS = 32  # chunks per row at most: beyond CHUNK * MAX_CHUNKS keys a chunk holds a larger multiple of CHUNK
 
 MIN_TRITON_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
 MIN_PROGRAMS_PER_ROW = 4  # the default launch: at least this many programs per (row, KV head), up to the bound
+# The default launch aims at this many programs per multiprocessor over all rows. A program past its row's
+# chunks exits after reading the row's key count, so surplus programs cost little, while too few make a
+# row's chunks run in rounds; and a decode graph's rows are mostly padding rows (one chunk, no keys), which
+# a count over all rows cannot see. Measured (same sweep, 128-key chunks): with every chunk its own program
+# ("split-pmax") 1 row + 7 padding rows at 2,048 keys took 11.8 us against 18.2 with about 2 per SM, 6 rows
+# at 8,192 keys 41.4 against 50.8; 32 rows at 128-512 keys in an engine-wide table lost 1.8 us.
+PROGRAMS_PER_SM = 8
 
 
 @functools.cache
@@ -343,13 +357,14 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def default_programs_per_row(device: torch.device, rows: int, kv_heads: int, chunk_bound: int) -> int:
-    """Programs per (row, KV head) of the default launch: about two per multiprocessor over all rows (a
-    lone row's chunks run in parallel; padding rows and wide static page tables add few idle programs),
-    at least `MIN_PROGRAMS_PER_ROW`, at most ``chunk_bound``. Speed only: any count gives the same bits."""
+    """Programs per (row, KV head) of the default launch: about `PROGRAMS_PER_SM` per multiprocessor over
+    all rows (a decode graph of 1 real row and 7 padding rows, SmolLM2's 3 KV heads: one program per chunk
+    up to the bound), at least `MIN_PROGRAMS_PER_ROW`, at most ``chunk_bound``. Speed only: any count gives
+    the same bits."""
     if device.type != "cuda":
         return chunk_bound  # the interpreter: one program per chunk
-    wanted = -(-2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-               // (rows * kv_heads))  # fmt: skip
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    wanted = -(-PROGRAMS_PER_SM * sms // (rows * kv_heads))
     return max(1, min(chunk_bound, max(MIN_PROGRAMS_PER_ROW, wanted)))
 
 
