@@ -53,6 +53,7 @@ import attrs
 import torch
 
 from ..core.ports import ForwardBatch, ModelOutput
+from . import decode_step
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -233,10 +234,16 @@ class ForwardGraphs:
         needs_kv_bound: bool = False,
         graph_pool: GraphPool | None = None,
         summarize: bool = False,
+        fused_step: bool | None = None,
     ) -> None:
         self.compute = compute
         self.summarize = summarize
         self.device = torch.device(device)
+        # The step's bookkeeping as two Triton kernels around a Triton argmax (`engine.decode_step`);
+        # default: on CUDA when triton imports. The plain-torch twins otherwise (the same integers).
+        if fused_step is None:
+            fused_step = self.device.type == "cuda" and decode_step.fused_available()
+        self.fused_step = fused_step
         self.graph_pool = graph_pool if graph_pool is not None else GraphPool(self.device)
         self.page_size = page_size
         self.table_width = math.ceil(num_slots / page_size)
@@ -451,10 +458,16 @@ class GreedyDecodeGraphs:
         needs_kv_bound: bool = False,
         graph_pool: GraphPool | None = None,
         summarize: bool = False,
+        fused_step: bool | None = None,
     ) -> None:
         self.compute = compute
         self.summarize = summarize
         self.device = torch.device(device)
+        # The step's bookkeeping as two Triton kernels around a Triton argmax (`engine.decode_step`);
+        # default: on CUDA when triton imports. The plain-torch twins otherwise (the same integers).
+        if fused_step is None:
+            fused_step = self.device.type == "cuda" and decode_step.fused_available()
+        self.fused_step = fused_step
         self.graph_pool = graph_pool if graph_pool is not None else GraphPool(self.device)
         self.page_size = page_size
         self.table_width = math.ceil(num_slots / page_size)
@@ -477,17 +490,14 @@ class GreedyDecodeGraphs:
     def _step(self, rows: int, parity: int, kv_bound: int) -> None:
         """One decode step: reads buffers ``parity``, writes buffers ``1 - parity`` and the history."""
         ids_in, pos_in, step_in = self.ids[parity][:rows], self.positions[parity][:rows], self.step[parity]
-        index = torch.arange(rows, device=self.device)
-        valid = index < self.num_valid
-        request = torch.where(valid, index, 0)
-        page = self.table[request, (pos_in // self.page_size).clamp(max=self.table_width - 1)]
-        slot = page * self.page_size + pos_in % self.page_size
+        rows_of = decode_step.decode_rows_triton if self.fused_step else decode_step.decode_rows_torch
+        request, out_slots, prefix_lens = rows_of(pos_in, self.num_valid, self.table, self.page_size)
         inputs = RowInputs(
             input_ids=ids_in,
             positions=pos_in,
             row_request=request,
-            out_slots=torch.where(valid, slot, -1),
-            prefix_lens=torch.where(valid, pos_in + 1, 0),
+            out_slots=out_slots,
+            prefix_lens=prefix_lens,
             extra_slots=self._no_extra[:rows],
             page_table=self.table,
             page_size=self.page_size,
@@ -495,11 +505,10 @@ class GreedyDecodeGraphs:
             logits_rows=None,
         )
         logits, _ = self.compute(inputs, None)
-        nxt = logits.argmax(dim=-1)
-        self.ids[1 - parity][:rows].copy_(nxt)
-        self.positions[1 - parity][:rows].copy_(pos_in + valid.long())
-        self.step[1 - parity].copy_(step_in + 1)
-        self.history[:rows].index_copy_(1, step_in, nxt[:, None])
+        nxt = decode_step.vocab_argmax(logits) if self.fused_step else logits.argmax(dim=-1)
+        advance = decode_step.decode_advance_triton if self.fused_step else decode_step.decode_advance_torch
+        advance(nxt, pos_in, step_in, self.num_valid, self.ids[1 - parity][:rows], self.positions[1 - parity][:rows],
+                self.step[1 - parity], self.history[:rows])  # fmt: skip
 
     def decode(
         self,

@@ -174,6 +174,20 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         out.append((fused._silu_mul_kernel, dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, inter=i32),
                     [dict(BLOCK=1024)], ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter")))  # fmt: skip
     out += linear_triton.compile_specs()  # the row-invariant GEMMs at both models' tiles
+    # the decode step's bookkeeping (`engine.decode_step`), at a decode graph's 8 rows and 128 rows, page sizes 16 and 1
+    from ...engine import decode_step
+
+    out.append((decode_step._decode_rows_kernel,
+                dict(pos_ptr=i64, num_valid_ptr=i64, table_ptr=i64, request_ptr=i64, slot_ptr=i64, prefix_ptr=i64,
+                     rows=i32, stride_t=i32, width=i32, page_size=i32),
+                [dict(BLOCK=8), dict(BLOCK=128), dict(BLOCK=8, page_size=1)],
+                ("pos_ptr", "num_valid_ptr", "table_ptr", "request_ptr", "slot_ptr", "prefix_ptr", "stride_t", "width",
+                 "page_size")))  # fmt: skip
+    out.append((decode_step._decode_advance_kernel,
+                dict(next_ptr=i64, pos_ptr=i64, step_ptr=i64, num_valid_ptr=i64, ids_out_ptr=i64, pos_out_ptr=i64,
+                     step_out_ptr=i64, history_ptr=i64, rows=i32, stride_h=i32),
+                [dict(BLOCK=8), dict(BLOCK=128)],
+                ("next_ptr", "pos_ptr", "ids_out_ptr", "pos_out_ptr", "history_ptr", "stride_h")))  # fmt: skip
     return out
 
 

@@ -210,6 +210,22 @@ def test_graph_stepped_decode_equals_greedy_decode(weights, ops):
     assert fast_pool.num_free_pages == fast_pool.num_pages
 
 
+@pytest.mark.skipif(
+    not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"), reason="the fused step's kernels"
+)
+def test_graph_stepped_decode_with_fused_step_equals_greedy_decode(weights):
+    """The step's bookkeeping as Triton kernels (`engine.decode_step`, the CUDA default): same tokens,
+    with a padding row (3 requests in a bucket of 4)."""
+    (ref, ref_pool), (fast, fast_pool) = pair(weights, 4, TorchOps, num_pages=64)
+    prompts, steps = [tokens_of(5, 7), tokens_of(6, 3), tokens_of(7, 10)], 6
+    want = greedy_decode(ref, ref_pool, prompts, max_new_tokens=steps, stop_token_ids=(2,))
+    decoder = FastGreedyDecoder(fast, fast_pool, fast.options)
+    assert not decoder.loop.fused_step  # CPU default: the torch twins
+    decoder.loop.fused_step = True
+    assert decoder.decode(prompts, max_new_tokens=steps, stop_token_ids=(2,)) == want
+    assert fast_pool.num_free_pages == fast_pool.num_pages
+
+
 @pytest.mark.parametrize(
     "draft,spec",
     [
