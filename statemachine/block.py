@@ -67,7 +67,7 @@ def draft_block(rec: Ready, ports: Ports, backend) -> Drafted:
     """Reserve the cycle's slots; one non-causal draft forward over ``[root, mask x (B - 1)]`` at ``L + i``."""
     cfg, bs, draft = rec.config, len(rec.requests), ports.draft
     check_block_config(cfg, draft)
-    ids, page_table, verify_slots = _reserve_cycle(rec, ports, backend)
+    ids, page_table, verify_slots, _ = _reserve_cycle(rec, ports, backend)
     block, L, device = cfg.num_draft_tokens, rec.seq_lens, rec.seq_lens.device
     rows = torch.arange(block, device=device)
     input_ids = torch.full((bs, block), draft.mask_token_id, dtype=torch.long, device=device)

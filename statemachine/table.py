@@ -121,6 +121,7 @@ TABLE: tuple[Transition, ...] = (
             "tree_mask",
             "greedy_predict",
             "verify_greedy",
+            "verify_greedy_chain",
             "process_logits",
             "verify_chain_sampling",
             "verify_tree_sampling",

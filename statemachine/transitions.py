@@ -28,7 +28,8 @@ from ..core.records import (
     RowOutputs,
     Verified,
 )
-from ..core.tree import chain_tree, draft_position, draft_scratch_positions, tree_depths
+from ..core import shapes
+from ..core.tree import draft_position, draft_scratch_positions, tree_depths
 from . import sampling
 from .stops import cut_at_stops
 
@@ -77,7 +78,7 @@ def _batch(
     logits_rows: torch.Tensor | None = None,
 ) -> ForwardBatch:
     if extra_slots is None:
-        extra_slots = torch.empty((input_ids.shape[0], 0), dtype=torch.long, device=input_ids.device)
+        extra_slots = shapes.no_extra_slots(input_ids.shape[0], input_ids.device)
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions,
@@ -99,10 +100,10 @@ def _row_slots(backend, page_table, row_request, positions, page_size) -> torch.
 
 
 def chain_mask(n: int, device) -> torch.Tensor:
-    """``[n, n]`` bool, row ``i`` sees rows ``0..i``. A comparison, not ``tril``: on a CPU, ``tril``
-    always splits its work over the intra-op threads, and waking them cost ~0.6 ms per cycle (H100 host)."""
-    rows = torch.arange(n, device=device)
-    return rows[:, None] >= rows[None, :]
+    """``[n, n]`` bool, row ``i`` sees rows ``0..i`` (shared, read-only). A comparison, not ``tril``: on a
+    CPU, ``tril`` always splits its work over the intra-op threads, and waking them cost ~0.6 ms per
+    cycle (H100 host)."""
+    return shapes.chain_mask(n, torch.device(device))
 
 
 def _greedy(out: ModelOutput, backend) -> torch.Tensor:
@@ -111,8 +112,20 @@ def _greedy(out: ModelOutput, backend) -> torch.Tensor:
 
 
 def _check_logits(out: ModelOutput, row_request: torch.Tensor, bs: int) -> list[bool]:
-    """Per request: every logit finite. A NaN would otherwise become a bogus tree or token."""
-    finite = out.finite if out.finite is not None else torch.isfinite(out.logits).all(-1)
+    """Per request: every logit finite. A NaN would otherwise become a bogus tree or token.
+
+    The common case costs one reduction: the sum of all logits is finite only if every logit is (an
+    infinity or NaN anywhere makes it inf or NaN). Only when it is not (a bad row, or finite logits
+    whose sum overflows) are the rows checked one by one.
+    """
+    if out.finite is not None:
+        if bool(out.finite.all()):
+            return [False] * bs
+        finite = out.finite
+    else:
+        if bool(torch.isfinite(out.logits.sum(dtype=torch.float32))):
+            return [False] * bs
+        finite = torch.isfinite(out.logits).all(-1)
     bad = torch.zeros(bs, dtype=torch.bool, device=finite.device)
     bad.index_put_((row_request.to(finite.device),), ~finite, accumulate=True)
     return bad.tolist()
@@ -369,15 +382,24 @@ def _ready(rec: Compacted, topk_p, topk_index, hidden) -> Ready:
 
 
 # ---- draft -------------------------------------------------------------------------------------
-def _reserve_cycle(rec: Ready, ports: Ports, backend) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+def _reserve_cycle(
+    rec: Ready, ports: Ports, backend, scratch: torch.Tensor | None = None
+) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reserve the cycle's slots; the verify rows' slots ``[bs, N]`` and, given ``scratch`` positions
+    ``[bs, X...]``, theirs (one lookup for both)."""
     cfg = rec.config
     ids = tuple(r.request_id for r in rec.requests)
     pairing = getattr(ports.draft, "pairing", "shifted") if is_forward(ports) else "shifted"
     reserve(ports.kv_pool, ids, (rec.seq_lens + cfg.reserve_len(pairing)).tolist())
     page_table = ports.kv_pool.page_table(ids)
-    rows = torch.arange(cfg.num_draft_tokens, device=rec.seq_lens.device)
-    verify_slots = backend.slots_for_positions(page_table, rec.seq_lens[:, None] + rows, ports.kv_pool.page_size)
-    return ids, page_table, verify_slots
+    n, L = cfg.num_draft_tokens, rec.seq_lens
+    positions = L[:, None] + shapes.arange(n, L.device)
+    if scratch is None or scratch.numel() == 0:
+        verify_slots = backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size)
+        return ids, page_table, verify_slots, None if scratch is None else scratch.clone()
+    both = torch.cat([positions, scratch.reshape(L.shape[0], -1)], dim=1)
+    slots = backend.slots_for_positions(page_table, both, ports.kv_pool.page_size)
+    return ids, page_table, slots[:, :n], slots[:, n:].reshape(scratch.shape)
 
 
 def draft_levels(
@@ -399,12 +421,16 @@ def draft_levels(
     Returns ``cand_tokens, cand_scores, cand_parents [bs, C]`` (level order, ``C = K + (S - 1) K^2``;
     a chain: ``C = S``) and ``draft_positions [bs, S - 1]``. Greedy (``rows`` None), it has no host
     sync and no data-dependent shape, so an engine may capture it whole in a CUDA graph; sampled
-    ``rows`` draw children and fill ``draft_probs`` in place.
+    ``rows`` draw children and fill ``draft_probs`` in place. (It builds its index tensors itself, none
+    from `core.shapes`: a tensor first made inside a graph capture must not outlive it in a cache.)
     """
     S, K = cfg.num_steps, cfg.topk
     bs, device = L.shape[0], L.device
     offset = draft_offset(ports, cfg)
-    row_request = torch.arange(bs, device=device).repeat_interleave(K)
+    row_request = torch.arange(bs, device=device)
+    prefix_lens = L + offset
+    if K > 1:
+        row_request, prefix_lens = row_request.repeat_interleave(K), prefix_lens.repeat_interleave(K)
     frontier_scores, frontier_tokens = topk_p, topk_index  # [bs, K]
     parent_hidden = None
     if draft_hidden is not None:
@@ -421,17 +447,18 @@ def draft_levels(
         own = draft_slots[:, j, :]  # [bs, K]
         positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
         positions_per_step.append(positions)
-        extra = torch.cat([path_slots, own[:, :, None]], dim=2).reshape(bs * K, j + 1)
+        path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)  # [bs, K, j + 1]: ancestors' and own
+        extra = path_slots.reshape(bs * K, j + 1)
         # A sampled draft that ran out of mass left -1 (padding): any valid id feeds the forward.
         input_ids = frontier_tokens.reshape(-1) if rows is None else frontier_tokens.reshape(-1).clamp(min=0)
         batch = _batch(
             ports,
             ids,
             input_ids,
-            positions.repeat_interleave(K),
+            positions if K == 1 else positions.repeat_interleave(K),
             row_request,
             own.reshape(-1),
-            (L + offset).repeat_interleave(K),
+            prefix_lens,
             extra,
             page_table,
         )
@@ -447,7 +474,6 @@ def draft_levels(
             cand_tokens.append(child_ids)
             if out.hidden is not None:
                 parent_hidden = out.hidden.view(bs, 1, -1)
-            path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)
             continue
         child_p, child_ids = child_p.view(bs, K, K), child_ids.view(bs, K, K)
         cum, keep, frontier_scores, frontier_tokens = backend.expand_frontier(frontier_scores, child_p, child_ids, K)
@@ -460,7 +486,6 @@ def draft_levels(
         if out.hidden is not None:
             hidden = out.hidden.view(bs, K, -1)
             parent_hidden = hidden.gather(1, parent_k[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)
         path_slots = path_slots.gather(1, parent_k[:, :, None].expand(-1, -1, path_slots.shape[2]))
     draft_positions = (
         torch.stack(positions_per_step, 1)
@@ -479,12 +504,11 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     level order, never reranked (`statemachine.sampling`); their ``q`` per row goes to the verify.
     """
     cfg, bs = rec.config, len(rec.requests)
-    S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
-    ids, page_table, verify_slots = _reserve_cycle(rec, ports, backend)
+    S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     L, device = rec.seq_lens, rec.seq_lens.device
     offset = draft_offset(ports, cfg)
     scratch = draft_scratch_positions(L, S, K, offset)  # [bs, S-1, K]
-    draft_slots = backend.slots_for_positions(page_table, scratch, P)
+    ids, page_table, verify_slots, draft_slots = _reserve_cycle(rec, ports, backend, scratch)
 
     rows = sampling.sampled_rows(rec.requests, device)
     draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
@@ -502,8 +526,8 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         cand_tokens, cand_scores, cand_parents, draft_positions = draft_levels(*levels, rows, draft_probs)
 
     if K == 1:
-        tokens, parents = chain_tree(rec.root_tokens, cand_tokens)
-        scores, depths = None, torch.arange(N, device=device).expand(bs, N)
+        tokens = torch.cat([rec.root_tokens[:, None], cand_tokens], dim=1)  # `chain_tree`, parents shared
+        parents, depths, scores = shapes.chain_parents(bs, N, device), shapes.chain_depths(bs, N, device), None
     else:
         cands = (rec.root_tokens, cand_tokens, cand_scores, cand_parents, N)
         tokens, parents, scores = backend.rerank_tree(*cands)
@@ -536,7 +560,7 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     per request, as costly as a plain decode step, instead of ``N`` rows of padding.
     """
     cfg, bs = rec.config, len(rec.requests)
-    ids, _, verify_slots = _reserve_cycle(rec, ports, backend)
+    ids, _, verify_slots, _ = _reserve_cycle(rec, ports, backend)
     device = rec.seq_lens.device
     histories = [r.tokens for r in rec.requests]
     tokens, parents = ports.draft.propose(ids, histories, cfg.num_steps, cfg.num_draft_tokens - 1, cfg.topk)
@@ -545,26 +569,31 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
             f"the lookup draft proposed tokens {tuple(tokens.shape)} / parents {tuple(parents.shape)}; "
             f"expected the same shape [bs={bs}, n <= N - 1 = {cfg.num_draft_tokens - 1}]"
         )
-    rows = torch.arange(1, tokens.shape[1] + 1, device=parents.device)
-    if tokens.numel() and not (
-        bool(((tokens >= 0) & (tokens < ports.target.vocab_size)).all())
-        and bool(((parents >= 0) & (parents < rows)).all())
-    ):
+    n = tokens.shape[1]
+    if tokens.numel():  # one copy back: the least and largest token, the least parent, row - parent
+        gaps = shapes.arange(n, parents.device) - parents  # >= 0: each parent precedes its node (row i + 1)
+        lo, hi, parent_lo, gap = torch.stack([tokens.min(), tokens.max(), parents.min(), gaps.min()]).tolist()
+    if tokens.numel() and not (0 <= lo and hi < ports.target.vocab_size and parent_lo >= 0 and gap >= 0):
         raise CycleError(
             f"the lookup draft proposed token ids outside [0, {ports.target.vocab_size}) or a parent that does "
             "not precede its node: a draft must share the target's vocabulary and list parents first"
         )
-    verify_slots = verify_slots[:, : tokens.shape[1] + 1]
+    verify_slots = verify_slots[:, : n + 1]
     tokens = torch.cat([rec.root_tokens[:, None], tokens.to(device)], dim=1)
-    parents = torch.cat([torch.full((bs, 1), -1, dtype=torch.long, device=device), parents.to(device)], dim=1)
+    chain = shapes.chain_parents(bs, n + 1, device)
+    parents = torch.cat([chain[:, :1], parents.to(device)], dim=1)
+    if torch.equal(parents, chain):  # the shared chain: the verify takes the chain walk
+        parents, depths = chain, shapes.chain_depths(bs, n + 1, device)
+    else:
+        depths = tree_depths(parents)
     return Drafted(
         config=cfg,
         requests=rec.requests,
         seq_lens=rec.seq_lens,
-        tree=DraftTree(tokens=tokens, parents=parents, depths=tree_depths(parents)),
+        tree=DraftTree(tokens=tokens, parents=parents, depths=depths),
         verify_slots=verify_slots,
-        draft_slots=torch.empty((bs, 0, cfg.topk), dtype=torch.long, device=device),
-        draft_positions=torch.empty((bs, 0), dtype=torch.long, device=device),
+        draft_slots=shapes.no_extra_slots(bs, device).view(bs, 0, 1).expand(bs, 0, cfg.topk),
+        draft_positions=shapes.no_extra_slots(bs, device),
     )
 
 
@@ -576,7 +605,7 @@ def target_verify_forward(rec: Drafted, ports: Ports, mask: torch.Tensor) -> tup
     ids = tuple(r.request_id for r in rec.requests)
     L, device = rec.seq_lens, rec.seq_lens.device
     extra = torch.where(mask, rec.verify_slots[:, None, :], -1).reshape(bs * N, N)
-    row_request = torch.arange(bs, device=device).repeat_interleave(N)
+    row_request = shapes.repeat_rows(bs, N, device)
     batch = _batch(
         ports,
         ids,
@@ -584,7 +613,7 @@ def target_verify_forward(rec: Drafted, ports: Ports, mask: torch.Tensor) -> tup
         (L[:, None] + rec.tree.depths).reshape(-1),
         row_request,
         rec.verify_slots.reshape(-1),
-        L.repeat_interleave(N),
+        L[row_request],
         extra,
         ports.kv_pool.page_table(ids),
     )
@@ -601,14 +630,17 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     N = rec.tree.tokens.shape[1]  # cfg.num_draft_tokens, or fewer when a lookup draft had less to offer
     L, device = rec.seq_lens, rec.seq_lens.device
     if cfg.is_chain:  # row i sees rows 0..i
-        mask = chain_mask(N, device).expand(bs, N, N)
+        mask = shapes.chain_mask(N, device).expand(bs, N, N)
     else:
         mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
     out, row_request = target_verify_forward(rec, ports, mask)
     predict = _greedy(out, backend)  # [bs * N]
-    accept_index, accept_len = backend.verify_greedy(
-        rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
-    )
+    if rec.tree.parents is shapes.chain_parents(bs, N, device):  # a chain (draft_tree, lookup_tree): its walk
+        accept_index, accept_len = backend.verify_greedy_chain(rec.tree.tokens, predict.view(bs, N), cfg.accept_width)
+    else:
+        accept_index, accept_len = backend.verify_greedy(
+            rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
+        )
     rows, target_probs = sampling.sampled_rows(rec.requests, device), None
     if rows is not None:
         accept_index, accept_len, predict, target_probs = sampling.verify_sampled(

@@ -12,6 +12,7 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | `rerank_tree` | `tree.rerank_tree`: rank, running count, parent rows | two sorts, scatter, gathers, cats |
 | `tree_mask`, `tree_mask_packed` | `tree.tree_mask`: ancestor walk in registers | ``N - 1`` rounds of gathers |
 | `verify_greedy` | `tree.verify_greedy`: the walk from the root | ``S`` rounds over ``[bs, N, N]`` |
+| `verify_greedy_chain` | `tree.verify_greedy` over the chain's parents | cumprod, sum, where |
 | `gather_accepted` | `accept.gather_accepted` | gather, reshape, multiply |
 | `fill_bonus` | `accept.fill_bonus` | four small ops |
 | `slots_for_positions` | `kv.slots_for_positions` (``P == 1`` and ``P > 1``) | gather, div, mod |
@@ -119,6 +120,14 @@ class CudaBackend(SamplingKernels, TorchBackend):
         """Walk each tree while the draft token equals the target's prediction at its parent."""
         if not runs_triton(tokens, parents, predict):
             return super().verify_greedy(tokens, parents, predict, accept_width)
+        return tree.verify_greedy(tokens, parents, predict, accept_width)
+
+    def verify_greedy_chain(self, tokens, predict, accept_width):
+        """A chain's walk: the tree kernel over the chain's parents (one launch)."""
+        if not runs_triton(tokens, predict):
+            return super().verify_greedy_chain(tokens, predict, accept_width)
+        bs, n = tokens.shape
+        parents = torch.arange(-1, n - 1, device=tokens.device).expand(bs, n).contiguous()
         return tree.verify_greedy(tokens, parents, predict, accept_width)
 
     def verify_block(self, candidates: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

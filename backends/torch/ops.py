@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...core import tree
+from ...core import shapes, tree
 from . import block, sampling, sampling_tree
 
 
@@ -99,6 +99,23 @@ class TorchBackend:
         accept_index = torch.full((bs, accept_width), -1, dtype=torch.long, device=tokens.device)
         accept_index[:, :width] = torch.where(keep, flat, -1)
         return accept_index, accept_len
+
+    def verify_greedy_chain(
+        self, tokens: torch.Tensor, predict: torch.Tensor, accept_width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`verify_greedy` of a chain (row ``i``'s parent is row ``i - 1``): the leading run of draft tokens
+        equal to the target's prediction one row up. The same outputs, in a dozen ops instead of ``S`` rounds.
+
+        Shapes: ``tokens``, ``predict`` ``[bs, n]`` -> ``accept_index [bs, S + 1]``, ``accept_len [bs]``.
+        """
+        bs, n = tokens.shape
+        device = tokens.device
+        accept_len = (tokens[:, 1:] == predict[:, :-1]).cumprod(dim=1).sum(dim=1) + 1
+        if n > accept_width:
+            accept_len = accept_len.clamp(max=accept_width)
+        depth = shapes.arange(accept_width, device)
+        flat = depth + shapes.block_starts(bs, n, device)
+        return torch.where(depth < accept_len[:, None], flat, -1), accept_len
 
     def verify_block(self, candidates: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Block drafts (DFlash): ``correct_len = cumprod(candidates[:, 1:] == target[:, :-1]).sum()``, ``bonus``.

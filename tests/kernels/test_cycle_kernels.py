@@ -180,6 +180,16 @@ def test_verify_greedy_equals_reference(seed):
             assert _equal(got, want), (n, width)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_verify_greedy_chain_equals_reference(seed):
+    rng, gen = random.Random(seed), _gen(seed)
+    for bs, n, width in [(3, 1, 1), (2, 5, 5), (4, 3, 6), (1, 7, 7)]:
+        tokens, _, predict, _ = _verified(rng, gen, bs, n, width, chain=True)
+        got = fast.verify_greedy_chain(tokens, predict, width)
+        want = ref.verify_greedy_chain(tokens, predict, width)
+        assert _equal(got[0], want[0]) and _equal(got[1], want[1]), (n, width)
+
+
 @pytest.mark.parametrize("bs", [3, 4])  # 3: lanes past the batch stay masked
 @pytest.mark.parametrize("seed", SEEDS[:2])
 def test_gather_accepted_and_fill_bonus(seed, bs):

@@ -143,6 +143,21 @@ def test_invariant_5_greedy_verify_matches_the_walk(parents, steps, seed):
     assert ((last >= 0) & (last < n)).all()
 
 
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(0, 3), st.integers(0, 10_000))
+def test_invariant_5_chain_verify_equals_the_tree_walk(bs, n, extra_width, seed):
+    """`verify_greedy_chain` is `verify_greedy` over a chain's parents, for any accept width >= ``n``
+    (a lookup draft may propose fewer than ``S`` nodes) and a few below it."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = torch.arange(-1, n - 1).expand(bs, n).contiguous()
+    tokens = torch.randint(0, 2, (bs, n), generator=gen)  # two tokens: long runs of matches
+    predict = torch.randint(0, 2, (bs, n), generator=gen)
+    predict[:, :-1] = torch.where(torch.rand(bs, n - 1, generator=gen) < 0.7, tokens[:, 1:], predict[:, :-1])
+    for width in {n + extra_width, max(1, n - extra_width)}:
+        got = backend.verify_greedy_chain(tokens, predict, width)
+        want = backend.verify_greedy(tokens, parents, predict, width)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---- invariant 7: KV moves ----------------------------------------------------------------------
 @given(trees(max_n=12), st.integers(0, 10_000))
 def test_invariant_7_kv_move_puts_the_accepted_path_at_L(parents, seed):
