@@ -140,3 +140,23 @@ def test_records_are_frozen():
     with pytest.raises(AttributeError):
         record.requests = ()  # type: ignore[misc]
     assert torch.is_tensor(run_cycle(record, _ports(config)).seq_lens)
+
+
+def test_logits_check_finds_each_bad_request_and_not_an_overflowing_sum():
+    from speccycle.core import ModelOutput
+    from speccycle.statemachine.transitions import _check_logits
+
+    row_request = torch.tensor([0, 0, 1, 1, 2, 2])
+    big = torch.full((6, 4), 3e38)  # finite, but their sum overflows to inf: the rows are checked one by one
+    assert _check_logits(ModelOutput(logits=big, hidden=None), row_request, 3) == [False, False, False]
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        logits = torch.zeros(6, 4)
+        logits[3, 2] = bad
+        assert _check_logits(ModelOutput(logits=logits, hidden=None), row_request, 3) == [False, True, False]
+        assert _check_logits(ModelOutput(logits=big.clone().index_fill_(0, torch.tensor([5]), bad), hidden=None),
+                             row_request, 3) == [False, False, True]  # fmt: skip
+    finite = torch.tensor([True, True, True, True, False, True])  # a port's own reduction is used as given
+    out = ModelOutput(logits=torch.zeros(6, 4), hidden=None, finite=finite)
+    assert _check_logits(out, row_request, 3) == [False, False, True]
+    out = ModelOutput(logits=torch.full((6, 4), float("nan")), hidden=None, finite=torch.ones(6, dtype=torch.bool))
+    assert _check_logits(out, row_request, 3) == [False, False, False]
