@@ -3,11 +3,14 @@
 `engine.attention_triton` cuts each row's keys into chunks of ``CHUNK`` keys (``block_n`` per block,
 at most ``max_chunks`` chunks: longer rows get longer chunks), runs programs per (row, KV head) that
 each take every ``P``-th chunk (``programs_per_row``, default `default_programs_per_row`), and merges
-a row's chunks in a second kernel; ``max_chunks=1`` is the single pass (one program per (row, KV
-head) walks all the row's keys, one kernel). Variants (``--variants``): ``single``, ``split`` (the
-defaults), ``split-pmax`` / ``split-p4`` (one program per chunk of the static bound / 4 programs),
-and other ``b{block_n}-c{chunk}-m{max_chunks}`` constants. ``P`` changes no bit; the constants do
-(all rows of an engine must share them).
+a row's chunks in the last of its programs to finish (or, ``fused_combine=False``, in a second
+kernel); ``max_chunks=1`` is the single pass (one program per (row, KV head) walks all the row's keys,
+one kernel). Variants (``--variants``): ``single``, ``split`` (the defaults), ``split-2k`` (the merge
+in a second kernel), ``split-pmax`` / ``split-p4`` (one program per chunk of the static bound / 4
+programs), and other ``b{block_n}-c{chunk}-m{max_chunks}`` constants (``-2k``: with the second
+kernel; ``b64-c128-m32-2k`` is the first design's). ``P`` and the merge's place change no bit of a
+row against another row of the same setting; the constants change bits (all rows of an engine must
+share them).
 
 * ``time``: SmolLM2-135M (9 / 3 heads of 64) and Llama-3-8B (32 / 8 of 128) in bfloat16, page size 16,
   decode rows (each its own request with ``ctx`` keys) at 1, 1 + 7 and 1 + 15 padding rows (an
@@ -47,13 +50,13 @@ CONTEXTS = (128, 512, 2048, 8192)
 VARIANTS = {
     "single": dict(max_chunks=1),
     "split": {},
+    "split-2k": dict(fused_combine=False),  # the merge in a second kernel
     "split-pmax": dict(programs_per_row=1 << 20),  # one program per chunk of the static bound
     "split-p4": dict(programs_per_row=4),
+    "b64-c128-m32": dict(block_n=64, chunk=128, max_chunks=32),  # the first constants
+    "b64-c128-m32-2k": dict(block_n=64, chunk=128, max_chunks=32, fused_combine=False),  # and the second kernel
     "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
     "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
-    "b64-c128-m64": dict(block_n=64, chunk=128, max_chunks=64),
-    "b64-c256-m32": dict(block_n=64, chunk=256, max_chunks=32),
-    "b32-c64-m32": dict(block_n=32, chunk=64, max_chunks=32),
     "b32-c128-m32": dict(block_n=32, chunk=128, max_chunks=32),
 }
 FAILURES: list[str] = []

@@ -131,6 +131,37 @@ if triton is not None:
         return chunk_keys, num_chunks
 
     @triton.jit
+    def _merge_chunks(
+        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads, chunk_bound, stride_ot,
+        stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
+    ):  # fmt: skip
+        """Merge the ``row_chunks`` partial states of (row, query head) and store its output.
+
+        All ``BLOCK_C`` chunk lanes are reduced in one fixed tree, absent chunks contributing exact zeros,
+        so the result depends on the row's own chunks only. ``CACHE``: the loads' cache modifier (".cg",
+        past the SM's L1, where other programs of the same launch wrote the states).
+        """
+        c = tl.arange(0, BLOCK_C)
+        d = tl.arange(0, BLOCK_D)
+        live = c < row_chunks
+        part = (row.to(tl.int64) * num_heads + head) * chunk_bound + c
+        m = tl.load(part_max_ptr + part, mask=live, other=float("-inf"), cache_modifier=CACHE)
+        l = tl.load(part_sum_ptr + part, mask=live, other=0.0, cache_modifier=CACHE)
+        a = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            mask=live[:, None] & (d[None, :] < HEAD_DIM),
+            other=0.0,
+            cache_modifier=CACHE,
+        )
+        top = tl.max(m, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m - top)  # 0 for absent chunks and chunks without a valid key
+        total_sum = tl.sum(w * l, axis=0)
+        o = tl.sum(w[:, None] * a, axis=0)
+        o = o / tl.where(total_sum > 0, total_sum, 1.0)
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,
         k_ptr,
@@ -139,6 +170,7 @@ if triton is not None:
         part_acc_ptr,
         part_max_ptr,
         part_sum_ptr,
+        counter_ptr,
         row_request_ptr,
         prefix_ptr,
         extra_ptr,
@@ -169,14 +201,19 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         LOW_PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        FUSED_COMBINE: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
         ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
         bit: each chunk starts afresh and keeps its own result).
 
         A row of one chunk stores its output; a row of several stores each chunk's running max, sum
-        and unnormalized accumulator for `_paged_attention_combine_kernel`. Programs past the row's
-        chunks do nothing.
+        and unnormalized accumulator, merged by `_paged_attention_combine_kernel` or, with
+        ``FUSED_COMBINE``, by the last of the row's programs (for that KV head) to finish: each counts
+        its arrival in ``counter_ptr[row, kv_head]`` (an atomic, after a barrier, so its states are
+        visible first); the one that sees all others arrived merges the group's heads and puts the
+        counter back to 0 for the next launch. Programs past the row's chunks do nothing.
         """
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -272,6 +309,17 @@ if triton is not None:
             )
             tl.store(part_max_ptr + part, m_i, mask=split_mask)
             tl.store(part_sum_ptr + part, l_i, mask=split_mask)
+        if FUSED_COMBINE:
+            if (row_chunks > 1) & (first_chunk < row_chunks):
+                tl.debug_barrier()  # every thread's states stored before the arrival is counted
+                counter = counter_ptr + row * tl.num_programs(1) + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.minimum(tl.num_programs(2), row_chunks) - 1:  # the last of the row's programs
+                    tl.store(counter, 0)
+                    for h in tl.static_range(GROUP):
+                        _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP + h,
+                                      row_chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
+                                      BLOCK_C, ".cg")  # fmt: skip
 
     @triton.jit
     def _paged_attention_combine_kernel(
@@ -305,28 +353,9 @@ if triton is not None:
         head = tl.program_id(1)
         _, _, _, _, total = _row_keys(row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M)
         _, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
-        c = tl.arange(0, BLOCK_C)
-        d = tl.arange(0, BLOCK_D)
-        live = c < tl.where(row_chunks > 1, row_chunks, 0)  # a row of one chunk stored its output already
-        part = (row.to(tl.int64) * num_heads + head) * chunk_bound + c
-        m = tl.load(part_max_ptr + part, mask=live, other=float("-inf"))
-        l = tl.load(part_sum_ptr + part, mask=live, other=0.0)
-        a = tl.load(
-            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
-            mask=live[:, None] & (d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        top = tl.max(m, axis=0)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        w = tl.exp(m - top)  # 0 for absent chunks and chunks without a valid key
-        total_sum = tl.sum(w * l, axis=0)
-        o = tl.sum(w[:, None] * a, axis=0)
-        o = o / tl.where(total_sum > 0, total_sum, 1.0)
-        tl.store(
-            out_ptr + row * stride_ot + head * stride_oh + d,
-            o.to(out_ptr.dtype.element_ty),
-            mask=d < tl.where(row_chunks > 1, HEAD_DIM, 0),
-        )
+        if row_chunks > 1:  # a row of one chunk stored its output already
+            _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads,
+                          chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_C, "")  # fmt: skip
 
 
 # The split's constants, from the H100 sweep of bench/attention_bench.py (SmolLM2, bf16, CUDA graphs,
@@ -368,6 +397,24 @@ def default_programs_per_row(device: torch.device, rows: int, kv_heads: int, chu
     return max(1, min(chunk_bound, max(MIN_PROGRAMS_PER_ROW, wanted)))
 
 
+# Arrival counters of the fused combine, per device: int32 zeros that every launch leaves at zero (the last
+# program of a (row, KV head) puts its counter back). Allocated outside any graph capture and never freed,
+# since captured graphs keep their addresses: a larger need (more rows) adds a buffer and keeps the old.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+MIN_COUNTERS = 1 << 14  # (row, KV head) pairs: 512 rows of 32 KV heads
+
+
+def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """A zeroed int32 buffer of at least ``needed`` counters; None when one must be made during a capture."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= needed:
+        return buffers[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None  # not allocated inside a graph's pool: this launch merges with the combine kernel
+    buffers.append(torch.zeros(max(needed, MIN_COUNTERS), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def chunk_layout(total: int, chunk: int = CHUNK, max_chunks: int = MAX_CHUNKS) -> tuple[int, int]:
     """``(keys per chunk, chunks)`` of a row of ``total`` keys, as the kernels compute it (a host mirror)."""
     chunk_keys = chunk * -(-total // (chunk * max_chunks))
@@ -389,6 +436,7 @@ def paged_attention_rows_triton(
     max_chunks: int = MAX_CHUNKS,
     block_n: int = BLOCK_N,
     programs_per_row: int | None = None,
+    fused_combine: bool = True,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
 
@@ -400,6 +448,9 @@ def paged_attention_rows_triton(
     (one program per (row, KV head) walks all the row's keys, no combine). ``programs_per_row``: programs
     per (row, KV head), each taking every ``programs_per_row``-th chunk (default:
     `default_programs_per_row`); it changes the launch only, never a bit of the output.
+    ``fused_combine``: rows of several chunks are merged by the last of their programs to finish, inside
+    the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
+    benchmarks compare them). Either way a row's output is a function of its own chunks only.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
@@ -454,6 +505,13 @@ def paged_attention_rows_triton(
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
+    block_c = triton.next_power_of_2(max_chunks)
+    counters = None
+    if chunk_bound > 1 and fused_combine:
+        counters = _arrival_counters(q.device, num_rows * num_kv_heads)
+    fused = counters is not None
+    if counters is None:
+        counters = part_max  # not read
     if programs_per_row is None:
         programs = default_programs_per_row(q.device, num_rows, num_kv_heads, chunk_bound)
     else:
@@ -466,6 +524,7 @@ def paged_attention_rows_triton(
         part_acc,
         part_max,
         part_sum,
+        counters,
         row_request,
         prefix_lens,
         extra_slots,
@@ -496,9 +555,11 @@ def paged_attention_rows_triton(
         BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        FUSED_COMBINE=fused,
+        BLOCK_C=block_c,
         num_warps=4,
     )
-    if chunk_bound > 1:
+    if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
             out,
             part_acc,
@@ -518,7 +579,7 @@ def paged_attention_rows_triton(
             BLOCK_D=block_d,
             CHUNK=chunk,
             MAX_CHUNKS=max_chunks,
-            BLOCK_C=triton.next_power_of_2(max_chunks),
+            BLOCK_C=block_c,
             BLOCK_M=block_m,
             num_warps=4,
         )

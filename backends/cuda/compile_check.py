@@ -101,10 +101,10 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                    "stride_oh", "stride_et", "stride_pt")  # fmt: skip
         row_keys = dict(prefix_ptr=i64, extra_ptr=i64)
         signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
-                         row_request_ptr=i64, **row_keys, table_ptr=i64, **{name: i32 for name in strides},
-                         num_extra=i32, page_size=i32, table_width=i32, num_heads=i32, chunk_bound=i32,
-                         scale="fp32")  # fmt: skip
-        aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr",
+                         counter_ptr="*i32", row_request_ptr=i64, **row_keys, table_ptr=i64,
+                         **{name: i32 for name in strides}, num_extra=i32, page_size=i32, table_width=i32,
+                         num_heads=i32, chunk_bound=i32, scale="fp32")  # fmt: skip
+        aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr",
                    "row_request_ptr", "prefix_ptr", "extra_ptr", "table_ptr", *strides[:8], "page_size",
                    "table_width", "chunk_bound")  # fmt: skip
         low = dt != "fp32"
@@ -114,11 +114,14 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
             # SmolLM2-135M at page sizes 16 and 1, with 0-16 and 64 extra slots; Llama-3-8B at page size 16
             (9, 3, 64, 16, False), (9, 3, 64, 16, True), (9, 3, 64, 64, False), (32, 4, 128, 16, False),
         ):  # fmt: skip
+            # the merge fused into the kernel (the default) and by the combine kernel (fused_combine=False)
             ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
-                      BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, **split)  # fmt: skip
+                      BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, FUSED_COMBINE=True,
+                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
             if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
-                sets.append({**ce, "MAX_CHUNKS": 1, "chunk_bound": 1})
+                sets.append({**ce, "FUSED_COMBINE": False})
+                sets.append({**ce, "MAX_CHUNKS": 1, "chunk_bound": 1, "FUSED_COMBINE": False, "BLOCK_C": 1})
             # SmolLM2's 9 heads are not 16-divisible, Llama's 32 are: both specializations of num_heads
             out.append((attention._paged_attention_kernel, signature, sets,
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip

@@ -26,6 +26,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from speccycle.engine.attention_triton import (  # noqa: E402
+    _COUNTERS,
     CHUNK,
     MAX_CHUNKS,
     chunk_layout,
@@ -166,6 +167,14 @@ def test_split_kernel_equals_torch_twin_and_reference(page_size, heads, dtype, s
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(twin.float(), reference, atol=tol, rtol=tol)
     torch.testing.assert_close(fast.float(), twin.float(), atol=tol, rtol=tol)
+    # the merge by a second kernel (the first design) gives the fused merge's output
+    two_kernels = paged_attention_rows_triton(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                              *_rows_args(batch, DEVICE), page_size, fused_combine=False,
+                                              **options).cpu()  # fmt: skip
+    torch.testing.assert_close(two_kernels.float(), fast.float(), atol=tol, rtol=tol)
+    # every launch leaves its arrival counters at zero (the next launch, or a graph replay, counts from 0)
+    for buffer in _COUNTERS.get(torch.device(DEVICE), []):
+        assert torch.count_nonzero(buffer) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
