@@ -24,8 +24,10 @@ up to ``CHUNK * MAX_CHUNKS`` keys, then longer chunks (whole multiples of ``CHUN
 and of the row's own key count only: the verify row and the decode row above (same ``total``) are cut
 at the same places, whatever the number of rows, the batch, the page table's width or the launch.
 Each chunk runs the online softmax from scratch over its blocks and leaves ``(max, sum, accumulator)``
-in float32; `_paged_attention_combine_kernel` merges a row's chunks in one fixed reduction over
-``next_power_of_2(MAX_CHUNKS)`` lanes (absent chunks add exact zeros). A row of one chunk (at most
+in float32; the last of the row's programs (per KV head) to finish merges the row's chunks in one fixed
+reduction over ``next_power_of_2(MAX_CHUNKS)`` lanes (absent chunks add exact zeros), whichever program
+that is (an arrival counter per (row, KV head) in a persistent zeroed buffer, put back to 0 by the merger;
+``fused_combine=False``: `_paged_attention_combine_kernel` merges instead, a second launch). A row of one chunk (at most
 ``CHUNK`` keys) stores its output directly, as the single pass did; the combine skips it (merging one
 chunk would give the same bits: its weight is ``exp(0) = 1``). The launch: ``(rows, Hkv, P)``
 programs, program ``p`` taking the row's chunks ``p, p + P, ...``; ``P`` (`default_programs_per_row`,
