@@ -6,6 +6,8 @@ row 0 is the root (the last committed token), and parents precede children (``pa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -31,9 +33,14 @@ def draft_scratch_positions(seq_lens: torch.Tensor, num_steps: int, topk: int, o
 
     Shapes: ``seq_lens [bs]`` -> ``[bs, S - 1, K]``.
     """
-    steps = torch.arange(num_steps - 1, device=seq_lens.device)[:, None] * topk
-    branches = torch.arange(topk, device=seq_lens.device)[None, :]
-    return seq_lens[:, None, None] + offset + steps + branches
+    return seq_lens[:, None, None] + draft_scratch_offsets(num_steps, topk, offset, seq_lens.device)
+
+
+@functools.lru_cache(maxsize=256)
+def draft_scratch_offsets(num_steps: int, topk: int, offset: int, device: torch.device) -> torch.Tensor:
+    """`draft_scratch_positions` less ``L``: ``offset + (d - 1) * K + k``, ``[S - 1, K]`` (shared, read-only)."""
+    steps = torch.arange(num_steps - 1, device=device)[:, None] * topk
+    return offset + steps + torch.arange(topk, device=device)[None, :]
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ KV and the pool's pages).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from ..core.records import (
     Verified,
 )
 from ..core import shapes
-from ..core.tree import draft_position, draft_scratch_positions, tree_depths
+from ..core.tree import draft_position, draft_scratch_offsets, tree_depths
 from . import sampling
 from .stops import cut_at_stops
 
@@ -360,7 +361,7 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, out.logits, 1, topk_p, topk_index, 0, backend)
     hidden = None if out.hidden is None else out.hidden[last_rows]
-    return attrs.evolve(_ready(rec, topk_p, topk_index, hidden), draft_probs=draft_probs)
+    return _ready(rec, topk_p, topk_index, hidden, draft_probs)
 
 
 def skip_extend(rec: Compacted, ports: Ports, backend) -> Ready:
@@ -368,7 +369,7 @@ def skip_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     return _ready(rec, None, None, None)
 
 
-def _ready(rec: Compacted, topk_p, topk_index, hidden) -> Ready:
+def _ready(rec: Compacted, topk_p, topk_index, hidden, draft_probs=None) -> Ready:
     return Ready(
         config=rec.config,
         requests=rec.requests,
@@ -378,28 +379,37 @@ def _ready(rec: Compacted, topk_p, topk_index, hidden) -> Ready:
         topk_index=topk_index,
         draft_hidden=hidden,
         retired=rec.retired,
+        draft_probs=draft_probs,
     )
 
 
 # ---- draft -------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def _cycle_offsets(n: int, num_steps: int, topk: int, offset: int, device: torch.device) -> torch.Tensor:
+    """Positions past ``L`` whose slots a cycle looks up: the ``N`` verify rows, then the draft scratch
+    (`draft_scratch_positions` less ``L``, flattened). ``[N + (S - 1) K]`` (shared, read-only)."""
+    return torch.cat([torch.arange(n, device=device), draft_scratch_offsets(num_steps, topk, offset, device).flatten()])
+
+
 def _reserve_cycle(
-    rec: Ready, ports: Ports, backend, scratch: torch.Tensor | None = None
+    rec: Ready, ports: Ports, backend, scratch: int | None = None
 ) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Reserve the cycle's slots; the verify rows' slots ``[bs, N]`` and, given ``scratch`` positions
-    ``[bs, X...]``, theirs (one lookup for both)."""
+    """Reserve the cycle's slots. Returns the ids, the page table, the verify rows' slots ``[bs, N]`` and,
+    given the draft's scratch ``offset``, the slots of `draft_scratch_positions` ``[bs, S - 1, K]`` (one
+    lookup for both)."""
     cfg = rec.config
     ids = tuple(r.request_id for r in rec.requests)
     pairing = getattr(ports.draft, "pairing", "shifted") if is_forward(ports) else "shifted"
-    reserve(ports.kv_pool, ids, (rec.seq_lens + cfg.reserve_len(pairing)).tolist())
+    extra = cfg.reserve_len(pairing)
+    reserve(ports.kv_pool, ids, [length + extra for length in rec.seq_lens.tolist()])
     page_table = ports.kv_pool.page_table(ids)
     n, L = cfg.num_draft_tokens, rec.seq_lens
-    positions = L[:, None] + shapes.arange(n, L.device)
-    if scratch is None or scratch.numel() == 0:
-        verify_slots = backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size)
-        return ids, page_table, verify_slots, None if scratch is None else scratch.clone()
-    both = torch.cat([positions, scratch.reshape(L.shape[0], -1)], dim=1)
-    slots = backend.slots_for_positions(page_table, both, ports.kv_pool.page_size)
-    return ids, page_table, slots[:, :n], slots[:, n:].reshape(scratch.shape)
+    if scratch is None:
+        positions = L[:, None] + shapes.arange(n, L.device)
+        return ids, page_table, backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size), None
+    positions = L[:, None] + _cycle_offsets(n, cfg.num_steps, cfg.topk, scratch, L.device)
+    slots = backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size)
+    return ids, page_table, slots[:, :n], slots[:, n:].view(L.shape[0], cfg.num_steps - 1, cfg.topk)
 
 
 def draft_levels(
@@ -507,8 +517,8 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     L, device = rec.seq_lens, rec.seq_lens.device
     offset = draft_offset(ports, cfg)
-    scratch = draft_scratch_positions(L, S, K, offset)  # [bs, S-1, K]
-    ids, page_table, verify_slots, draft_slots = _reserve_cycle(rec, ports, backend, scratch)
+    # draft_slots [bs, S-1, K]: the slots of draft_scratch_positions(L, S, K, offset)
+    ids, page_table, verify_slots, draft_slots = _reserve_cycle(rec, ports, backend, offset)
 
     rows = sampling.sampled_rows(rec.requests, device)
     draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
@@ -682,7 +692,8 @@ def accept(rec: Verified, ports: Ports, backend) -> Accepted:
     accept_len = rec.accept_len
     lens, reasons = [], []
     committed_all = accepted_rows.predict.tolist()
-    for request, committed, n in zip(rec.requests, committed_all, accept_len.tolist()):
+    walked = accept_len.tolist()
+    for request, committed, n in zip(rec.requests, committed_all, walked):
         if request.finish_reason == "error":
             lens.append(1)
             reasons.append("error")
@@ -690,7 +701,8 @@ def accept(rec: Verified, ports: Ports, backend) -> Accepted:
         keep, reason = cut_at_stops(request, committed[:n], ports.detokenizer)
         lens.append(keep)
         reasons.append(reason)
-    accept_len = torch.tensor(lens, dtype=torch.long, device=accept_len.device)
+    if lens != walked:  # a stop, the length limit or an error cut a run
+        accept_len = torch.tensor(lens, dtype=torch.long, device=accept_len.device)
     bonus = backend.fill_bonus(accepted_rows.predict, accept_len, cfg.accept_width)
     return Accepted(
         config=cfg,
@@ -722,29 +734,34 @@ def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
     ports.recurrent.commit(request_ids=ids, last_correct_step_indices=last_correct)
 
     committed = rec.accepted_rows.predict.tolist()
+    lens = rec.accept_len.tolist()
     logprobs = rec.accepted_rows.logprobs
     logprob_rows = [[]] * bs if logprobs is None else logprobs.tolist()
     requests = []
-    for request, tokens, n, reason, lps in zip(
-        rec.requests, committed, rec.accept_len.tolist(), rec.finish_reasons, logprob_rows
-    ):
+    for request, tokens, n, reason, lps in zip(rec.requests, committed, lens, rec.finish_reasons, logprob_rows):
         if request.finish_reason == "error":
             requests.append(request)
             continue
         request = _with_logprobs(request, lps, n)
         requests.append(attrs.evolve(request, output=request.output + tuple(tokens[:n]), finish_reason=reason))
 
-    # Draft extend rows: the committed tokens at L + offset + i (shifted: with the target features).
+    # Draft extend rows: the committed tokens (accepted rows d < accept_len of each request) at
+    # L + offset + d, shifted drafts with the target features. Built as lists: one copy, no boolean index.
     offset = draft_offset(ports, cfg)
     width = cfg.accept_width
-    valid = torch.arange(width, device=device)[None, :] < rec.accept_len[:, None]  # [bs, S+1]
-    positions = L[:, None] + offset + torch.arange(width, device=device)[None, :]
+    flat, ids, positions, row_request = [], [], [], []
+    for b, (tokens, n, length) in enumerate(zip(committed, lens, L.tolist())):
+        flat += range(b * width, b * width + n)
+        ids += tokens[:n]
+        positions += range(length + offset, length + offset + n)
+        row_request += [b] * n
+    rows = torch.tensor([ids, positions, row_request, flat], dtype=torch.long, device=device).view(4, len(ids))
     hidden = rec.accepted_rows.hidden
     extend = ExtendRows(
-        input_ids=rec.accepted_rows.predict[valid],
-        positions=positions[valid],
-        row_request=torch.arange(bs, device=device)[:, None].expand(bs, width)[valid],
-        hidden=None if hidden is None or offset == 1 else hidden[valid],
+        input_ids=rows[0],
+        positions=rows[1],
+        row_request=rows[2],
+        hidden=None if hidden is None or offset == 1 else hidden.flatten(0, 1).index_select(0, rows[3]),
     )
     return Compacted(
         config=cfg,

@@ -61,10 +61,11 @@ class TorchBackend:
         Shapes: ``page_table [bs, max_pages]``, ``positions [bs, X]`` -> ``[bs, X]`` int64.
         """
         flat = positions.reshape(positions.shape[0], -1)
-        pages = page_table.gather(1, flat // page_size)
-        if bool((pages < 0).any()):
+        pages = page_table.gather(1, flat if page_size == 1 else flat // page_size)
+        if pages.numel() and pages.min().item() < 0:
             raise IndexError("a position lies past the pages its request holds; reserve before assigning slots")
-        return (pages * page_size + flat % page_size).reshape(positions.shape)
+        slots = pages if page_size == 1 else torch.add(flat % page_size, pages, alpha=page_size)
+        return slots.reshape(positions.shape)
 
     # ---- verify ------------------------------------------------------------------------------
     def greedy_predict(self, logits: torch.Tensor) -> torch.Tensor:
@@ -152,9 +153,9 @@ class TorchBackend:
         Shapes: ``rows [bs * N, ...]``, ``accept_index [bs, S + 1]`` -> ``[bs, S + 1, ...]``; entries
         past ``accept_len`` are zero.
         """
-        valid = accept_index >= 0
-        out = rows[accept_index.clamp(min=0).reshape(-1)].reshape(*accept_index.shape, *rows.shape[1:])
-        return out * valid.reshape(*valid.shape, *([1] * (rows.dim() - 1))).to(out.dtype)
+        out = rows.index_select(0, accept_index.clamp(min=0).reshape(-1))
+        out = out.reshape(*accept_index.shape, *rows.shape[1:])
+        return out.masked_fill_((accept_index < 0).reshape(*accept_index.shape, *([1] * (rows.dim() - 1))), 0)
 
     def fill_bonus(self, accept_tokens: torch.Tensor, accept_len: torch.Tensor, stride: int) -> torch.Tensor:
         """The bonus token: ``accept_tokens.flat[b * stride + accept_len - 1]``.
@@ -166,8 +167,7 @@ class TorchBackend:
         bs = accept_len.shape[0]
         if flat.numel() != bs * stride:
             raise ValueError(f"accept_tokens holds {flat.numel()} entries, expected bs * stride = {bs * stride}")
-        base = torch.arange(bs, device=flat.device) * stride
-        return flat[base + accept_len - 1]
+        return flat.index_select(0, shapes.block_starts(bs, stride, flat.device)[:, 0] + (accept_len - 1))
 
     # ---- compact -----------------------------------------------------------------------------
     def plan_kv_move(
@@ -201,5 +201,5 @@ class TorchBackend:
     def last_correct_step_indices(self, accept_index: torch.Tensor, accept_len: torch.Tensor, n: int):
         """Index inside the request's ``N``-block of its last accepted row. Shapes: -> ``[bs]``."""
         bs = accept_len.shape[0]
-        last = accept_index.gather(1, (accept_len - 1)[:, None]).squeeze(1)
-        return last - torch.arange(bs, device=last.device) * n
+        last = accept_index.gather(1, (accept_len - 1)[:, None])
+        return (last - shapes.block_starts(bs, n, last.device))[:, 0]
