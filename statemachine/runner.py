@@ -7,6 +7,7 @@ an optional callback; nothing else leaves a step but the record (and what the po
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,9 +37,15 @@ class TraceEvent:
     rows: int  # verify rows (bs * N) or extend rows, 0 where none
 
 
+@functools.lru_cache(maxsize=64)
+def _candidates(kind: type, event: str | None) -> tuple[Transition, ...]:
+    """The table's rows for a record type (and event), in table order: the table is a constant."""
+    return tuple(r for r in TABLE if issubclass(kind, r.source) and (event is None or r.event == event))
+
+
 def select(record, ports: Ports, event: str | None = None) -> Transition:
     """The row that applies to ``record``: its type, ``event`` when given, and a true guard."""
-    rows = [r for r in TABLE if isinstance(record, r.source) and (event is None or r.event == event)]
+    rows = _candidates(type(record), event)
     enabled = [r for r in rows if r.guard(record, ports)]
     if len(enabled) != 1:
         what = type(record).__name__ + (f" on {event!r}" if event else "")
@@ -87,7 +94,7 @@ def run_cycle(record, ports: Ports, backend=None, **kwargs) -> Ready:
         if isinstance(record, Compacted) and record.retired:
             retired += record.retired
         record = step(record, ports, backend, **kwargs)
-    return attrs.evolve(record, retired=retired)
+    return record if record.retired == retired else attrs.evolve(record, retired=retired)
 
 
 def generate(

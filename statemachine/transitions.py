@@ -454,11 +454,14 @@ def draft_levels(
     path_slots = torch.empty((bs, K, 0), dtype=torch.long, device=device)
     positions_per_step = []
     for j in range(S - 1):
-        own = draft_slots[:, j, :]  # [bs, K]
         positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
         positions_per_step.append(positions)
-        path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)  # [bs, K, j + 1]: ancestors' and own
-        extra = path_slots.reshape(bs * K, j + 1)
+        if K == 1:  # a chain's path is every level's slot so far
+            own, extra = draft_slots[:, j, 0], draft_slots[:, : j + 1, 0]  # [bs], [bs, j + 1]
+        else:
+            own = draft_slots[:, j, :]  # [bs, K]
+            path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)  # [bs, K, j + 1]: ancestors' and own
+            extra = path_slots.reshape(bs * K, j + 1)
         # A sampled draft that ran out of mass left -1 (padding): any valid id feeds the forward.
         input_ids = frontier_tokens.reshape(-1) if rows is None else frontier_tokens.reshape(-1).clamp(min=0)
         batch = _batch(
