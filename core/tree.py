@@ -43,8 +43,41 @@ def draft_scratch_offsets(num_steps: int, topk: int, offset: int, device: torch.
     return offset + steps + torch.arange(topk, device=device)[None, :]
 
 
+# Trees up to this many rows in all are walked as lists on a CPU: one pass over the rows instead of
+# ``depth`` rounds of tensor ops (one 16-row tree: depths ~9 us instead of ~36 us, the mask ~17 us
+# instead of ~45 us; the mask's lists grow with rows times depth, so it stops at fewer rows).
+HOST_WALK_ROWS = 256
+HOST_MASK_ROWS = 64
+
+
+def _host_rows(parents: torch.Tensor, limit: int = HOST_WALK_ROWS) -> list[list[int]] | None:
+    """``parents`` as lists when a host walk applies: on a CPU, small, every parent before its row."""
+    if parents.device.type != "cpu" or parents.numel() > limit or parents.dim() < 1:
+        return None
+    rows = parents.reshape(-1, parents.shape[-1]).tolist()
+    for row in rows:
+        for i, q in enumerate(row):
+            if q >= i:
+                return None  # not parents-first: the tensor rounds handle any acyclic order
+    return rows
+
+
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of every row (root 0). Shapes: ``parents [bs, N]`` -> ``[bs, N]``."""
+    rows = _host_rows(parents)
+    if rows is not None:
+        depths = []
+        for row in rows:
+            depth = [0] * len(row)
+            for i, q in enumerate(row):
+                if q >= 0:
+                    depth[i] = depth[q] + 1
+            depths.append(depth)
+        return torch.tensor(depths, dtype=parents.dtype).view(parents.shape)
+    return _tree_depths_rounds(parents)
+
+
+def _tree_depths_rounds(parents: torch.Tensor) -> torch.Tensor:
     n = parents.shape[-1]
     depths = torch.zeros_like(parents)
     safe = parents.clamp(min=0)
@@ -62,6 +95,23 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
     Shapes: ``parents [bs, N]`` -> ``[bs, N, N]`` bool.
     """
+    rows = _host_rows(parents, HOST_MASK_ROWS)
+    if rows is None:
+        return _ancestor_mask_rounds(parents)
+    bs, n = parents.shape
+    flat = []  # (b * n + i) * n + j for every ancestor j of row i (itself included)
+    for b, row in enumerate(rows):
+        ancestors: list[list[int]] = []
+        for i, q in enumerate(row):
+            mine = [i] if q < 0 else ancestors[q] + [i]
+            ancestors.append(mine)
+            base = (b * n + i) * n
+            flat += [base + j for j in mine]
+    mask = torch.zeros(bs * n * n, dtype=torch.bool)
+    return mask.index_fill_(0, torch.tensor(flat, dtype=torch.long), True).view(bs, n, n)
+
+
+def _ancestor_mask_rounds(parents: torch.Tensor) -> torch.Tensor:
     bs, n = parents.shape
     mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(bs, n, n).clone()
     safe = parents.clamp(min=0)

@@ -158,6 +158,20 @@ def test_invariant_5_chain_verify_equals_the_tree_walk(bs, n, extra_width, seed)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@given(trees(max_n=20, max_bs=4), st.booleans())
+def test_invariant_4_host_walks_equal_the_tensor_rounds(parents, shuffled):
+    """On a CPU, small trees take list walks (`core.tree.HOST_WALK_ROWS`); they equal the tensor rounds
+    exactly, and a tree whose parents do not precede their rows (``shuffled``) takes the rounds."""
+    from speccycle.core import tree
+
+    if shuffled and parents.shape[1] > 2:  # relabel rows in reverse: each parent now follows its row
+        n = parents.shape[1]
+        parents = torch.where(parents >= 0, n - 1 - parents, -1).flip(1)
+    assert torch.equal(tree.tree_depths(parents), tree._tree_depths_rounds(parents))
+    assert torch.equal(tree.ancestor_mask(parents), tree._ancestor_mask_rounds(parents))
+    assert tree.tree_depths(parents).dtype == parents.dtype
+
+
 # ---- invariant 7: KV moves ----------------------------------------------------------------------
 @given(trees(max_n=12), st.integers(0, 10_000))
 def test_invariant_7_kv_move_puts_the_accepted_path_at_L(parents, seed):
