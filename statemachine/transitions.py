@@ -439,8 +439,9 @@ def draft_levels(
     offset = draft_offset(ports, cfg)
     row_request = torch.arange(bs, device=device)
     prefix_lens = L + offset
-    if K > 1:
-        row_request, prefix_lens = row_request.repeat_interleave(K), prefix_lens.repeat_interleave(K)
+    if K > 1:  # K rows per request (expand and flatten: the same as repeat_interleave, cheaper on a CPU)
+        row_request = row_request[:, None].expand(bs, K).reshape(-1)
+        prefix_lens = prefix_lens[:, None].expand(bs, K).reshape(-1)
     frontier_scores, frontier_tokens = topk_p, topk_index  # [bs, K]
     parent_hidden = None
     if draft_hidden is not None:
@@ -468,7 +469,7 @@ def draft_levels(
             ports,
             ids,
             input_ids,
-            positions if K == 1 else positions.repeat_interleave(K),
+            positions if K == 1 else prefix_lens + j,  # L + j + offset, K rows per request
             row_request,
             own.reshape(-1),
             prefix_lens,
@@ -493,7 +494,7 @@ def draft_levels(
         level_base = K + j * K * K
         cand_tokens.append(child_ids.reshape(bs, K * K))
         cand_scores.append(cum)
-        cand_parents.append(frontier_cand.repeat_interleave(K, dim=1))
+        cand_parents.append(frontier_cand[:, :, None].expand(bs, K, K).reshape(bs, K * K))
         parent_k = keep // K  # [bs, K]: which frontier node each new frontier node hangs under
         frontier_cand = level_base + keep
         if out.hidden is not None:
