@@ -368,18 +368,19 @@ def overhead_plot(name: str, result: dict) -> bytes | None:
     except ImportError:
         return None
     rows = result.get("rows", [])
-    groups = list(dict.fromkeys((_config_label(r["config"]), r["batch_size"]) for r in rows))
+    groups = list(dict.fromkeys((_config_label(r["config"]), r["batch_size"], r.get("backend")) for r in rows))
     if not groups:
         return None
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
+    fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(groups)), 3.6), dpi=110)
     width = 0.38
     for offset, checked, color in ((-width / 2, False, "#5c6bc0"), (width / 2, True, "#ef6c00")):
         values = []
-        for config, batch in groups:
+        for config, batch, backend in groups:
             match = [
                 r["overhead_us_median"]
                 for r in rows
-                if _config_label(r["config"]) == config and r["batch_size"] == batch and r["checked"] == checked
+                if (_config_label(r["config"]), r["batch_size"], r.get("backend")) == (config, batch, backend)
+                and r["checked"] == checked
             ]
             values.append(match[0] / 1000 if match else 0.0)
         ax.bar(
@@ -390,7 +391,7 @@ def overhead_plot(name: str, result: dict) -> bytes | None:
             color=color,
         )
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{c}\nbs={b}" for c, b in groups], fontsize=8)
+    ax.set_xticklabels([f"{c}\nbs={b}" + (f"\n{k}" if k else "") for c, b, k in groups], fontsize=8)
     ax.set_ylabel("median overhead per cycle (ms)")
     ax.set_title(
         f"{result.get('benchmark', name)}: {result.get('device', '?')}, commit {result.get('commit', '?')}", fontsize=9
