@@ -137,15 +137,14 @@ class NgramDraft:
         limit = 1 if topk == 1 else self.max_matches
         tries = [_trie(self.continuations(history, num_steps, limit), num_nodes, topk) for history in histories]
         width = max((len(t) for t, _ in tries), default=0)
-        tokens = torch.zeros((len(histories), width), dtype=torch.long)
-        parents = torch.zeros((len(histories), width), dtype=torch.long)
-        for b, ((node_tokens, node_parents), history) in enumerate(zip(tries, histories)):
+        for (node_tokens, node_parents), history in zip(tries, histories):
             while len(node_tokens) < width:  # a shorter guess than the batch's: pad, cheaply rejected
                 node_parents.append(len(node_tokens) if topk == 1 else 0)
                 node_tokens.append(history[-1])
-            tokens[b] = torch.tensor(node_tokens, dtype=torch.long)
-            parents[b] = torch.tensor(node_parents, dtype=torch.long)
-        return tokens, parents
+        # One tensor for both (a copy per request cost ~5 us each on a CPU host): [2, bs, width]
+        both = torch.tensor([[t for t, _ in tries], [p for _, p in tries]], dtype=torch.long)
+        both = both.view(2, len(histories), width)
+        return both[0], both[1]
 
 
 def _trie(conts: list[list[int]], num_nodes: int, topk: int) -> tuple[list[int], list[int]]:
