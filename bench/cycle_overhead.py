@@ -9,8 +9,9 @@ the invariant checks: the host cost of a cycle, what `engine.host_control` pays 
 Per draft family (``forward``: a model draft, EAGLE-like; ``lookup``: an n-gram-like draft), config,
 batch size and backend (``torch``: the reference ops, the CPU engine's; ``host``:
 `engine.host_control.HostBackend`, the GPU host plane's), unchecked and checked: the median and p90
-per cycle, and unchecked the median per transition (``phases``: the row's ``run`` only, models out;
-``runner``: the rest of the cycle, row selection and the runner). ``--baseline DIR`` first runs this
+per cycle, and unchecked the median per transition (``phases``: the row's ``run`` only, models out,
+from as many cycles again with a trace; ``runner``: the untraced median less theirs, row selection
+and the runner). ``--baseline DIR`` first runs this
 same file against another checkout (``DIR/speccycle`` a copy of the package, e.g.
 ``git archive <commit> | tar -x -C DIR/speccycle``) in a subprocess, so both are measured side by side.
 """
@@ -120,23 +121,24 @@ def measure(name: str, batch: int, backend_name: str, cycles: int, checked: bool
     requests = tuple(Request(i, (2, 3, 4, 5), SamplingParams(max_new_tokens=10**7)) for i in range(batch))
     ready = run_cycle(Admitted(config=config, requests=requests), ports, backend)
     phases: dict[str, list[float]] = {}
-    seen = [0.0, 0.0]  # model seconds at the last trace event, run seconds of this cycle
+    seen = [0.0]  # model seconds at the last trace event
 
     def trace(event) -> None:  # the row's run time, the models' share taken out
         models, seen[0] = clock.seconds - seen[0], clock.seconds
         phases.setdefault(event.event, []).append(event.duration_s - models)
-        seen[1] += event.duration_s - models
 
     for _ in range(min(20, cycles)):  # warm up
         ready = run_cycle(ready, ports, backend, checked=checked)
-    phases.clear()
-    per_cycle, runs = [], []
-    for _ in range(cycles):
-        clock.seconds = seen[0] = seen[1] = 0.0
+    per_cycle = []
+    for _ in range(cycles):  # the figure: no trace
+        clock.seconds = 0.0
         start = time.perf_counter()
-        ready = run_cycle(ready, ports, backend, checked=checked, trace=None if checked else trace)
+        ready = run_cycle(ready, ports, backend, checked=checked)
         per_cycle.append(time.perf_counter() - start - clock.seconds)
-        runs.append(seen[1])
+    if not checked:  # the breakdown: as many cycles again, traced
+        for _ in range(cycles):
+            clock.seconds = seen[0] = 0.0
+            ready = run_cycle(ready, ports, backend, trace=trace)
     row = {
         "config": name,
         "draft": kind,
@@ -151,11 +153,10 @@ def measure(name: str, batch: int, backend_name: str, cycles: int, checked: bool
         "overhead_us_median": statistics.median(per_cycle) * 1e6,
         "overhead_us_p90": sorted(per_cycle)[int(0.9 * len(per_cycle))] * 1e6,
     }
-    if not checked:
-        row["phases_us_median"] = {e: round(statistics.median(v) * 1e6, 1) for e, v in phases.items()}
-        row["phases_us_median"]["runner"] = round(
-            statistics.median(c - r for c, r in zip(per_cycle, runs)) * 1e6, 1
-        )
+    if not checked:  # runner: the untraced median less the transitions' medians (selection, runner, records)
+        medians = {e: statistics.median(v) * 1e6 for e, v in phases.items()}
+        medians["runner"] = row["overhead_us_median"] - sum(medians.values())
+        row["phases_us_median"] = {e: round(v, 1) for e, v in medians.items()}
     return row
 
 
