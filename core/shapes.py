@@ -54,6 +54,13 @@ def chain_mask(n: int, device: torch.device) -> torch.Tensor:
 
 
 @_CACHE
+def strictly_lower(n: int, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` bool, ``[i, j]`` true where ``j < i``: the rows before each row."""
+    rows = torch.arange(n, device=device)
+    return rows[:, None] > rows[None, :]
+
+
+@_CACHE
 def no_extra_slots(rows: int, device: torch.device) -> torch.Tensor:
     """``[rows, 0]`` int64: the extra slots of a causal batch (none)."""
     return torch.empty((rows, 0), dtype=torch.long, device=device)

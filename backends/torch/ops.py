@@ -82,21 +82,23 @@ class TorchBackend:
         ``bs * N``, -1 padded), ``accept_len [bs]``.
         """
         bs, n = tokens.shape
-        idx = torch.arange(n, device=tokens.device)
+        device = tokens.device
+        idx = shapes.arange(n, device)
         safe_parents = parents.clamp(min=0)
         matches = (tokens == predict.gather(1, safe_parents)) & (parents >= 0)
         # Only the first matching child of a parent can be on the greedy path.
-        earlier = (parents[:, :, None] == parents[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+        earlier = (parents[:, :, None] == parents[:, None, :]) & shapes.strictly_lower(n, device)
         first_match = matches & ~(earlier & matches[:, None, :]).any(-1)
-        on_path = (idx[None, :] == 0).expand(bs, n)
-        for _ in range(accept_width - 1):
-            on_path = (idx[None, :] == 0) | (first_match & on_path.gather(1, safe_parents))
+        root = idx == 0
+        on_path = root.expand(bs, n)
+        for _ in range(min(accept_width, n) - 1):  # a path has at most n rows: later rounds change nothing
+            on_path = root | (first_match & on_path.gather(1, safe_parents))
         accept_len = on_path.sum(-1)
-        order = torch.where(on_path, idx[None, :], idx[None, :] + n).sort(dim=-1).values
+        order = torch.where(on_path, idx, idx + n).sort(dim=-1).values
         width = min(accept_width, n)
         rows = order[:, :width]
-        flat = rows + (torch.arange(bs, device=tokens.device) * n)[:, None]
-        keep = torch.arange(width, device=tokens.device)[None, :] < accept_len[:, None]
+        flat = rows + shapes.block_starts(bs, n, device)
+        keep = shapes.arange(width, device) < accept_len[:, None]
         accept_index = torch.full((bs, accept_width), -1, dtype=torch.long, device=tokens.device)
         accept_index[:, :width] = torch.where(keep, flat, -1)
         return accept_index, accept_len
@@ -181,8 +183,9 @@ class TorchBackend:
         """
         bs, n = verify_slots.shape
         width = accept_index.shape[1]
-        rows = accept_index - (torch.arange(bs, device=accept_index.device) * n)[:, None]
-        depth = torch.arange(width, device=accept_index.device)[None, :]
+        device = accept_index.device
+        rows = accept_index - shapes.block_starts(bs, n, device)
+        depth = shapes.arange(width, device)
         valid = (depth < accept_len[:, None]) & (rows != depth) & (accept_index >= 0)
         src = verify_slots.gather(1, rows.clamp(0, n - 1))
         dst = verify_slots.gather(1, depth.clamp(max=n - 1).expand(bs, -1))
