@@ -10,7 +10,7 @@ Per draft family (``forward``: a model draft, EAGLE-like; ``lookup``: an n-gram-
 batch size and backend (``torch``: the reference ops, the CPU engine's; ``host``:
 `engine.host_control.HostBackend`, the GPU host plane's), unchecked and checked: the median and p90
 per cycle, and unchecked the median per transition (``phases``: the row's ``run`` only, models out,
-from as many cycles again with a trace; ``runner``: the untraced median less theirs, row selection
+from as many cycles with a trace, interleaved; ``runner``: the untraced median less theirs, row selection
 and the runner). ``--baseline DIR`` first runs this
 same file against another checkout (``DIR/speccycle`` a copy of the package, e.g.
 ``git archive <commit> | tar -x -C DIR/speccycle``) in a subprocess, so both are measured side by side.
@@ -130,13 +130,12 @@ def measure(name: str, batch: int, backend_name: str, cycles: int, checked: bool
     for _ in range(min(20, cycles)):  # warm up
         ready = run_cycle(ready, ports, backend, checked=checked)
     per_cycle = []
-    for _ in range(cycles):  # the figure: no trace
+    for _ in range(cycles):
         clock.seconds = 0.0
         start = time.perf_counter()
-        ready = run_cycle(ready, ports, backend, checked=checked)
+        ready = run_cycle(ready, ports, backend, checked=checked)  # the figure: no trace
         per_cycle.append(time.perf_counter() - start - clock.seconds)
-    if not checked:  # the breakdown: as many cycles again, traced
-        for _ in range(cycles):
+        if not checked:  # the breakdown: every other cycle traced (the batch grows as it runs)
             clock.seconds = seen[0] = 0.0
             ready = run_cycle(ready, ports, backend, trace=trace)
     row = {
