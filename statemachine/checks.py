@@ -83,11 +83,13 @@ def check_record(record, ports) -> None:
 def _check_committed(record, ports) -> None:
     pool, cfg = ports.kv_pool, record.config
     offset = _offset(record, ports)
+    seq_lens, root_tokens = record.seq_lens.tolist(), record.root_tokens.tolist()
+    reserve = cfg.reserve_len("aligned" if offset else "shifted")
     for i, request in enumerate(record.requests):
         held = pool.pages_held(request.request_id)
         if request.finish_reason is not None:
             continue
-        L = int(record.seq_lens[i])
+        L = seq_lens[i]
         require(
             L == len(request.prompt) + len(request.output) - 1,
             8,
@@ -95,12 +97,12 @@ def _check_committed(record, ports) -> None:
             f"{len(request.prompt) + len(request.output) - 1}",
         )
         require(
-            int(record.root_tokens[i]) == request.output[-1],
+            root_tokens[i] == request.output[-1],
             10,
             f"request {request.request_id}: root token is not the last committed token",
         )
         least = math.ceil((L + offset) / pool.page_size)
-        most = math.ceil((L + cfg.reserve_len("aligned" if offset else "shifted")) / pool.page_size)
+        most = math.ceil((L + reserve) / pool.page_size)
         require(
             least <= held <= max(least, most),
             8,
@@ -140,17 +142,19 @@ def _check_recurrent(record: Compacted, ports) -> None:
 
 def _check_extend_rows(record: Compacted, offset: int) -> None:
     ext = record.extend
+    per_request: dict[int, list[int]] = {}
+    for i, position in zip(ext.row_request.tolist(), ext.positions.tolist()):
+        per_request.setdefault(i, []).append(position)
+    seq_lens = record.seq_lens.tolist()
     for i, request in enumerate(record.requests):
-        rows = ext.row_request == i
-        positions = ext.positions[rows]
-        if positions.numel() == 0:
+        positions = per_request.get(i)
+        if not positions:
             continue
-        end = int(record.seq_lens[i]) + offset
-        expected = torch.arange(end - positions.numel(), end, device=positions.device)
+        end = seq_lens[i] + offset
         require(
-            torch.equal(positions, expected),
+            positions == list(range(end - len(positions), end)),
             2,
-            f"request {request.request_id}: draft extend positions {positions.tolist()} should end at {end - 1}",
+            f"request {request.request_id}: draft extend positions {positions} should end at {end - 1}",
         )
 
 
@@ -189,19 +193,21 @@ def _check_reserved(record, ports) -> None:
     """Invariants 3 and 8: every slot distinct and inside its request's pages; pages as reserved."""
     pool, cfg = ports.kv_pool, record.config
     page_size = pool.page_size
-    page_table = pool.page_table(tuple(r.request_id for r in record.requests))
+    page_table = pool.page_table(tuple(r.request_id for r in record.requests)).tolist()
+    bs = len(record.requests)
+    kinds = [record.verify_slots.reshape(bs, -1).tolist()]
+    if isinstance(record, Drafted):
+        kinds.append(record.draft_slots.reshape(bs, -1).tolist())
+    seq_lens = record.seq_lens.tolist()
+    reserve = cfg.reserve_len("aligned" if _offset(record, ports) else "shifted")
     for i, request in enumerate(record.requests):
-        pages = set(page_table[i][page_table[i] >= 0].tolist())
-        slots = [record.verify_slots[i]]
-        if isinstance(record, Drafted):
-            slots.append(record.draft_slots[i].reshape(-1))
-        for kind, s in zip(("verify", "draft"), slots):
-            values = s.tolist()
+        pages = {p for p in page_table[i] if p >= 0}
+        for kind, slots in zip(("verify", "draft"), kinds):
+            values = slots[i]
             require(len(set(values)) == len(values), 3, f"request {request.request_id}: {kind} slots repeat: {values}")
             outside = [v for v in values if v // page_size not in pages]
             require(not outside, 3, f"request {request.request_id}: {kind} slots {outside} outside its pages")
-        pairing = "aligned" if _offset(record, ports) else "shifted"
-        want = math.ceil((int(record.seq_lens[i]) + cfg.reserve_len(pairing)) / page_size)
+        want = math.ceil((seq_lens[i] + reserve) / page_size)
         held = pool.pages_held(request.request_id)
         require(held == want, 8, f"request {request.request_id}: holds {held} pages during the cycle, expected {want}")
 
@@ -219,15 +225,16 @@ def _check_accept(cfg, tree, accept_index: torch.Tensor, accept_len: torch.Tenso
         5,
         f"accept_len {accept_len.tolist()} outside [1, {min(width, n)}]",
     )
+    lens, rows, all_parents = accept_len.tolist(), accept_index.tolist(), tree.parents.tolist()
     for b in range(bs):
-        m = int(accept_len[b])
-        row = accept_index[b].tolist()
+        m = lens[b]
+        row = rows[b]
         require(row[0] == b * n, 5, f"request {b}: accept_index[0]={row[0]} is not its root {b * n}")
         require(all(v == -1 for v in row[m:]), 5, f"request {b}: entries after accept_len must be -1: {row}")
         path = [v - b * n for v in row[:m]]
         require(all(0 <= v < n for v in path), 5, f"request {b}: accept_index leaves its block: {row}")
         require(all(x < y for x, y in zip(path, path[1:])), 5, f"request {b}: accept_index not increasing: {row}")
-        parents = tree.parents[b].tolist()
+        parents = all_parents[b]
         require(
             all(parents[y] == x for x, y in zip(path, path[1:])),
             5,
@@ -260,12 +267,13 @@ def _check_block(record: Verified, block_size: int) -> None:
 
 def _check_greedy_path(record: Verified) -> None:
     bs, n = record.tree.tokens.shape
-    predict = record.rows.predict.view(bs, n)
+    predict = record.rows.predict.view(bs, n).tolist()
+    tokens, rows, lens = record.tree.tokens.tolist(), record.accept_index.tolist(), record.accept_len.tolist()
     for b in range(bs):
-        path = [v - b * n for v in record.accept_index[b].tolist()[: int(record.accept_len[b])]]
+        path = [v - b * n for v in rows[b][: lens[b]]]
         for parent, child in zip(path, path[1:]):
             require(
-                int(record.tree.tokens[b, child]) == int(predict[b, parent]),
+                tokens[b][child] == predict[b][parent],
                 10,
                 f"request {b}: accepted row {child} does not match the target's prediction at row {parent}",
             )
