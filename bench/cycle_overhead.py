@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--baseline-commit", default=None, help="the commit the baseline copy was taken from")
     parser.add_argument("--emit-json", action="store_true", help="print the rows as JSON and write nothing")
     parser.add_argument("--no-write", action="store_true", help="print the rows, write no result file")
+    parser.add_argument("--note", default="", help="appended to the result's note (the machine, its load)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     configs = args.configs.split(",")
@@ -212,7 +213,8 @@ def main() -> None:
         return
     payload = {
         "rows": rows,
-        "note": "CPU, models excluded (constant test models, every draft accepted); median and p90 over cycles",
+        "note": "CPU, models excluded (constant test models, every draft accepted); median and p90 over cycles"
+        + (f"; {args.note}" if args.note else ""),
     }
     if baseline is not None:
         payload["baseline"] = {"commit": args.baseline_commit, "rows": baseline}
