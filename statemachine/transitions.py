@@ -457,8 +457,9 @@ def draft_levels(
     for j in range(S - 1):
         positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
         positions_per_step.append(positions)
-        if K == 1:  # a chain's path is every level's slot so far
-            own, extra = draft_slots[:, j, 0], draft_slots[:, : j + 1, 0]  # [bs], [bs, j + 1]
+        if K == 1:  # a chain's path is every level's slot so far. Contiguous: a port's kernel may read
+            # them as flat arrays (the fused KV write does), and these are column slices of draft_slots.
+            own, extra = draft_slots[:, j, 0].contiguous(), draft_slots[:, : j + 1, 0].contiguous()
         else:
             own = draft_slots[:, j, :]  # [bs, K]
             path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)  # [bs, K, j + 1]: ancestors' and own

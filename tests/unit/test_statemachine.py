@@ -160,3 +160,21 @@ def test_logits_check_finds_each_bad_request_and_not_an_overflowing_sum():
     assert _check_logits(out, row_request, 3) == [False, False, True]
     out = ModelOutput(logits=torch.full((6, 4), float("nan")), hidden=None, finite=torch.ones(6, dtype=torch.bool))
     assert _check_logits(out, row_request, 3) == [False, False, False]
+
+
+@pytest.mark.parametrize("topk, nodes", [(1, None), (2, 5)])
+def test_draft_forward_batches_hold_contiguous_slots(topk, nodes):
+    """A port's kernel may read ``out_slots`` and ``extra_slots`` rows as flat arrays (the fast engine's
+    fused KV write reads ``out_slots[row]`` by pointer); at batch > 1 a chain's were strided column views."""
+    config = SpecConfig(num_steps=4, topk=topk, num_draft_tokens=nodes, page_size=2)
+    ports = _ports(config)
+    seen = []
+    step_forward = ports.draft.step
+
+    def step_checked(batch, parent_hidden):
+        seen.append((batch.out_slots.is_contiguous(), batch.extra_slots.is_contiguous()))
+        return step_forward(batch, parent_hidden)
+
+    ports.draft.step = step_checked
+    generate(_requests(3, 8), config, ports, checked=True)
+    assert seen and all(out and extra for out, extra in seen)
