@@ -96,7 +96,7 @@ def _batch(
 
 def _row_slots(backend, page_table, row_request, positions, page_size) -> torch.Tensor:
     """Slot of each ragged row through its request's page table. Shapes: ``[T]`` -> ``[T]``."""
-    rows = page_table[row_request]
+    rows = page_table.index_select(0, row_request)
     return backend.slots_for_positions(rows, positions[:, None], page_size)[:, 0]
 
 
@@ -360,7 +360,7 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     rows = sampling.sampled_rows(rec.requests, out.logits.device)
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, out.logits, 1, topk_p, topk_index, 0, backend)
-    hidden = None if out.hidden is None else out.hidden[last_rows]
+    hidden = None if out.hidden is None else out.hidden.index_select(0, last_rows)
     return _ready(rec, topk_p, topk_index, hidden, draft_probs)
 
 
@@ -628,7 +628,7 @@ def target_verify_forward(rec: Drafted, ports: Ports, mask: torch.Tensor) -> tup
         (L[:, None] + rec.tree.depths).reshape(-1),
         row_request,
         rec.verify_slots.reshape(-1),
-        L[row_request],
+        L.index_select(0, row_request),
         extra,
         ports.kv_pool.page_table(ids),
     )

@@ -155,9 +155,11 @@ class TorchBackend:
         Shapes: ``rows [bs * N, ...]``, ``accept_index [bs, S + 1]`` -> ``[bs, S + 1, ...]``; entries
         past ``accept_len`` are zero.
         """
-        out = rows.index_select(0, accept_index.clamp(min=0).reshape(-1))
-        out = out.reshape(*accept_index.shape, *rows.shape[1:])
-        return out.masked_fill_((accept_index < 0).reshape(*accept_index.shape, *([1] * (rows.dim() - 1))), 0)
+        out = rows.index_select(0, accept_index.clamp(min=0).view(-1)).view(*accept_index.shape, *rows.shape[1:])
+        invalid = accept_index < 0
+        if rows.dim() > 1:
+            invalid = invalid.view(*invalid.shape, *([1] * (rows.dim() - 1)))
+        return out.masked_fill_(invalid, 0)
 
     def fill_bonus(self, accept_tokens: torch.Tensor, accept_len: torch.Tensor, stride: int) -> torch.Tensor:
         """The bonus token: ``accept_tokens.flat[b * stride + accept_len - 1]``.
