@@ -754,13 +754,14 @@ def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
     # L + offset + d, shifted drafts with the target features. Built as lists: one copy, no boolean index.
     offset = draft_offset(ports, cfg)
     width = cfg.accept_width
-    flat, ids, positions, row_request = [], [], [], []
+    flat, input_ids, positions, row_request = [], [], [], []
     for b, (tokens, n, length) in enumerate(zip(committed, lens, L.tolist())):
         flat += range(b * width, b * width + n)
-        ids += tokens[:n]
+        input_ids += tokens[:n]
         positions += range(length + offset, length + offset + n)
         row_request += [b] * n
-    rows = torch.tensor([ids, positions, row_request, flat], dtype=torch.long, device=device).view(4, len(ids))
+    rows = torch.tensor([input_ids, positions, row_request, flat], dtype=torch.long, device=device)
+    rows = rows.view(4, len(input_ids))
     hidden = rec.accepted_rows.hidden
     extend = ExtendRows(
         input_ids=rows[0],
