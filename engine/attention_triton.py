@@ -482,6 +482,9 @@ def paged_attention_rows_triton(
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
+    # The kernel reads a row's request and prefix length at `ptr + row`: a view with another stride (an
+    # expanded [1] -> [K] at batch 1, say: stride 0) would be read past its storage.
+    row_request, prefix_lens = row_request.contiguous(), prefix_lens.contiguous()
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"paged_attention_rows_triton: {name} needs a contiguous last dimension")

@@ -313,6 +313,8 @@ def rope_write_kv_triton(
     q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if rows:
         half = head_dim // 2
+        # read at `ptr + row`: views of other strides (an expanded or sliced index tensor) made contiguous
+        positions, out_slots = positions.contiguous(), out_slots.contiguous()
         _rope_write_kv_kernel[(rows, num_heads + 2 * num_kv_heads)](
             qkv, positions, cos_table, sin_table, out_slots, q, k_cache, v_cache,
             qkv.stride(0), cos_table.stride(0), q.stride(0), q.stride(1),

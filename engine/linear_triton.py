@@ -580,6 +580,7 @@ def norm_qkv_rope_triton(
         dummy = x
         block_half = max(16, min(block_half, triton.next_power_of_2(half)))
         split = triton.cdiv(half, block_half)
+        positions, out_slots = positions.contiguous(), out_slots.contiguous()  # read at `ptr + row`
         _qkv_rope_kernel[((num_heads + 2 * num_kv_heads) * split, triton.cdiv(rows, BLOCK_M))](
             x, dummy if residual is None else residual, dummy if norm_weight is None else norm_weight,
             dummy if h is None else h, dummy if sum_out is None else sum_out, weight,

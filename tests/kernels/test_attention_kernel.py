@@ -310,3 +310,22 @@ def test_default_launch_gives_a_decode_graph_one_program_per_chunk(monkeypatch):
     assert attention.default_programs_per_row(cuda, 32, 3, 32) == 11  # ceil(8 * 132 / 96)
     assert attention.default_programs_per_row(cuda, 512, 3, 32) == attention.MIN_PROGRAMS_PER_ROW
     assert attention.default_programs_per_row(cuda, 8, 3, 2) == 2  # never past the bound
+
+
+def test_strided_row_indices_are_read_as_their_values():
+    """A tree's draft level at batch 1 hands the kernel ``row_request`` and ``prefix_lens`` as an expanded
+    ``[1] -> [K]`` view (stride 0): the kernel reads ``ptr + row``, so the launcher must make them contiguous
+    (on an H100 the stride-0 view was read past its storage: an illegal address inside the draft's graph)."""
+    batch, q, k_cache, v_cache = _case(5, 4, 4, 2)
+    rows = 4
+    row_request = torch.zeros(1, dtype=torch.long).expand(rows)
+    prefix_lens = torch.full((1,), 9, dtype=torch.long).expand(rows)
+    assert row_request.stride(0) == 0
+    q = q[:rows]
+    extra = batch.extra_slots[:rows]
+    args = [t.to(DEVICE) for t in (q, k_cache, v_cache)]
+    got = paged_attention_rows_triton(*args, row_request.to(DEVICE), prefix_lens.to(DEVICE), extra.to(DEVICE),
+                                      batch.page_table.to(DEVICE), 4)  # fmt: skip
+    want = paged_attention_rows_triton(*args, row_request.contiguous().to(DEVICE), prefix_lens.contiguous().to(DEVICE),
+                                       extra.to(DEVICE), batch.page_table.to(DEVICE), 4)  # fmt: skip
+    assert torch.equal(got.cpu(), want.cpu())

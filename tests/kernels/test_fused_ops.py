@@ -102,3 +102,22 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(kernels.silu_mul_torch(gate_up), reference, atol=0, rtol=0)
     fast = kernels.silu_mul_triton(gate_up.to(DEVICE)).cpu()
     torch.testing.assert_close(fast, reference, **_tol(dtype))
+
+
+def test_rope_write_kv_reads_strided_positions_and_slots_as_their_values():
+    """Index tensors that are views of other strides (expanded, sliced) are read as their values."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, rows, slots = 4, 2, 16, 4, 20
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([5]).expand(rows)  # stride 0
+    out_slots = torch.tensor([[3, 0], [8, 0], [12, 0], [17, 0]])[:, 0]  # stride 2
+    cos, sin = rope_cos_sin(torch.arange(40), dim, 10000.0, torch.float32)
+    results = []
+    for pos, slot in ((positions, out_slots), (positions.contiguous(), out_slots.contiguous())):
+        k_cache = torch.zeros((slots, kv_heads, dim), device=DEVICE)
+        v_cache = torch.zeros((slots, kv_heads, dim), device=DEVICE)
+        q = kernels.rope_write_kv_triton(qkv.to(DEVICE), pos.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE),
+                                         slot.to(DEVICE), k_cache, v_cache, heads, kv_heads)  # fmt: skip
+        results.append((q.cpu(), k_cache.cpu(), v_cache.cpu()))
+    for got, want in zip(results[0], results[1]):
+        assert torch.equal(got, want)
