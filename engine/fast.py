@@ -15,7 +15,7 @@ The port implementations wrap the reference ones and keep their weights, caches 
 
 * `FastTarget` (a `LlamaTarget`): ``forward(batch)`` through `graphs.ForwardGraphs`.
 * `FastLlamaDraft` (layer skip, smaller model) and `FastEagleDraft`: ``extend`` and ``step`` likewise.
-* `FastGreedyDecoder`: the engine's autoregressive baseline, one graph replay per 8 tokens (`GreedyDecodeGraphs`).
+* `FastGreedyDecoder`: the engine's autoregressive baseline, one graph replay per token.
 
 `accelerate(engine)` swaps them into an `Engine`. The plain-torch modules stay the reference; the
 fast path is tested equal to them (tests/unit/test_fast_path.py, bench/gpu_check.py).
@@ -548,7 +548,7 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
 
 
 class FastGreedyDecoder:
-    """Autoregressive greedy decoding: a (graph or eager) prefill, then one graph replay per 8 tokens."""
+    """Autoregressive greedy decoding: a (graph or eager) prefill, then one graph replay per token."""
 
     def __init__(self, target: FastTarget, pool: PagedKVPool, options: FastOptions) -> None:
         self.target, self.pool, self.options = target, pool, options

@@ -33,9 +33,8 @@ into a process-wide pool handle: see `GraphPool` for why (a retired pool asserts
 
 `GreedyDecodeGraphs` captures one autoregressive decode step that also picks the next token: two
 graphs per bucket read ``(ids, positions, step)`` from one set of buffers and write the next
-``(ids, positions, step)`` to the other, so no graph ever changes its own inputs; a third holds
-``steps_per_graph`` (8) such steps back to back, from buffers 0 round to buffers 0, so decoding is one
-replay per 8 tokens (single steps finish the rest).
+``(ids, positions, step)`` to the other, so decoding is one replay per token and no graph ever
+changes its own inputs.
 
 Numerics. With ``min_rows`` at least the verify rows of one request (``N``), a decode forward and a
 verify forward of one request both run at ``Tb = bucket(N)`` rows: the same GEMM shapes, the same
@@ -437,7 +436,7 @@ class ForwardGraphs:
 
 
 class GreedyDecodeGraphs:
-    """Autoregressive greedy decoding, captured steps: 8 tokens per replay, then one per token (module docstring).
+    """Autoregressive greedy decoding, one captured step per token (module docstring).
 
     ``compute`` is a target forward (`ForwardGraphs`' contract); it runs over ``Tb`` rows, one per
     request (``Tb = bucket(max(bs, min_rows))``), with causal attention, logits of every row, and the
@@ -460,14 +459,8 @@ class GreedyDecodeGraphs:
         graph_pool: GraphPool | None = None,
         summarize: bool = False,
         fused_step: bool | None = None,
-        steps_per_graph: int = 8,
     ) -> None:
-        if steps_per_graph < 1 or (steps_per_graph > 1 and steps_per_graph % 2):
-            raise ValueError(f"steps_per_graph={steps_per_graph}: 1, or an even count (the steps alternate buffers)")
         self.compute = compute
-        # Steps captured back to back in one graph: one replay (one launch, one pass through Python) per
-        # that many tokens instead of per token, which removes most of the GPU's idle time between steps.
-        self.steps_per_graph = steps_per_graph
         self.summarize = summarize
         self.device = torch.device(device)
         # The step's bookkeeping as two Triton kernels around a Triton argmax (`engine.decode_step`);
@@ -492,7 +485,7 @@ class GreedyDecodeGraphs:
         self.table = torch.full((rows, self.table_width), -1, **long)
         self.history = torch.zeros((rows, max_steps), **long)
         self._no_extra = torch.empty((rows, 0), **long)
-        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (rows, parity, steps)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def _step(self, rows: int, parity: int, kv_bound: int) -> None:
         """One decode step: reads buffers ``parity``, writes buffers ``1 - parity`` and the history."""
@@ -551,36 +544,30 @@ class GreedyDecodeGraphs:
         self.step[0].zero_()
         self.num_valid.fill_(bs)
         bound = self.table_width * self.page_size
-        many = self.steps_per_graph
-        if self.use_graphs:  # all three at the first call (a warm-up), whatever its length
-            for parity, steps in ((0, 1), (1, 1), (0, many)):
-                if (rows, parity, steps) not in self._graphs:
-                    self._graphs[(rows, parity, steps)] = self._capture(rows, parity, bound, steps)
+        if self.use_graphs:
+            for parity in (0, 1):
+                if (rows, parity) not in self._graphs:
+                    self._graphs[(rows, parity)] = self._capture(rows, parity, bound)
         elif self.needs_kv_bound:
             bound = int(start_positions.max()) + num_steps + 1
         stops = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=self.device)
         done_at = num_steps
-        i = 0
         with torch.no_grad():
-            while i < num_steps:
-                # `many` steps at once while that many remain (starting on buffers 0: `many` is even), else one
-                n = many if many > 1 and num_steps - i >= many and i % 2 == 0 else 1
+            for i in range(num_steps):
                 if self.use_graphs:
-                    self._graphs[(rows, i % 2, n)].replay()
+                    self._graphs[(rows, i % 2)].replay()
                 else:
-                    for j in range(i, i + n):
-                        self._step(rows, j % 2, bound)
-                i += n
-                if stops.numel() and i // check_every > (i - n) // check_every and i < num_steps:
-                    seen = torch.isin(self.history[:bs, :i], stops).any(dim=1)
+                    self._step(rows, i % 2, bound)
+                if stops.numel() and (i + 1) % check_every == 0 and i + 1 < num_steps:
+                    seen = torch.isin(self.history[:bs, : i + 1], stops).any(dim=1)
                     if bool(seen.all()):
-                        done_at = i
+                        done_at = i + 1
                         break
         return self.history[:bs, :done_at].cpu()
 
-    def _capture(self, rows: int, parity: int, bound: int, steps: int = 1) -> torch.cuda.CUDAGraph:
+    def _capture(self, rows: int, parity: int, bound: int) -> torch.cuda.CUDAGraph:
         # Warm up and capture with no valid row: nothing is written to the KV cache; the replay
-        # reads num_valid from its buffer. The steps' outputs are put back afterwards.
+        # reads num_valid from its buffer. The step's outputs are put back afterwards.
         state = (*self.ids, *self.positions, *self.step, self.history, self.num_valid)
         saved = [t.clone() for t in state]
         self.num_valid.zero_()
@@ -591,8 +578,7 @@ class GreedyDecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with self.graph_pool.capture(graph), torch.no_grad():
-            for j in range(steps):
-                self._step(rows, (parity + j) % 2, bound)
+            self._step(rows, parity, bound)
         for target, value in zip(state, saved):
             target.copy_(value)
         return graph

@@ -9,7 +9,6 @@ inputs and the static input buffers as it found them, the graph-stepped decode e
 
 from __future__ import annotations
 
-import functools
 import os
 
 import attrs
@@ -209,24 +208,6 @@ def test_graph_stepped_decode_equals_greedy_decode(weights, ops):
     got = decoder.decode(prompts, max_new_tokens=steps, stop_token_ids=(2,))
     assert got == want
     assert fast_pool.num_free_pages == fast_pool.num_pages
-
-
-@pytest.mark.parametrize("steps_per_graph", [1, 2, 8])
-def test_decode_in_runs_of_steps_equals_greedy_decode(weights, steps_per_graph):
-    """Several steps per replay (the CUDA graph holds 8): the same tokens, with the stop check every 4
-    steps landing inside and between runs, an early stop of every request, and single steps for the rest."""
-    (ref, ref_pool), (fast, fast_pool) = pair(weights, 4, TorchOps, num_pages=64)
-    prompts = [tokens_of(5, 7), tokens_of(6, 3), tokens_of(7, 10)]
-    decoder = FastGreedyDecoder(fast, fast_pool, fast.options)
-    decoder.loop.steps_per_graph = steps_per_graph
-    inner = decoder.loop.decode
-    decoder.loop.decode = functools.partial(inner, check_every=4)
-    for steps, stop in ((21, ()), (21, (2,)), (30, tuple(range(TINY.vocab_size)))):  # the last: all stop at once
-        want = greedy_decode(ref, ref_pool, prompts, max_new_tokens=steps, stop_token_ids=stop)
-        assert decoder.decode(prompts, max_new_tokens=steps, stop_token_ids=stop) == want, (steps, stop)
-    assert fast_pool.num_free_pages == fast_pool.num_pages
-    with pytest.raises(ValueError, match="even"):
-        type(decoder.loop)(decoder.loop.compute, device="cpu", num_slots=64, page_size=4, steps_per_graph=3)
 
 
 @pytest.mark.skipif(
