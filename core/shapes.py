@@ -43,7 +43,7 @@ def chain_parents(bs: int, n: int, device: torch.device) -> torch.Tensor:
 @_CACHE
 def chain_depths(bs: int, n: int, device: torch.device) -> torch.Tensor:
     """A chain's depths ``[bs, n]`` int64: row ``i`` at depth ``i``."""
-    return torch.arange(n, device=device).expand(bs, n)
+    return torch.arange(n, device=device).expand(bs, n).contiguous()  # a kernel may read it as a flat array
 
 
 @_CACHE
