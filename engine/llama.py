@@ -13,6 +13,7 @@ final norm), the indexing of Hugging Face's ``hidden_states`` tuple and of SGLan
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -91,10 +92,11 @@ class PackedLinear:
     memory again) is remade when the weight is replaced, moved or changed in place. One instance per
     module: ``self.linear(x, self.o_weight)``.
 
-    ``skinny=True`` (the engine's layers and LM head) runs 2 to `SKINNY_MAX_ROWS` rows through MKL's
-    ``W @ x.T`` instead, ~1 packed 1-row call at 2 and 4 rows (a verify of 3 or 4 rows then costs about
-    a decode step); those rows are not bitwise the 1-row call's, like the attention of a verify row
-    (docs/engine.md). The default keeps every row bitwise row-count-invariant.
+    ``skinny=True`` (the engine's layers and LM head) lets 2 to `SKINNY_MAX_ROWS` rows run through MKL's
+    ``W @ x.T`` instead where that is measured faster on this machine (`skinny_pays`, once per weight
+    shape and row count): on one 2-core machine it took ~1 packed 1-row call at 2 and 4 rows, on another
+    (AMX, session 6) 2-3x the packed call. Those rows are not bitwise the 1-row call's, like the
+    attention of a verify row (docs/engine.md). The default keeps every row bitwise row-count-invariant.
     """
 
     def __init__(self, skinny: bool = False) -> None:
@@ -105,15 +107,23 @@ class PackedLinear:
         # x: [T, in], weight: [out, in] -> [T, out]
         if not _packs_on_cpu(x, weight):
             return F.linear(x, weight)
-        if self.skinny and 2 <= x.shape[0] <= SKINNY_MAX_ROWS:
+        packed = self._packed_weight(weight)
+        if self.skinny and 2 <= x.shape[0] <= SKINNY_MAX_ROWS and skinny_pays(x, weight, packed):
             return _skinny_linear(x, weight)
+        return _packed_linear(x, packed)
+
+    def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor:
         version = None if weight.is_inference() else weight._version
         entry = self._packed.get(id(weight))
         if entry is None or entry[0]() is not weight or entry[1] != weight.data_ptr() or entry[2] != version:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
             entry = (weakref.ref(weight), weight.data_ptr(), version, packed)
             self._packed[id(weight)] = entry
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[3], None, "none", [], "")
+        return entry[3]
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
 # With ``skinny``, 2 to 4 rows run MKL's GEMM with the rows as columns (``W @ x.T``, 3 rows padded to 4): it
@@ -121,6 +131,35 @@ class PackedLinear:
 # the packed 1-row call, against ~26, 27.5 and 30.7 ms packed at 2, 3, 4 rows (2 threads, indicative,
 # docs/engine.md). Those rows are not bitwise the 1-row call's.
 SKINNY_MAX_ROWS = 4
+
+
+# Whether the skinny GEMM beats the packed call, per (out, in, rows, threads): measured once in the process.
+_SKINNY_PAYS: dict[tuple[int, int, int, int], bool] = {}
+SKINNY_MARGIN = 0.9  # skinny only when it takes under 90% of the packed call: near a tie, keep the invariant rows
+SKINNY_REPS = 5
+
+
+def skinny_pays(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Time `_skinny_linear` against the packed call for this weight shape and row count (``SKINNY_REPS``
+    calls each after one warm-up, the minimum of each) the first time the shape is seen; remembered for the
+    process. The two give the same values up to rounding, so the choice is speed only."""
+    key = (weight.shape[0], weight.shape[1], x.shape[0], torch.get_num_threads())
+    pays = _SKINNY_PAYS.get(key)
+    if pays is None:
+        best = {}
+        for name, call in (
+            ("skinny", lambda: _skinny_linear(x, weight)),
+            ("packed", lambda: _packed_linear(x, packed)),
+        ):
+            call()
+            times = []
+            for _ in range(SKINNY_REPS):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            best[name] = min(times)
+        pays = _SKINNY_PAYS[key] = best["skinny"] < SKINNY_MARGIN * best["packed"]
+    return pays
 
 
 def _skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from speccycle.engine import llama
 from speccycle.engine.llama import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
@@ -62,3 +63,30 @@ def test_more_rows_than_packed_max_rows_take_f_linear():
     assert not linear._packed  # nothing was packed: a prefill this long runs MKL's GEMM
     linear(x[:PACKED_MAX_ROWS], weight)
     assert len(linear._packed) == 1
+
+
+def test_skinny_rows_run_the_gemm_measured_faster_and_keep_the_values(monkeypatch):
+    """``skinny=True``: 2 to 4 rows take the skinny GEMM only where `skinny_pays` measured it faster for the
+    weight's shape and row count (once, remembered); otherwise the packed call, bitwise the 1-row call's."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 64, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    linear = PackedLinear(skinny=True)
+    key = (96, 64, 3, torch.get_num_threads())
+    monkeypatch.setattr(llama, "_SKINNY_PAYS", {})
+    out = linear(x, weight)
+    assert key in llama._SKINNY_PAYS  # measured on first use
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    calls = []
+    monkeypatch.setattr(llama, "_skinny_linear", lambda *a: calls.append(a) or F.linear(*a))
+    llama._SKINNY_PAYS[key] = False  # packed: every row bitwise the 1-row call
+    rows = linear(x, weight)
+    assert not calls
+    for r in range(3):
+        assert torch.equal(rows[r], linear(x[r : r + 1], weight)[0])
+    llama._SKINNY_PAYS[key] = True
+    linear(x, weight)
+    assert len(calls) == 1
+    llama._SKINNY_PAYS.clear()
+    PackedLinear(skinny=False)(x, weight)
+    assert not llama._SKINNY_PAYS  # only skinny=True measures
