@@ -94,7 +94,8 @@ class PagedKVPool:
             raise KVPoolError(f"request {request_id}: keep_tokens={keep_tokens} must be >= 0")
         pages = self._pages[request_id]
         keep = self.pages_needed(keep_tokens)
-        self._version += 1
+        if len(pages) > keep:  # a release that frees no page leaves the cached page table valid
+            self._version += 1
         while len(pages) > keep:
             self._free.append(pages.pop())
 

@@ -57,6 +57,9 @@ def test_page_table_is_reused_until_a_page_changes_hands():
     pool.allocate(1, 4)  # still 2 pages: nothing changed hands
     assert pool.page_table([1, 2]) is first
     assert pool.page_table([2, 1]).tolist() == [[first[1, 0].item(), -1], first[0].tolist()]
+    first = pool.page_table([1, 2])
+    pool.release(1, 3)  # keeps both pages: nothing changed hands
+    assert pool.page_table([1, 2]) is first
     for change in (lambda: pool.allocate(2, 3), lambda: pool.release(1, 1), lambda: pool.free(1)):
         before = pool.page_table([1, 2]).clone()
         change()
