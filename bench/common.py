@@ -44,3 +44,23 @@ def write_result(name: str, payload: dict, device: str = "cpu", directory: str |
     path = directory / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def transformers_model(dtype: torch.dtype, device: str):
+    """transformers' model of the embedded GGUF: its weights exported as a Hugging Face directory
+    (`weights_hf.save_hf`) and loaded from there, so transformers needs neither its GGUF reader nor
+    accelerate. Returns the model in eval mode on ``device``."""
+    import tempfile
+
+    from speccycle.engine.weights_gguf import default_model_path, load_gguf
+    from speccycle.engine.weights_hf import save_hf
+    from transformers import AutoModelForCausalLM
+
+    config, weights = load_gguf(default_model_path(), dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as directory:
+        save_hf(directory, config, weights)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype)
+    return model.to(device).eval()

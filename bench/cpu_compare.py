@@ -16,9 +16,8 @@ import torch
 from speccycle.core import SpecConfig
 from speccycle.engine.bench import load_prompts, run_bench
 from speccycle.engine.engine import Engine
-from speccycle.engine.weights_gguf import default_model_path
 
-from .common import write_result
+from .common import transformers_model, write_result
 
 DEV = "../shared/data/spec_bench_dev.jsonl"
 
@@ -35,11 +34,7 @@ def pick(prompts: list[dict], per_category: int) -> list[dict]:
 
 def transformers_baseline(prompts: list[dict], token_ids: list[list[int]], max_new_tokens: int, device: str) -> dict:
     """transformers `generate` (greedy) and its prompt lookup (5 tokens) on the same token ids."""
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    model = model.to(device).eval()
+    model = transformers_model(torch.float32, device)
     eos = model.generation_config.eos_token_id
     rows = defaultdict(lambda: {"tokens": 0, "s": 0.0, "pl_tokens": 0, "pl_s": 0.0, "pl_identical": 0, "outputs": []})
     for item, ids in zip(prompts, token_ids):

@@ -40,14 +40,13 @@ import json
 import math
 import re
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from .common import write_result
+from .common import transformers_model, write_result
 
 RECORD: dict = {}
 
@@ -187,23 +186,13 @@ def part_real(args, prompts: list[dict]) -> None:
 
 def part_hf(args, prompts: list[dict]) -> None:
     from speccycle.engine.engine import Engine
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf
-    from speccycle.engine.weights_hf import save_hf
-    from transformers import AutoModelForCausalLM
 
     prompts = pick(prompts, args.hf_prompts_per_category)
     probe = Engine.load(draft="none", device="cuda", dtype=torch.bfloat16, kv_tokens=1024)
     ids = [probe.chat_prompt(p["text"]) for p in prompts]
     eos = probe.stop_token_ids
     free(probe)
-    config, weights = load_gguf(default_model_path(), dtype=torch.float32)
-    with tempfile.TemporaryDirectory() as directory:
-        save_hf(directory, config, weights)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.bfloat16)
-    model = model.to("cuda").eval()
+    model = transformers_model(torch.bfloat16, "cuda")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
     ar_out = RECORD.get("real_ar_outputs")
     ar_by_prompt = {}
