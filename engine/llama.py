@@ -92,11 +92,12 @@ class PackedLinear:
     memory again) is remade when the weight is replaced, moved or changed in place. One instance per
     module: ``self.linear(x, self.o_weight)``.
 
-    ``skinny=True`` (the engine's layers and LM head) lets 2 to `SKINNY_MAX_ROWS` rows run through MKL's
-    ``W @ x.T`` instead where that is measured faster on this machine (`skinny_pays`, once per weight
-    shape and row count): on one 2-core machine it took ~1 packed 1-row call at 2 and 4 rows, on another
-    (AMX, session 6) 2-3x the packed call. Those rows are not bitwise the 1-row call's, like the
-    attention of a verify row (docs/engine.md). The default keeps every row bitwise row-count-invariant.
+    ``skinny=True`` (the engine's layers and LM head) lets 1 row run MKL's GEMV and 2 to `SKINNY_MAX_ROWS`
+    rows MKL's ``W @ x.T`` instead, each where that is measured faster on this machine (`skinny_pays`, once
+    per weight shape and row count): on one 2-core machine the skinny GEMM took ~1 packed 1-row call at 2
+    and 4 rows, on another (AVX-512/AMX, session 6) 2-3x the packed call, while there the GEMV took 0.45-0.7x
+    the packed 1-row call. Such rows are not bitwise the packed rows, like the attention of a verify row
+    (docs/engine.md). The default keeps every row bitwise row-count-invariant.
     """
 
     def __init__(self, skinny: bool = False) -> None:
@@ -108,8 +109,8 @@ class PackedLinear:
         if not _packs_on_cpu(x, weight):
             return F.linear(x, weight)
         packed = self._packed_weight(weight)
-        if self.skinny and 2 <= x.shape[0] <= SKINNY_MAX_ROWS and skinny_pays(x, weight, packed):
-            return _skinny_linear(x, weight)
+        if self.skinny and x.shape[0] <= SKINNY_MAX_ROWS and skinny_pays(x, weight, packed):
+            return _unpacked_linear(x, weight)
         return _packed_linear(x, packed)
 
     def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -126,6 +127,11 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
 
 
+def _unpacked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """MKL without the packed copy: 1 row its GEMV (``F.linear``), 2 to `SKINNY_MAX_ROWS` rows the skinny GEMM."""
+    return F.linear(x, weight) if x.shape[0] == 1 else _skinny_linear(x, weight)
+
+
 # With ``skinny``, 2 to 4 rows run MKL's GEMM with the rows as columns (``W @ x.T``, 3 rows padded to 4): it
 # streams the weight once, and all the linears of a SmolLM2-135M forward took ~25 ms at 2 and 4 rows, as
 # the packed 1-row call, against ~26, 27.5 and 30.7 ms packed at 2, 3, 4 rows (2 threads, indicative,
@@ -140,7 +146,7 @@ SKINNY_REPS = 5
 
 
 def skinny_pays(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Time `_skinny_linear` against the packed call for this weight shape and row count (``SKINNY_REPS``
+    """Time `_unpacked_linear` against the packed call for this weight shape and row count (``SKINNY_REPS``
     calls each after one warm-up, the minimum of each) the first time the shape is seen; remembered for the
     process. The two give the same values up to rounding, so the choice is speed only."""
     key = (weight.shape[0], weight.shape[1], x.shape[0], torch.get_num_threads())
@@ -148,7 +154,7 @@ def skinny_pays(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor) -> 
     if pays is None:
         best = {}
         for name, call in (
-            ("skinny", lambda: _skinny_linear(x, weight)),
+            ("skinny", lambda: _unpacked_linear(x, weight)),
             ("packed", lambda: _packed_linear(x, packed)),
         ):
             call()

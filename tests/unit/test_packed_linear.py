@@ -79,7 +79,8 @@ def test_skinny_rows_run_the_gemm_measured_faster_and_keep_the_values(monkeypatc
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
     calls = []
     monkeypatch.setattr(llama, "_skinny_linear", lambda *a: calls.append(a) or F.linear(*a))
-    llama._SKINNY_PAYS[key] = False  # packed: every row bitwise the 1-row call
+    llama._SKINNY_PAYS[key] = False  # packed: every row bitwise the packed 1-row call
+    llama._SKINNY_PAYS[(96, 64, 1, torch.get_num_threads())] = False
     rows = linear(x, weight)
     assert not calls
     for r in range(3):
@@ -87,6 +88,9 @@ def test_skinny_rows_run_the_gemm_measured_faster_and_keep_the_values(monkeypatc
     llama._SKINNY_PAYS[key] = True
     linear(x, weight)
     assert len(calls) == 1
+    one = x[:1]
+    llama._SKINNY_PAYS[(96, 64, 1, torch.get_num_threads())] = True  # 1 row: MKL's GEMV, F.linear's bits
+    assert torch.equal(linear(one, weight), F.linear(one, weight))
     llama._SKINNY_PAYS.clear()
     PackedLinear(skinny=False)(x, weight)
     assert not llama._SKINNY_PAYS  # only skinny=True measures
