@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from ..backends.registry import get_backend
-from ..core import Accepted, Admitted, Compacted, Ports, Request, SamplingParams, SpecConfig
+from ..core import Accepted, Admitted, Compacted, Ports, Ready, Request, SamplingParams, SpecConfig
 from ..statemachine import step
 from .drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from .drafters.layerskip import LlamaDraft
@@ -98,6 +98,7 @@ class Engine:
         self._ids = itertools.count()
         self.fast_decoder = None
         self.host_control = False  # `engine.host_control`; `accelerate` turns it on for a GPU
+        self.fused_cycles = None  # `engine.fused_cycle`; `accelerate` builds it for a fast EAGLE chain
         if fast:
             from .fast import accelerate
 
@@ -233,7 +234,8 @@ class Engine:
             config=self.spec,
             requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
         )
-        ports, backend = self._cycle_ports(sampling)
+        fused = self._fused_for(sampling, checked, on_step)
+        ports, backend = (Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend) if fused else self._cycle_ports(sampling)
         done: dict[int, Request] = {}
         sent = {rid: 0 for rid in ids}
         histogram: Counter[int] = Counter()
@@ -244,6 +246,21 @@ class Engine:
                 previous, record = record, step(record, ports, backend, checked=checked)
                 if on_step is not None:
                     on_step(record)
+                if fused is not None and isinstance(record, Ready):  # the cycles run on the device from here
+                    try:
+                        run = fused.run(record, max_new_tokens, self.stop_token_ids)
+                    finally:  # retired here, as `transitions.retire` would: their pages go back
+                        for request in record.requests:
+                            self.pool.free(request.request_id)
+                    for request, tokens, lens, reason in zip(record.requests, *attrs.astuple(run, recurse=False)):
+                        done[request.request_id] = attrs.evolve(request, output=tokens, finish_reason=reason)
+                        histogram.update(lens)
+                        verifies += len(lens)
+                        committed += sum(lens)
+                        if on_tokens and len(tokens) > sent[request.request_id]:
+                            on_tokens(index[request.request_id], list(tokens[sent[request.request_id] :]))
+                    done.update({r.request_id: r for r in record.retired})
+                    break
                 if not isinstance(record, Compacted):
                     continue
                 if isinstance(previous, Accepted):  # a retire re-emits accept_len: count each verify once
@@ -264,6 +281,14 @@ class Engine:
                     self.pool.free(rid)
         stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
         return [done[rid] for rid in ids], stats
+
+    def _fused_for(self, sampling, checked: bool, on_step):
+        """The fused cycles (`engine.fused_cycle`) when they serve this call: not checked, no ``on_step``."""
+        from . import fused_cycle
+
+        if self.fused_cycles is None or checked or on_step is not None:
+            return None
+        return self.fused_cycles if fused_cycle.serves(self.draft, self.spec, sampling, self.model.device) else None
 
     def _cycle_ports(self, sampling: SamplingParams | None) -> tuple[Ports, object]:
         """The ports and backend of a `generate` call: the host control plane where it serves the call

@@ -1,0 +1,129 @@
+"""Fused EAGLE chain cycles (`engine.fused_cycle`) against the host control plane and autoregressive decoding.
+
+SmolLM2-135M (``$SPECCYCLE_DEFAULT_MODEL`` or the embedded GGUF), the shipped EAGLE-3 head, bfloat16,
+batch 1, greedy, on the fast path. For each ``--configs`` chain (``S4,S5,S6``) one engine runs every
+prompt three ways, interleaved prompt by prompt so that clocks and temperatures hit each alike:
+the fast autoregressive decode, speculative with fused cycles, and speculative with the host control
+plane (the engine's previous GPU path). Per way: tokens/s over all prompts, the median per-prompt
+tokens/s, tau, and identical_to_ar (output == autoregressive, token for token).
+
+    python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 2 --max-new-tokens 256
+    python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 0 --max-new-tokens 128 \\
+        --ways ar,fused            # every prompt: the bf16 losslessness of the fused cycles
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from .common import write_result
+from .gpu_bench import eagle_head_path, free, pick, say, sync
+
+
+def _timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    from speccycle.core import SpecConfig
+    from speccycle.engine.engine import Engine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--per-category", type=int, default=2, help="0: every prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--configs", default="S4,S5,S6")
+    ap.add_argument("--ways", default="ar,fused,host")
+    ap.add_argument("--eagle-head", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+
+    prompts = [json.loads(line) for line in open(args.prompts)]
+    for p in prompts:
+        p.setdefault("text", p.get("prompt") or p["turns"][0])
+    if args.per_category:
+        prompts = pick(prompts, args.per_category)
+    ways = args.ways.split(",")
+    head = eagle_head_path(args.eagle_head)
+    rows = []
+    for text in args.configs.split(","):
+        spec = SpecConfig(num_steps=int(text.lstrip("S")))
+        engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
+                             fast=True, eagle_head=head)  # fmt: skip
+        fused = engine.fused_cycles
+        ids = [engine.chat_prompt(p["text"]) for p in prompts]
+
+        def run(way, x, n):
+            if way == "ar":
+                return engine.generate_autoregressive([x], n)[0], None
+            engine.fused_cycles = fused if way == "fused" else None
+            results, stats = engine.generate([x], n)
+            return list(results[0].output), stats
+
+        for x in ids[:3]:  # warm-up: prefill buckets, graphs
+            for way in ways:
+                run(way, x, 8)
+        per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[]) for way in ways}
+        cats = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        for i, x in enumerate(ids):
+            for way in ways:
+                (out, stats), seconds = _timed(lambda: run(way, x, args.max_new_tokens))
+                r = per[way]
+                r["tokens"] += len(out)
+                r["seconds"] += seconds
+                r["tps"].append(len(out) / seconds)
+                r["outputs"].append(out)
+                if stats is not None:
+                    r["verifies"] += stats.verifies
+                    r["committed"] += stats.committed
+                    c = cats[way][prompts[i]["category"]]
+                    c[0] += stats.committed
+                    c[1] += stats.verifies
+            if (i + 1) % 20 == 0:
+                say(f"[{text}] {i + 1}/{len(ids)}")
+        base = per.get("ar")
+        row = {"config": text, "S": spec.num_steps, "prompts": len(ids), "new_tokens": args.max_new_tokens}
+        for way, r in per.items():
+            entry = {
+                "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
+                "median_prompt_tokens_per_s": round(statistics.median(r["tps"]), 1),
+            }
+            if r["verifies"]:
+                entry["tau"] = round(r["committed"] / r["verifies"], 3)
+                entry["tau_by_category"] = {k: round(v[0] / v[1], 3) for k, v in sorted(cats[way].items())}
+            if base is not None and way != "ar":
+                entry["identical_to_ar"] = sum(a == b for a, b in zip(base["outputs"], r["outputs"]))
+                entry["speedup_vs_ar"] = round(entry["tokens_per_s"] / row["ar"]["tokens_per_s"], 3)
+                entry["median_speedup_vs_ar"] = round(
+                    statistics.median(s / a for s, a in zip(r["tps"], base["tps"])), 3
+                )
+            row[way] = entry
+        if fused is not None:
+            row["fused_replays"] = fused.replays
+        rows.append(row)
+        say("[fused_bench]", json.dumps(row))
+        del engine, fused
+        free()
+    payload = {
+        "benchmark": "fused_bench",
+        "config": {"dtype": "bfloat16", "batch": 1, "draft": "eagle (shipped head)", "ways": ways,
+                   "prompts_file": args.prompts, "per_category": args.per_category},  # fmt: skip
+        "rows": rows,
+    }
+    path = write_result(f"fused_bench{args.tag}", payload, device="cuda", directory=args.out)
+    say("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""The device-resident cycle: greedy EAGLE chain cycles, each one CUDA graph, no host sync between them.
+
+Why. On an H100 with SmolLM2-135M a whole cycle's kernels (S - 1 draft levels, the verify, the draft
+extend) take 1.0-1.5 ms, and the host plane (`engine.host_control`) spent another 1.5-2.7 ms of host
+work between them: the records, the copies, three graph launches and two syncs per cycle, during
+which the GPU waits. Speculation lost to autoregressive decoding (0.57-0.68x, session 6). Here the
+cycle runs where its data is: one graph replay per cycle, the host only launches, and it checks
+whether every request has finished a few cycles behind the GPU, so the GPU never waits for it.
+
+What a replay does is the chain cycle of the transition table, row by row, on static buffers
+(``B`` requests, ``S`` draft steps, ``N = S + 1`` verify rows, ``L`` committed tokens, the root at ``L``):
+
+``draft`` (table row ``draft_tree``, ``K = 1``)
+    ``S - 1`` EAGLE steps: step ``j`` feeds the depth ``j + 1`` token at ``L + j`` with its parent's
+    hidden state, writes its KV at the slot of ``L + j`` and sees the prefix ``[0, L)`` and its
+    ancestors' slots; the draft's argmax is depth ``j + 2`` (`transitions.draft_levels`).
+``verify``
+    the target over ``[root, d1 .. dS]`` at ``L + i``, the chain mask, the rows padded to the same
+    row bucket as the autoregressive decode step (``FastOptions.min_target_rows``), so a verify row
+    and a decode step compute the same bits (`engine.graphs`, numerics).
+``accept``
+    ``n = 1 +`` the leading matches of ``d(i+1)`` and the target's argmax at row ``i``; the run is cut
+    at the first stop token and at ``max_new_tokens`` (`stops.cut_at_stops`: the stop token is kept);
+    a finished request commits nothing more.
+``compact`` and ``draft_extend``
+    a chain's accepted rows already sit at ``L + d``: nothing moves. The draft runs over all ``N``
+    rows (token ``predict[d]`` at ``L + d`` with the target features of row ``d``); rows past the
+    accepted run write draft KV at positions ``>= L + n`` that no later forward reads before it has
+    written them again, and their outputs are dropped. Row ``n - 1`` gives the next ``d1`` and the
+    draft hidden state of the next cycle's first step.
+
+Each replay reads the cycle state ``(L, root, d1, draft hidden, done, output length, cycle)`` from one
+of two buffer sets and writes the next state to the other (two graphs, parity), so no graph changes
+its own inputs; the committed tokens go to an output log and each cycle's committed count to a
+histogram log, both written at indices the state holds.
+
+Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs on the fast path
+with a fast EAGLE draft and a chain config (`serves`); the prefill and the first draft extend run
+through the state machine (`statemachine.step`) and the loop starts from their `Ready` record. On a
+CPU (tests) the same cycle runs eagerly. Tested: greedy output equal to the engine's autoregressive
+output and the per-cycle accept lengths equal to the state machine's (tests/unit/test_fused_cycle.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ..core.config import SpecConfig
+from ..core.records import Ready
+from .graphs import GraphPool, RowInputs, bucket
+
+LOOKAHEAD = 2  # cycles the host launches ahead of the one whose "all done" flag it waits for
+MAX_STOPS = 8
+
+
+def serves(draft, spec: SpecConfig, sampling, device: torch.device) -> bool:
+    """Whether a `generate` call can run as fused cycles: greedy without logprobs, a fast EAGLE draft, a chain."""
+    from .fast import FastEagleDraft
+
+    plain = sampling is None or (sampling.greedy and not sampling.logprobs)
+    return plain and spec.is_chain and spec.num_steps >= 1 and isinstance(draft, FastEagleDraft)
+
+
+@attrs.frozen
+class FusedRun:
+    """What fused cycles committed: ``outputs[b]`` the whole output of request ``b`` (the tokens it had
+    plus the committed ones, cut at stops and the limit), ``accept_lens[b]`` each cycle's committed count,
+    ``finish_reasons[b]`` ``"stop"`` or ``"length"``."""
+
+    outputs: tuple[tuple[int, ...], ...]
+    accept_lens: tuple[tuple[int, ...], ...]
+    finish_reasons: tuple[str, ...]
+
+
+class _State:
+    """The static buffers of ``B`` requests: two sets of cycle state, the logs, the constants."""
+
+    def __init__(self, batch: int, cfg: SpecConfig, width: int, hidden: int, hidden_dtype, max_out: int,
+                 max_cycles: int, min_rows: int, device) -> None:  # fmt: skip
+        long = dict(dtype=torch.long, device=device)
+        n = cfg.num_draft_tokens
+        self.batch = batch
+        self.sets = []
+        for _ in range(2):
+            self.sets.append(
+                dict(
+                    L=torch.zeros(batch, **long),
+                    root=torch.zeros(batch, **long),
+                    d1=torch.zeros(batch, **long),
+                    dh=torch.zeros((batch, hidden), dtype=hidden_dtype, device=device),
+                    done=torch.ones(batch, dtype=torch.bool, device=device),
+                    out_len=torch.zeros(batch, **long),
+                    cycle=torch.zeros(1, **long),
+                    all_done=torch.ones(1, dtype=torch.bool, device=device),
+                )
+            )
+        self.table = torch.full((batch, width), -1, **long)
+        self.out = torch.zeros((batch, max_out + 1), **long)  # the last column: a bin for masked writes
+        self.hist = torch.zeros((max_cycles + 1, batch), **long)
+        self.max_new = torch.zeros(batch, **long)
+        self.stops = torch.full((MAX_STOPS,), -1, **long)
+        # constants
+        rows = batch * n
+        self.rows_b = bucket(max(rows, min_rows)) or rows
+        self.arange_b = torch.arange(batch, **long)
+        self.offs = torch.arange(n, **long)
+        self.chain = torch.ones((n, n), dtype=torch.bool, device=device).tril()
+        self.row_request = self.arange_b.repeat_interleave(n)
+        pad = self.rows_b - rows
+        self.pad_zero = torch.zeros(pad, **long)
+        self.pad_minus = torch.full((pad,), -1, **long)
+        self.pad_extra = torch.full((pad, n), -1, **long)
+        self.no_extra = torch.empty((rows, 0), **long)
+        self.bin = torch.full((batch, n), max_out, **long)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+
+class FusedChainCycles:
+    """Greedy EAGLE chain cycles over a `fast.FastTarget` and a `fast.FastEagleDraft` (module docstring)."""
+
+    def __init__(self, target, draft, pool, spec: SpecConfig, options) -> None:
+        if not spec.is_chain:
+            raise ValueError(f"fused cycles run chains (topk K=1), got K={spec.topk}")
+        self.target, self.draft, self.pool, self.spec, self.options = target, draft, pool, spec, options
+        self.device = options.device
+        self.use_graphs = options.graphs and self.device.type == "cuda"
+        self.page_size = pool.page_size
+        self.table_width = -(-pool.num_slots // pool.page_size)
+        self.max_out = options.max_decode_steps + spec.num_draft_tokens + 1
+        self.graph_pool: GraphPool = options.graph_pool
+        self._states: dict[int, _State] = {}
+        self.replays = 0
+
+    # ---- one cycle ----------------------------------------------------------------------------
+    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        page = table.gather(1, (positions // self.page_size).clamp(max=self.table_width - 1))
+        return page * self.page_size + positions % self.page_size
+
+    def _cycle(self, st: _State, parity: int, kv_bound: int) -> None:
+        """One cycle: reads state set ``parity``, writes set ``1 - parity`` and the logs."""
+        cur, nxt = st.sets[parity], st.sets[1 - parity]
+        S, N, P = self.spec.num_steps, self.spec.num_draft_tokens, self.page_size
+        B = st.batch
+        L, table = cur["L"], st.table
+        vpos = L[:, None] + st.offs  # [B, N]: the verify rows' positions; draft step j sits at column j
+        # a finished request writes no KV and reads no draft slots: its slots are -1 (its rows are dropped)
+        vslots = torch.where(cur["done"][:, None], -1, self._slots(table, vpos))
+
+        def rows(ids, positions, row_request, out_slots, prefix, extra, logits_rows=None):
+            return RowInputs(
+                input_ids=ids, positions=positions, row_request=row_request, out_slots=out_slots,
+                prefix_lens=prefix, extra_slots=extra, page_table=table, page_size=P, kv_bound=kv_bound,
+                logits_rows=logits_rows,
+            )  # fmt: skip
+
+        # draft: S - 1 steps, each feeding depth j + 1 at L + j (`transitions.draft_levels`, K = 1)
+        token, hidden = cur["d1"], cur["dh"]
+        drafted = [token]
+        for j in range(S - 1):
+            inputs = rows(token, vpos[:, j].contiguous(), st.arange_b, vslots[:, j].contiguous(), L,
+                          vslots[:, : j + 1].contiguous())  # fmt: skip
+            logits, hidden = self.draft._compute(inputs, hidden, from_target=False)
+            token = logits.argmax(-1)
+            drafted.append(token)
+
+        # verify: [root, d1 .. dS] at L + i, chain mask, padded to the decode step's row bucket
+        tokens = torch.stack([cur["root"], *drafted], 1)  # [B, N]
+        extra = torch.where(st.chain[None], vslots[:, None, :], -1).reshape(B * N, N)
+        inputs = rows(
+            torch.cat([tokens.reshape(-1), st.pad_zero]),
+            torch.cat([vpos.reshape(-1), st.pad_zero]),
+            torch.cat([st.row_request, st.pad_zero]),
+            torch.cat([vslots.reshape(-1), st.pad_minus]),
+            torch.cat([L.index_select(0, st.row_request), st.pad_zero]),
+            torch.cat([extra, st.pad_extra]),
+        )
+        logits, features = self.target._compute(inputs, want_hidden=True)
+        predict = logits[: B * N].argmax(-1).view(B, N)  # the verify's greedy (`graphs.ForwardGraphs`)
+
+        # accept: the leading matches, cut at the first stop token and at max_new_tokens
+        run = 1 + (tokens[:, 1:] == predict[:, :-1]).long().cumprod(1).sum(1)  # [B]
+        inside = st.offs[None] < run[:, None]
+        is_stop = (predict[:, :, None] == st.stops[None, None, :]).any(-1) & inside
+        stop_at = torch.where(is_stop.any(1), is_stop.long().argmax(1) + 1, N)
+        room = st.max_new - cur["out_len"]
+        keep = torch.minimum(torch.minimum(run, stop_at), room).clamp(min=0)
+        keep = torch.where(cur["done"], 0, keep)
+        kept = st.offs[None] < keep[:, None]
+        finished = (is_stop & kept).any(1) | (cur["out_len"] + keep >= st.max_new)
+        st.out.scatter_(1, torch.where(kept, cur["out_len"][:, None] + st.offs, st.bin), predict)
+        st.hist.index_copy_(0, cur["cycle"], keep[None])
+
+        # compact (nothing moves in a chain) and the draft extend over every verify row
+        last = st.arange_b * N + (keep - 1).clamp(min=0)  # [B]: row n - 1 of each request
+        inputs = rows(predict.reshape(-1), vpos.reshape(-1), st.row_request, vslots.reshape(-1),
+                      (vpos + 1).reshape(-1), st.no_extra, last)  # fmt: skip
+        logits, out = self.draft._compute(inputs, features[: B * N], from_target=True)
+        nxt["d1"].copy_(logits.argmax(-1))
+        nxt["dh"].copy_(out.index_select(0, last))
+        nxt["L"].copy_(L + keep)
+        nxt["root"].copy_(predict.gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0])
+        done = cur["done"] | finished
+        nxt["done"].copy_(done)
+        nxt["all_done"].copy_(done.all()[None])
+        nxt["out_len"].copy_(cur["out_len"] + keep)
+        nxt["cycle"].copy_(cur["cycle"] + 1)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _state(self, batch: int) -> _State:
+        if batch not in self._states:
+            head = self.draft.head
+            self._states[batch] = _State(
+                batch, self.spec, self.table_width, head.config.hidden_size, head.dtype, self.max_out,
+                self.options.max_decode_steps + LOOKAHEAD + 1, self.options.min_target_rows, self.device,
+            )  # fmt: skip
+        return self._states[batch]
+
+    def _capture(self, st: _State, parity: int, bound: int) -> torch.cuda.CUDAGraph:
+        # Warm up and capture with every request done: no KV is written (the slots are -1), nothing is
+        # committed, every read stays inside the loaded page table. The state is put back afterwards.
+        saved_sets = [{k: v.clone() for k, v in s.items()} for s in st.sets]
+        saved_logs = [t.clone() for t in (st.out, st.hist)]
+        for s in st.sets:
+            s["done"].fill_(True)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            self._cycle(st, parity, bound)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with self.graph_pool.capture(graph), torch.no_grad():
+            self._cycle(st, parity, bound)
+        for s, values in zip(st.sets, saved_sets):
+            for k, v in values.items():
+                s[k].copy_(v)
+        for t, v in zip((st.out, st.hist), saved_logs):
+            t.copy_(v)
+        return graph
+
+    def run(self, ready: Ready, max_new_tokens: int, stop_token_ids: Sequence[int]) -> FusedRun:
+        """Cycles from the `Ready` record of a prefill and its draft extend until every request finishes.
+
+        The requests' KV pages are grown to cover every position a cycle may write; the caller frees them.
+        """
+        cfg, N = self.spec, self.spec.num_draft_tokens
+        requests = ready.requests
+        B = len(requests)
+        if B == 0:
+            return FusedRun((), (), ())
+        stops = sorted(set(stop_token_ids))
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"fused cycles take up to {MAX_STOPS} stop token ids, got {len(stops)}")
+        if max_new_tokens > self.options.max_decode_steps:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} exceeds the fused cycles' static logs "
+                f"(FastOptions.max_decode_steps={self.options.max_decode_steps})"
+            )
+        ids = [r.request_id for r in requests]
+        lens = ready.seq_lens.tolist()
+        for rid, length in zip(ids, lens):
+            self.pool.allocate(rid, length + max_new_tokens + N + 1)
+        page_table = self.pool.page_table(ids)
+        st = self._state(B)
+        cur = st.sets[0]
+        st.table.fill_(-1)
+        st.table[:, : page_table.shape[1]].copy_(page_table)
+        cur["L"].copy_(ready.seq_lens)
+        cur["root"].copy_(ready.root_tokens)
+        cur["d1"].copy_(ready.topk_index[:, 0])
+        cur["dh"].copy_(ready.draft_hidden)
+        cur["done"].zero_()
+        cur["all_done"].zero_()
+        cur["cycle"].zero_()
+        had = [len(r.output) for r in requests]
+        cur["out_len"].copy_(torch.tensor(had))
+        st.out.zero_()
+        for b, r in enumerate(requests):
+            if r.output:
+                st.out[b, : len(r.output)] = torch.tensor(r.output)
+        st.max_new.fill_(max_new_tokens)
+        st.stops.fill_(-1)
+        if stops:
+            st.stops[: len(stops)] = torch.tensor(stops)
+        bound = self.table_width * self.page_size
+        if not self.use_graphs and self.options.ops.needs_kv_bound:
+            bound = max(lens) + max_new_tokens + N + 1
+        if self.use_graphs:
+            for parity in (0, 1):
+                if parity not in st.graphs:
+                    st.graphs[parity] = self._capture(st, parity, bound)
+        max_cycles = max_new_tokens - min(had) + 1  # a request not done commits at least one token a cycle
+        cycles = self._loop(st, bound, max_cycles)
+        out = st.out[:, :-1].cpu()
+        out_len = st.sets[cycles % 2]["out_len"].cpu().tolist()
+        hist = st.hist[:cycles].cpu().T.tolist()
+        outputs, accept_lens, reasons = [], [], []
+        stop_set = set(stops)
+        for b in range(B):
+            tokens = tuple(out[b, : out_len[b]].tolist())
+            outputs.append(tokens)
+            accept_lens.append(tuple(n for n in hist[b] if n > 0))
+            reasons.append("stop" if tokens and tokens[-1] in stop_set else "length")
+        return FusedRun(tuple(outputs), tuple(accept_lens), tuple(reasons))
+
+    def _loop(self, st: _State, bound: int, max_cycles: int) -> int:
+        """Replay until every request is done; returns the number of cycles run."""
+        if not self.use_graphs:
+            with torch.no_grad():
+                for i in range(max_cycles):
+                    self._cycle(st, i % 2, bound)
+                    if bool(st.sets[(i + 1) % 2]["all_done"]):
+                        return i + 1
+            return max_cycles
+        ring = LOOKAHEAD + 1
+        flags = torch.zeros(ring, dtype=torch.bool, pin_memory=True)
+        events = [torch.cuda.Event() for _ in range(ring)]
+        for i in range(max_cycles):
+            st.graphs[i % 2].replay()
+            self.replays += 1
+            flags[i % ring : i % ring + 1].copy_(st.sets[(i + 1) % 2]["all_done"], non_blocking=True)
+            events[i % ring].record()
+            if i >= LOOKAHEAD:
+                k = i - LOOKAHEAD
+                events[k % ring].synchronize()
+                if bool(flags[k % ring]):  # the cycles launched after it commit nothing
+                    torch.cuda.current_stream(self.device).synchronize()
+                    return i + 1
+        torch.cuda.current_stream(self.device).synchronize()
+        return max_cycles
