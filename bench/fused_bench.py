@@ -64,7 +64,7 @@ def main() -> None:
         fused = engine.fused_cycles
         ids = [engine.chat_prompt(p["text"]) for p in prompts]
 
-        def run(way, x, n):
+        def run(way, x, n, engine=engine, fused=fused):
             if way == "ar":
                 return engine.generate_autoregressive([x], n)[0], None
             engine.fused_cycles = fused if way == "fused" else None
@@ -78,7 +78,7 @@ def main() -> None:
         cats = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         for i, x in enumerate(ids):
             for way in ways:
-                (out, stats), seconds = _timed(lambda: run(way, x, args.max_new_tokens))
+                (out, stats), seconds = _timed(lambda way=way, x=x: run(way, x, args.max_new_tokens))
                 r = per[way]
                 r["tokens"] += len(out)
                 r["seconds"] += seconds
@@ -117,8 +117,14 @@ def main() -> None:
         free()
     payload = {
         "benchmark": "fused_bench",
-        "config": {"dtype": "bfloat16", "batch": 1, "draft": "eagle (shipped head)", "ways": ways,
-                   "prompts_file": args.prompts, "per_category": args.per_category},  # fmt: skip
+        "config": {
+            "dtype": "bfloat16",
+            "batch": 1,
+            "draft": "eagle (shipped head)",
+            "ways": ways,
+            "prompts_file": args.prompts,
+            "per_category": args.per_category,
+        },  # fmt: skip
         "rows": rows,
     }
     path = write_result(f"fused_bench{args.tag}", payload, device="cuda", directory=args.out)

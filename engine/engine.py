@@ -235,7 +235,10 @@ class Engine:
             requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
         )
         fused = self._fused_for(sampling, checked, on_step)
-        ports, backend = (Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend) if fused else self._cycle_ports(sampling)
+        if fused is not None:  # the device's ports for the prefill and the first draft extend
+            ports, backend = Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend
+        else:
+            ports, backend = self._cycle_ports(sampling)
         done: dict[int, Request] = {}
         sent = {rid: 0 for rid in ids}
         histogram: Counter[int] = Counter()

@@ -245,7 +245,7 @@ class FusedChainCycles:
 
         The requests' KV pages are grown to cover every position a cycle may write; the caller frees them.
         """
-        cfg, N = self.spec, self.spec.num_draft_tokens
+        N = self.spec.num_draft_tokens
         requests = ready.requests
         B = len(requests)
         if B == 0:
