@@ -1,11 +1,11 @@
-"""Fused EAGLE chain cycles (`engine.fused_cycle`) against the host control plane and autoregressive decoding.
+"""Fused EAGLE cycles (`engine.fused_cycle`) against the host control plane and autoregressive decoding.
 
 SmolLM2-135M (``$SPECCYCLE_DEFAULT_MODEL`` or the embedded GGUF), the shipped EAGLE-3 head, bfloat16,
-batch 1, greedy, on the fast path. For each ``--configs`` chain (``S4,S5,S6``) one engine runs every
-prompt three ways, interleaved prompt by prompt so that clocks and temperatures hit each alike:
-the fast autoregressive decode, speculative with fused cycles, and speculative with the host control
-plane (the engine's previous GPU path). Per way: tokens/s over all prompts, the median per-prompt
-tokens/s, tau, and identical_to_ar (output == autoregressive, token for token).
+batch 1, greedy, on the fast path. For each ``--configs`` entry (chains ``S4,S5``, trees ``S6K4N32``;
+page size 16) one engine runs every prompt three ways, interleaved prompt by prompt so that clocks
+and temperatures hit each alike: the fast autoregressive decode, speculative with fused cycles, and
+speculative with the host control plane (the engine's previous GPU path). Per way: tokens/s over all
+prompts, the median per-prompt tokens/s, tau, and identical_to_ar (output == autoregressive).
 
     python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 2 --max-new-tokens 256
     python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 0 --max-new-tokens 128 \\
@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from .common import write_result
-from .gpu_bench import eagle_head_path, free, pick, say, sync
+from .gpu_bench import eagle_head_path, free, parse_config, pick, say, sync
 
 
 def _timed(fn):
@@ -35,7 +35,6 @@ def _timed(fn):
 
 
 def main() -> None:
-    from speccycle.core import SpecConfig
     from speccycle.engine.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,7 +57,7 @@ def main() -> None:
     head = eagle_head_path(args.eagle_head)
     rows = []
     for text in args.configs.split(","):
-        spec = SpecConfig(num_steps=int(text.lstrip("S")))
+        spec = parse_config(f"eagle:{text}")[1]
         engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
                              fast=True, eagle_head=head)  # fmt: skip
         fused = engine.fused_cycles
@@ -93,7 +92,8 @@ def main() -> None:
             if (i + 1) % 20 == 0:
                 say(f"[{text}] {i + 1}/{len(ids)}")
         base = per.get("ar")
-        row = {"config": text, "S": spec.num_steps, "prompts": len(ids), "new_tokens": args.max_new_tokens}
+        row = {"config": text, "S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size,
+               "prompts": len(ids), "new_tokens": args.max_new_tokens}
         for way, r in per.items():
             entry = {
                 "tokens_per_s": round(r["tokens"] / r["seconds"], 1),

@@ -620,7 +620,7 @@ def accelerate(
 
     ``min_target_rows`` defaults to the engine's ``N``, so decode and verify share GEMM shapes.
     ``host_control``: run the cycles it serves with their records on the host (`engine.host_control`);
-    None: on a GPU. ``fused``: greedy EAGLE chain cycles run as one graph each (`engine.fused_cycle`).
+    None: on a GPU. ``fused``: greedy EAGLE cycles (chain or tree) run as one graph each (`engine.fused_cycle`).
     """
     architecture = engine.model.config.architecture
     if architecture != "llama":
@@ -636,9 +636,9 @@ def accelerate(
     elif isinstance(engine.draft, LlamaDraft):
         engine.draft = FastLlamaDraft(engine.draft, engine.pool, opts)
     engine.fast_decoder = FastGreedyDecoder(engine.target, engine.pool, opts)
-    if fused and isinstance(engine.draft, FastEagleDraft) and engine.spec.is_chain:
-        from .fused_cycle import FusedChainCycles
+    if fused and isinstance(engine.draft, FastEagleDraft):
+        from .fused_cycle import FusedCycles
 
-        engine.fused_cycles = FusedChainCycles(engine.target, engine.draft, engine.pool, engine.spec, opts)
+        engine.fused_cycles = FusedCycles(engine.target, engine.draft, engine.pool, engine.spec, opts)
     engine.fast_options = opts
     engine.host_control = opts.device.type == "cuda" if host_control is None else bool(host_control)

@@ -48,20 +48,24 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from ..backends.registry import get_backend
 from ..core.config import SpecConfig
+from ..core.ports import ModelOutput
 from ..core.records import Ready
-from .graphs import GraphPool, RowInputs, bucket
+from ..core.tree import draft_scratch_offsets
+from ..statemachine.transitions import draft_levels
+from .graphs import GraphPool, RowInputs, batch_inputs, bucket
 
 LOOKAHEAD = 2  # cycles the host launches ahead of the one whose "all done" flag it waits for
 MAX_STOPS = 8
 
 
 def serves(draft, spec: SpecConfig, sampling, device: torch.device) -> bool:
-    """Whether a `generate` call can run as fused cycles: greedy without logprobs, a fast EAGLE draft, a chain."""
+    """Whether a `generate` call can run as fused cycles: greedy without logprobs, a fast EAGLE draft."""
     from .fast import FastEagleDraft
 
     plain = sampling is None or (sampling.greedy and not sampling.logprobs)
-    return plain and spec.is_chain and spec.num_steps >= 1 and isinstance(draft, FastEagleDraft)
+    return plain and isinstance(draft, FastEagleDraft)
 
 
 @attrs.frozen
@@ -73,6 +77,21 @@ class FusedRun:
     outputs: tuple[tuple[int, ...], ...]
     accept_lens: tuple[tuple[int, ...], ...]
     finish_reasons: tuple[str, ...]
+
+
+class _Levels:
+    """The ports `transitions.draft_levels` reads, over the draft's row forward run in place (inside the
+    cycle's graph): ``draft.step`` and ``kv_pool.page_size``."""
+
+    kind, pairing = "forward", "shifted"
+
+    def __init__(self, draft, kv_bound: int, page_size: int) -> None:
+        self.draft, self.kv_pool = self, self
+        self._fast, self._bound, self.page_size = draft, kv_bound, page_size
+
+    def step(self, batch, parent_hidden):
+        logits, hidden = self._fast._compute(batch_inputs(batch, self._bound), parent_hidden, from_target=False)
+        return ModelOutput(logits=logits, hidden=hidden)
 
 
 class _State:
@@ -89,7 +108,8 @@ class _State:
                 dict(
                     L=torch.zeros(batch, **long),
                     root=torch.zeros(batch, **long),
-                    d1=torch.zeros(batch, **long),
+                    topk_p=torch.zeros((batch, cfg.topk), dtype=torch.float32, device=device),
+                    topk_index=torch.zeros((batch, cfg.topk), **long),
                     dh=torch.zeros((batch, hidden), dtype=hidden_dtype, device=device),
                     done=torch.ones(batch, dtype=torch.bool, device=device),
                     out_len=torch.zeros(batch, **long),
@@ -106,24 +126,28 @@ class _State:
         rows = batch * n
         self.rows_b = bucket(max(rows, min_rows)) or rows
         self.arange_b = torch.arange(batch, **long)
+        width = cfg.accept_width
         self.offs = torch.arange(n, **long)
+        self.width = torch.arange(width, **long)
+        self.scratch = draft_scratch_offsets(cfg.num_steps, cfg.topk, 0, torch.device(device))  # [S - 1, K]
         self.chain = torch.ones((n, n), dtype=torch.bool, device=device).tril()
+        self.chain_index = self.arange_b[:, None] * n + self.width  # a chain's accepted rows
         self.row_request = self.arange_b.repeat_interleave(n)
+        self.ext_request = self.arange_b.repeat_interleave(width)
         pad = self.rows_b - rows
         self.pad_zero = torch.zeros(pad, **long)
         self.pad_minus = torch.full((pad,), -1, **long)
         self.pad_extra = torch.full((pad, n), -1, **long)
-        self.no_extra = torch.empty((rows, 0), **long)
-        self.bin = torch.full((batch, n), max_out, **long)
+        self.no_extra = torch.empty((batch * width, 0), **long)
+        self.bin = torch.full((batch, width), max_out, **long)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
 
-class FusedChainCycles:
-    """Greedy EAGLE chain cycles over a `fast.FastTarget` and a `fast.FastEagleDraft` (module docstring)."""
+class FusedCycles:
+    """Greedy EAGLE cycles, chain or tree, over a `fast.FastTarget` and a `fast.FastEagleDraft` (module docstring)."""
 
     def __init__(self, target, draft, pool, spec: SpecConfig, options) -> None:
-        if not spec.is_chain:
-            raise ValueError(f"fused cycles run chains (topk K=1), got K={spec.topk}")
+        self.backend = get_backend(options.device)
         self.target, self.draft, self.pool, self.spec, self.options = target, draft, pool, spec, options
         self.device = options.device
         self.use_graphs = options.graphs and self.device.type == "cuda"
@@ -142,71 +166,119 @@ class FusedChainCycles:
     def _cycle(self, st: _State, parity: int, kv_bound: int) -> None:
         """One cycle: reads state set ``parity``, writes set ``1 - parity`` and the logs."""
         cur, nxt = st.sets[parity], st.sets[1 - parity]
-        S, N, P = self.spec.num_steps, self.spec.num_draft_tokens, self.page_size
+        cfg, backend = self.spec, self.backend
+        S, K, N, W, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, cfg.accept_width, self.page_size
         B = st.batch
-        L, table = cur["L"], st.table
-        vpos = L[:, None] + st.offs  # [B, N]: the verify rows' positions; draft step j sits at column j
-        # a finished request writes no KV and reads no draft slots: its slots are -1 (its rows are dropped)
-        vslots = torch.where(cur["done"][:, None], -1, self._slots(table, vpos))
+        L, table, done = cur["L"], st.table, cur["done"]
 
-        def rows(ids, positions, row_request, out_slots, prefix, extra, logits_rows=None):
-            return RowInputs(
-                input_ids=ids, positions=positions, row_request=row_request, out_slots=out_slots,
-                prefix_lens=prefix, extra_slots=extra, page_table=table, page_size=P, kv_bound=kv_bound,
-                logits_rows=logits_rows,
-            )  # fmt: skip
+        def slots(positions):  # a finished request writes no KV and reads no draft slot: -1
+            page = table.gather(1, (positions // P).clamp(max=self.table_width - 1).reshape(B, -1))
+            slot = (page * P).view(positions.shape) + positions % P
+            return torch.where(done.view(B, *[1] * (positions.dim() - 1)), -1, slot)
 
-        # draft: S - 1 steps, each feeding depth j + 1 at L + j (`transitions.draft_levels`, K = 1)
-        token, hidden = cur["d1"], cur["dh"]
-        drafted = [token]
-        for j in range(S - 1):
-            inputs = rows(token, vpos[:, j].contiguous(), st.arange_b, vslots[:, j].contiguous(), L,
-                          vslots[:, : j + 1].contiguous())  # fmt: skip
-            logits, hidden = self.draft._compute(inputs, hidden, from_target=False)
-            token = logits.argmax(-1)
-            drafted.append(token)
-
-        # verify: [root, d1 .. dS] at L + i, chain mask, padded to the decode step's row bucket
-        tokens = torch.stack([cur["root"], *drafted], 1)  # [B, N]
-        extra = torch.where(st.chain[None], vslots[:, None, :], -1).reshape(B * N, N)
-        inputs = rows(
-            torch.cat([tokens.reshape(-1), st.pad_zero]),
-            torch.cat([vpos.reshape(-1), st.pad_zero]),
-            torch.cat([st.row_request, st.pad_zero]),
-            torch.cat([vslots.reshape(-1), st.pad_minus]),
-            torch.cat([L.index_select(0, st.row_request), st.pad_zero]),
-            torch.cat([extra, st.pad_extra]),
+        verify_slots = slots(L[:, None] + st.offs)  # [B, N]: row i at the slot of L + i
+        # draft: S - 1 forwards over the frontier (`transitions.draft_levels`, greedy: no sync, static shapes)
+        levels = _Levels(self.draft, kv_bound, P)
+        draft_slots = slots(L[:, None, None] + st.scratch)  # [B, S - 1, K]
+        cands, scores, cand_parents, _ = draft_levels(
+            levels, backend, cfg, (), L, table, draft_slots, cur["topk_p"], cur["topk_index"], cur["dh"]
         )
+        if K == 1:
+            tokens = torch.cat([cur["root"][:, None], cands], 1)  # [B, N]
+            depths = st.offs.expand(B, N)
+            mask = st.chain[None]
+        else:  # EAGLE-2 rerank to N rows; depths in S rounds (a tree is at most S deep), no sync
+            tokens, parents, _ = backend.rerank_tree(cur["root"], cands, scores, cand_parents, N)
+            depths = torch.zeros_like(parents)
+            for _ in range(S):
+                depths = torch.where(parents >= 0, depths.gather(1, parents.clamp(min=0)) + 1, 0)
+            mask = backend.tree_mask(parents)
+
+        # verify: every row at L + depth, the mask's rows as extra slots, padded to the decode step's bucket
+        extra = torch.where(mask, verify_slots[:, None, :], -1).reshape(B * N, N)
+        inputs = RowInputs(
+            input_ids=torch.cat([tokens.reshape(-1), st.pad_zero]),
+            positions=torch.cat([(L[:, None] + depths).reshape(-1), st.pad_zero]),
+            row_request=torch.cat([st.row_request, st.pad_zero]),
+            out_slots=torch.cat([verify_slots.reshape(-1), st.pad_minus]),
+            prefix_lens=torch.cat([L.index_select(0, st.row_request), st.pad_zero]),
+            extra_slots=torch.cat([extra, st.pad_extra]),
+            page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=None,
+        )  # fmt: skip
         logits, features = self.target._compute(inputs, want_hidden=True)
         predict = logits[: B * N].argmax(-1).view(B, N)  # the verify's greedy (`graphs.ForwardGraphs`)
 
-        # accept: the leading matches, cut at the first stop token and at max_new_tokens
-        run = 1 + (tokens[:, 1:] == predict[:, :-1]).long().cumprod(1).sum(1)  # [B]
-        inside = st.offs[None] < run[:, None]
-        is_stop = (predict[:, :, None] == st.stops[None, None, :]).any(-1) & inside
-        stop_at = torch.where(is_stop.any(1), is_stop.long().argmax(1) + 1, N)
+        # accept: the greedy walk, cut at the first stop token and at max_new_tokens
+        if K == 1:
+            run = 1 + (tokens[:, 1:] == predict[:, :-1]).long().cumprod(1).sum(1)  # [B]
+            accept_index = st.chain_index  # [B, W]: row d of request b
+        else:
+            accept_index, run = backend.verify_greedy(tokens, parents, predict, W)  # flat rows, -1 padded
+        flat = accept_index.clamp(min=0)
+        committed = predict.reshape(-1)[flat]  # [B, W]
+        inside = st.width[None] < run[:, None]
+        is_stop = (committed[:, :, None] == st.stops[None, None, :]).any(-1) & inside
+        stop_at = torch.where(is_stop.any(1), is_stop.long().argmax(1) + 1, W)
         room = st.max_new - cur["out_len"]
         keep = torch.minimum(torch.minimum(run, stop_at), room).clamp(min=0)
-        keep = torch.where(cur["done"], 0, keep)
-        kept = st.offs[None] < keep[:, None]
+        keep = torch.where(done, 0, keep)
+        kept = st.width[None] < keep[:, None]
         finished = (is_stop & kept).any(1) | (cur["out_len"] + keep >= st.max_new)
-        st.out.scatter_(1, torch.where(kept, cur["out_len"][:, None] + st.offs, st.bin), predict)
+        st.out.scatter_(1, torch.where(kept, cur["out_len"][:, None] + st.width, st.bin), committed)
         st.hist.index_copy_(0, cur["cycle"], keep[None])
 
-        # compact (nothing moves in a chain) and the draft extend over every verify row
-        last = st.arange_b * N + (keep - 1).clamp(min=0)  # [B]: row n - 1 of each request
-        inputs = rows(predict.reshape(-1), vpos.reshape(-1), st.row_request, vslots.reshape(-1),
-                      (vpos + 1).reshape(-1), st.no_extra, last)  # fmt: skip
-        logits, out = self.draft._compute(inputs, features[: B * N], from_target=True)
-        nxt["d1"].copy_(logits.argmax(-1))
+        # compact: a tree's accepted rows move to [L, L + keep) (a chain's are there already)
+        if K > 1:
+            src, dst = self._plan_moves(accept_index, keep, verify_slots)
+            self._move(src, dst)
+        # draft extend over the accepted path's W rows: token d at L + d with the target features of its row;
+        # rows past the run write draft KV that no later forward reads before writing it again
+        ext_pos = L[:, None] + st.width  # [B, W]
+        last = st.arange_b * W + (keep - 1).clamp(min=0)  # [B]: row keep - 1 of each request
+        inputs = RowInputs(
+            input_ids=committed.reshape(-1), positions=ext_pos.reshape(-1), row_request=st.ext_request,
+            out_slots=slots(ext_pos).reshape(-1), prefix_lens=(ext_pos + 1).reshape(-1), extra_slots=st.no_extra,
+            page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=last,
+        )  # fmt: skip
+        logits, out = self.draft._compute(inputs, features.index_select(0, flat.reshape(-1)), from_target=True)
+        topk_p, topk_index = backend.select_topk(logits, K)
+        nxt["topk_p"].copy_(topk_p)
+        nxt["topk_index"].copy_(topk_index)
         nxt["dh"].copy_(out.index_select(0, last))
         nxt["L"].copy_(L + keep)
-        nxt["root"].copy_(predict.gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0])
-        done = cur["done"] | finished
-        nxt["done"].copy_(done)
-        nxt["all_done"].copy_(done.all()[None])
+        nxt["root"].copy_(committed.gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0])
+        now_done = done | finished
+        nxt["done"].copy_(now_done)
+        nxt["all_done"].copy_(now_done.all()[None])
         nxt["out_len"].copy_(cur["out_len"] + keep)
         nxt["cycle"].copy_(cur["cycle"] + 1)
+
+    def _plan_moves(self, accept_index, keep, verify_slots):
+        """`TorchBackend.plan_kv_move` padded to one move per (request, depth), -1 where none (no sync)."""
+        if verify_slots.device.type == "cuda":
+            from ..backends.cuda.kv import plan_kv_move_padded
+
+            return plan_kv_move_padded(accept_index, keep, verify_slots)
+        B, n = verify_slots.shape
+        width = accept_index.shape[1]
+        rows = accept_index - torch.arange(B, device=accept_index.device)[:, None] * n
+        depth = torch.arange(width, device=accept_index.device)
+        valid = (depth < keep[:, None]) & (rows != depth) & (accept_index >= 0)
+        src = verify_slots.gather(1, rows.clamp(0, n - 1))
+        dst = verify_slots.gather(1, depth.clamp(max=n - 1).expand(B, -1))
+        return torch.where(valid, src, -1).reshape(-1), torch.where(valid, dst, -1).reshape(-1)
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy target KV slot ``src[m]`` to ``dst[m]``, negatives skipped, all reads before any write."""
+        buffers = list(self.pool.target_buffers())
+        if src.device.type == "cuda":
+            from ..backends.cuda import kv
+
+            kv.move_kv(buffers, src, dst)
+            return
+        ok = (src >= 0) & (dst >= 0)  # eager on a CPU: a boolean index is fine here
+        for buf in buffers:
+            buf[dst[ok]] = buf[src[ok]]
 
     # ---- the loop -----------------------------------------------------------------------------
     def _state(self, batch: int) -> _State:
@@ -261,7 +333,7 @@ class FusedChainCycles:
         ids = [r.request_id for r in requests]
         lens = ready.seq_lens.tolist()
         for rid, length in zip(ids, lens):
-            self.pool.allocate(rid, length + max_new_tokens + N + 1)
+            self.pool.allocate(rid, length + max_new_tokens + self.spec.reserve_len() + 1)
         page_table = self.pool.page_table(ids)
         st = self._state(B)
         cur = st.sets[0]
@@ -269,7 +341,8 @@ class FusedChainCycles:
         st.table[:, : page_table.shape[1]].copy_(page_table)
         cur["L"].copy_(ready.seq_lens)
         cur["root"].copy_(ready.root_tokens)
-        cur["d1"].copy_(ready.topk_index[:, 0])
+        cur["topk_p"].copy_(ready.topk_p)
+        cur["topk_index"].copy_(ready.topk_index)
         cur["dh"].copy_(ready.draft_hidden)
         cur["done"].zero_()
         cur["all_done"].zero_()
