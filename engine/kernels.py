@@ -101,7 +101,8 @@ def rope_write_kv_torch(
 
     Shapes: ``qkv [T, (H + 2 Hkv) D]``, ``positions, out_slots [T]``, tables ``[max_position, D]`` in the
     model dtype, caches ``[num_slots, Hkv, D]``. Without host syncs: a row that writes nothing writes
-    the value of row 0 at row 0's slot instead, the same bits at the same place.
+    the value of the first writing row at that row's slot instead, the same bits at the same place;
+    when no row writes, every row writes slot 0's own value back.
     """
     rows = qkv.shape[0]
     head_dim = cos_table.shape[1]
@@ -113,10 +114,12 @@ def rope_write_kv_torch(
     v = v.reshape(rows, num_kv_heads, head_dim)
     if rows:
         valid = out_slots >= 0
-        src = torch.where(valid, torch.arange(rows, device=qkv.device), 0)
+        src = torch.where(valid, torch.arange(rows, device=qkv.device), valid.long().argmax())
         slots = out_slots[src]
-        k_cache.index_copy_(0, slots, k[src].to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v[src].to(v_cache.dtype))
+        none = (slots < 0)[:, None, None]  # no row writes (a batch of finished requests)
+        slots = slots.clamp(min=0)
+        k_cache.index_copy_(0, slots, torch.where(none, k_cache[slots], k[src].to(k_cache.dtype)))
+        v_cache.index_copy_(0, slots, torch.where(none, v_cache[slots], v[src].to(v_cache.dtype)))
     return q
 
 

@@ -1,0 +1,90 @@
+"""Fused EAGLE cycles (engine/fused_cycle.py) on the real model, CPU, float32, eagerly.
+
+The fused loop is the transition table's greedy cycle written over static buffers; the state machine
+is its reference. For chain and tree configs, page sizes 1 and 16, one request and a ragged batch of
+two: the output equals the engine's autoregressive greedy output token for token, every cycle
+commits as many tokens as the state machine's cycle does (the accept-length histograms are equal),
+stops and the length limit cut a run where `stops.cut_at_stops` cuts it, and every KV page goes back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speccycle.core import SpecConfig
+from speccycle.engine.engine import Engine
+
+MESSAGES = ("Write a haiku about KV caches.", "List three prime numbers and explain why each one is prime.")
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engines(model_path):
+    out = {}
+    for name, spec in (
+        ("chain", SpecConfig(num_steps=4)),
+        ("tree", SpecConfig(num_steps=4, topk=2, num_draft_tokens=8, page_size=16)),
+    ):
+        engine = Engine.load(model_path, draft="eagle", spec=spec, dtype=torch.float32, fast=True, kv_tokens=2048)
+        assert engine.fused_cycles is not None
+        out[name] = engine
+    return out
+
+
+def _both(engine, prompts, new_tokens):
+    """(fused results and stats, state-machine results and stats) of one `generate` call each."""
+    fused = engine.generate(prompts, new_tokens)
+    keep, engine.fused_cycles = engine.fused_cycles, None
+    try:
+        reference = engine.generate(prompts, new_tokens)
+    finally:
+        engine.fused_cycles = keep
+    return fused, reference
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_fused_equals_autoregressive_and_the_state_machine(engines, name):
+    engine = engines[name]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES]
+    free = engine.pool.num_free_pages
+    ar = [engine.generate_autoregressive([p], NEW_TOKENS)[0] for p in prompts]
+    for batch in ([prompts[0]], prompts):  # one request, then a ragged batch of two
+        (results, stats), (ref_results, ref_stats) = _both(engine, batch, NEW_TOKENS)
+        for result, ref, expected in zip(results, ref_results, ar):
+            assert list(result.output) == expected
+            assert list(ref.output) == expected
+            assert result.finish_reason == ref.finish_reason
+        assert stats.accept_len_histogram == ref_stats.accept_len_histogram
+        assert stats.committed == ref_stats.committed and stats.verifies == ref_stats.verifies
+        assert stats.tau > 1.0  # the shipped head accepts some drafts
+    assert engine.pool.num_free_pages == free
+
+
+def test_stop_token_and_length_cut_runs_like_the_state_machine(engines, monkeypatch):
+    engine = engines["tree"]
+    prompt = engine.chat_prompt(MESSAGES[1])
+    ar = engine.generate_autoregressive([prompt], NEW_TOKENS)[0]
+    stop = ar[6]  # a token the reply reaches: the stop cuts a run in the middle of a cycle's commit
+    monkeypatch.setattr(type(engine), "stop_token_ids", property(lambda self: (stop,)))
+    (results, stats), (ref_results, ref_stats) = _both(engine, [prompt], NEW_TOKENS)
+    expected = ar[: ar.index(stop) + 1]
+    assert list(results[0].output) == list(ref_results[0].output) == expected
+    assert results[0].finish_reason == ref_results[0].finish_reason == "stop"
+    assert stats.accept_len_histogram == ref_stats.accept_len_histogram
+    monkeypatch.undo()
+    for limit in (1, 2, 7):  # the limit inside the first cycle, and mid-run
+        (results, _), (ref_results, _) = _both(engine, [prompt], limit)
+        assert list(results[0].output) == list(ref_results[0].output) == ar[:limit]
+        assert results[0].finish_reason == "length"
+
+
+def test_bad_requests_get_clear_errors_and_lose_no_page(engines):
+    engine = engines["chain"]
+    free = engine.pool.num_free_pages
+    prompt = engine.chat_prompt(MESSAGES[0])
+    too_long = engine.fused_cycles.options.max_decode_steps + 1
+    with pytest.raises(ValueError, match="max_decode_steps"):
+        engine.generate([prompt], too_long)
+    assert engine.pool.num_free_pages == free
+    results, _ = engine.generate([prompt], 4)  # the engine still works
+    assert len(results[0].output) == 4
