@@ -397,22 +397,27 @@ def part_scale(args) -> None:
             opts = FastOptions("cuda", min_target_rows=1)
             run_ar(engine, FastGreedyDecoder(engine.target, engine.pool, opts), "(1 row per step)")
         ar_tps = run_ar(engine, None, f"(rows padded to N={spec.num_draft_tokens}, as the speculative engine's)")
-        planes = force_acceptance(engine, tau)
-        engine.generate([prompt], 16)  # warm-up: captures every graph
-        sync()
-        start = time.perf_counter()
-        results, stats = engine.generate([prompt], new)
-        sync()
-        seconds = time.perf_counter() - start
-        tps = len(results[0].output) / seconds
-        speedup = tps / ar_tps
-        row = {"system": f"speculative EAGLE-3-shaped head, {label}", "S": spec.num_steps, "K": spec.topk,
-               "N": spec.num_draft_tokens, "forced_tau": tau, "measured_tau": round(stats.tau, 3),
-               "tokens_per_s": round(tps, 2), "speedup": round(speedup, 3),
-               "overhead_factor": round(stats.tau / speedup, 3),
-               "control_plane": planes[-1]}  # fmt: skip
-        out["runs"].append(row)
-        say("[scale]", row)
+        fused = engine.fused_cycles
+        planes = force_acceptance(engine, tau)  # the host or device plane's backend, wrapped
+        if fused is not None:
+            fused.force_acceptance(tau)  # the fused cycles force it inside their graph
+        for way in ("fused", "plane") if fused is not None else ("plane",):
+            engine.fused_cycles = fused if way == "fused" else None
+            engine.generate([prompt], 16)  # warm-up: captures every graph
+            sync()
+            start = time.perf_counter()
+            results, stats = engine.generate([prompt], new)
+            sync()
+            seconds = time.perf_counter() - start
+            tps = len(results[0].output) / seconds
+            speedup = tps / ar_tps
+            row = {"system": f"speculative EAGLE-3-shaped head, {label}", "S": spec.num_steps, "K": spec.topk,
+                   "N": spec.num_draft_tokens, "forced_tau": tau, "measured_tau": round(stats.tau, 3),
+                   "tokens_per_s": round(tps, 2), "speedup": round(speedup, 3),
+                   "overhead_factor": round(stats.tau / speedup, 3),
+                   "control_plane": "fused cycles (engine.fused_cycle)" if way == "fused" else planes[-1]}  # fmt: skip
+            out["runs"].append(row)
+            say("[scale]", row)
         free(engine)
     RECORD["scale"] = out
     free(model, head)

@@ -52,7 +52,7 @@ from ..backends.registry import get_backend
 from ..core.config import SpecConfig
 from ..core.ports import ModelOutput
 from ..core.records import Ready
-from ..core.tree import draft_scratch_offsets
+from ..core.tree import draft_scratch_offsets, retrieve_links
 from ..statemachine.transitions import draft_levels
 from .graphs import GraphPool, RowInputs, batch_inputs, bucket
 
@@ -122,6 +122,7 @@ class _State:
         self.hist = torch.zeros((max_cycles + 1, batch), **long)
         self.max_new = torch.zeros(batch, **long)
         self.stops = torch.full((MAX_STOPS,), -1, **long)
+        self.forced = torch.ones(max_cycles + 1, **long)  # accept lengths forced per cycle (benchmarks)
         # constants
         rows = batch * n
         self.rows_b = bucket(max(rows, min_rows)) or rows
@@ -157,6 +158,7 @@ class FusedCycles:
         self.graph_pool: GraphPool = options.graph_pool
         self._states: dict[int, _State] = {}
         self.replays = 0
+        self.forced_tau: float | None = None  # `force_acceptance`
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -209,11 +211,12 @@ class FusedCycles:
         predict = logits[: B * N].argmax(-1).view(B, N)  # the verify's greedy (`graphs.ForwardGraphs`)
 
         # accept: the greedy walk, cut at the first stop token and at max_new_tokens
+        walk = predict if self.forced_tau is None else self._forced_walk(st, cur, tokens, None if K == 1 else parents)
         if K == 1:
-            run = 1 + (tokens[:, 1:] == predict[:, :-1]).long().cumprod(1).sum(1)  # [B]
+            run = 1 + (tokens[:, 1:] == walk[:, :-1]).long().cumprod(1).sum(1)  # [B]
             accept_index = st.chain_index  # [B, W]: row d of request b
         else:
-            accept_index, run = backend.verify_greedy(tokens, parents, predict, W)  # flat rows, -1 padded
+            accept_index, run = backend.verify_greedy(tokens, parents, walk, W)  # flat rows, -1 padded
         flat = accept_index.clamp(min=0)
         committed = predict.reshape(-1)[flat]  # [B, W]
         inside = st.width[None] < run[:, None]
@@ -252,6 +255,33 @@ class FusedCycles:
         nxt["all_done"].copy_(now_done.all()[None])
         nxt["out_len"].copy_(cur["out_len"] + keep)
         nxt["cycle"].copy_(cur["cycle"] + 1)
+
+    def force_acceptance(self, tau: float | None) -> None:
+        """Benchmarks only: accept exactly ``a`` rows a cycle, ``a`` the Beatty sequence of ``tau`` (None: off).
+
+        The walk then follows each tree's first-child path for ``a`` rows whatever the target predicted
+        (what SGLang's simulated acceptance does; `bench.gpu_bench`'s ``scale`` part): every forward runs
+        for real, the committed tokens are the target's predictions along that path, not its greedy output.
+        """
+        self.forced_tau = tau
+        for st in self._states.values():
+            st.graphs.clear()
+
+    def _forced_walk(self, st: _State, cur: dict, tokens: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
+        """Predictions that make the greedy walk take ``st.forced[cycle]`` rows of the first-child path."""
+        B, N = tokens.shape
+        accept = st.forced.index_select(0, cur["cycle"])  # [1]
+        if parents is None:
+            first_child = (st.offs + 1).expand(B, N)
+        else:
+            first_child = retrieve_links(parents)[0]
+        walk = torch.full_like(tokens, -1)
+        row = torch.zeros((B, 1), dtype=torch.long, device=tokens.device)
+        for i in range(self.spec.accept_width - 1):
+            child = first_child.gather(1, row).clamp(min=0)
+            walk.scatter_(1, row, torch.where(i + 1 < accept, tokens.gather(1, child), -1))
+            row = child
+        return walk
 
     def _plan_moves(self, accept_index, keep, verify_slots):
         """`TorchBackend.plan_kv_move` padded to one move per (request, depth), -1 where none (no sync)."""
@@ -357,6 +387,10 @@ class FusedCycles:
         st.stops.fill_(-1)
         if stops:
             st.stops[: len(stops)] = torch.tensor(stops)
+        if self.forced_tau is not None:
+            k = torch.arange(1, st.forced.shape[0] + 1, dtype=torch.float64)
+            beatty = torch.floor(k * self.forced_tau) - torch.floor((k - 1) * self.forced_tau)
+            st.forced.copy_(beatty.long().clamp(1, self.spec.accept_width))
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + max_new_tokens + N + 1
