@@ -278,9 +278,10 @@ class FusedCycles:
         walk = torch.full_like(tokens, -1)
         row = torch.zeros((B, 1), dtype=torch.long, device=tokens.device)
         for i in range(self.spec.accept_width - 1):
-            child = first_child.gather(1, row).clamp(min=0)
-            walk.scatter_(1, row, torch.where(i + 1 < accept, tokens.gather(1, child), -1))
-            row = child
+            child = first_child.gather(1, row)  # -1: a leaf, the path ends there
+            take = (i + 1 < accept) & (child >= 0)
+            walk.scatter_(1, row, torch.where(take, tokens.gather(1, child.clamp(min=0)), walk.gather(1, row)))
+            row = torch.where(child >= 0, child, row)
         return walk
 
     def _plan_moves(self, accept_index, keep, verify_slots):
