@@ -1,0 +1,75 @@
+"""Where a fused cycle's GPU time goes on the Llama-3-8B shape (random bf16 weights, forced acceptance).
+
+    python -m bench.scale_profile --out $OUT
+
+One engine per config (chain of 4, forced tau 3; 32-node tree, forced tau 4; as `gpu_bench --parts
+scale`): a warm-up, then one `generate` under torch.profiler; per cycle the kernel time and the top
+kernels, and the same for one autoregressive step at the same row padding. Writes
+``OUT/scale_profile.json`` and one text file of top kernels per config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .decode_profile import kernel_times
+from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
+
+
+def main() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from speccycle.core import SpecConfig
+    from speccycle.engine.drafters.eagle import EagleDraft
+    from speccycle.engine.engine import Engine
+    from speccycle.engine.kv_pool import PagedKVPool
+    from speccycle.engine.llama import LlamaModel
+    from speccycle.engine.weights_gguf import LlamaConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**LLAMA3_8B)
+    head = random_eagle3_head(config, "cuda", torch.bfloat16)
+    model = LlamaModel(config, random_weights_on_device(config, "cuda", torch.bfloat16), dtype=torch.bfloat16,
+                       device="cuda", feature_layers=head.config.feature_layers)  # fmt: skip
+    prompt = list(range(1000, 1512))
+    rows = []
+    for label, spec, tau in (
+        ("chain4", SpecConfig(num_steps=4, page_size=16), 3.0),
+        ("tree32", SpecConfig(num_steps=5, topk=4, num_draft_tokens=32, page_size=16), 4.0),
+    ):
+        pool = PagedKVPool(num_pages=80, page_size=16, device="cuda")
+        engine = Engine(model, pool, lambda e, pool=pool: EagleDraft(head, model, pool), spec, fast=True)
+        engine.fused_cycles.force_acceptance(tau)
+        for way in ("ar", "fused"):
+            run = (lambda: engine.generate_autoregressive([prompt], args.new_tokens)) if way == "ar" else (
+                lambda: engine.generate([prompt], args.new_tokens))  # fmt: skip
+            run()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = run()
+                torch.cuda.synchronize()
+            steps = args.new_tokens if way == "ar" else out[1].verifies
+            total, per_name = kernel_times(prof)
+            top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:40]
+            lines = [f"{t / steps:9.1f} {n / steps:9.2f}  {name[:150]}" for name, (t, n) in top]
+            (args.out / f"scale_profile-{label}-{way}.txt").write_text("\n".join(lines) + "\n")
+            row = {"config": label, "way": way, "steps": steps, "gpu_us_per_step": round(total / steps, 1),
+                   "kernels_per_step": round(sum(n for _, n in per_name.values()) / steps, 1)}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            print("\n".join(lines[:12]), flush=True)
+        del engine, pool
+        torch.cuda.empty_cache()
+    (args.out / "scale_profile.json").write_text(json.dumps({"benchmark": "scale_profile", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
