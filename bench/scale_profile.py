@@ -21,14 +21,13 @@ from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
 
 
 def main() -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     from speccycle.core import SpecConfig
     from speccycle.engine.drafters.eagle import EagleDraft
     from speccycle.engine.engine import Engine
     from speccycle.engine.kv_pool import PagedKVPool
     from speccycle.engine.llama import LlamaModel
     from speccycle.engine.weights_gguf import LlamaConfig
+    from torch.profiler import ProfilerActivity, profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
