@@ -48,8 +48,12 @@ def main() -> None:
         engine = Engine(model, pool, lambda e, pool=pool: EagleDraft(head, model, pool), spec, fast=True)
         engine.fused_cycles.force_acceptance(tau)
         for way in ("ar", "fused"):
-            run = (lambda: engine.generate_autoregressive([prompt], args.new_tokens)) if way == "ar" else (
-                lambda: engine.generate([prompt], args.new_tokens))  # fmt: skip
+
+            def run(way=way, engine=engine):
+                if way == "ar":
+                    return engine.generate_autoregressive([prompt], args.new_tokens)
+                return engine.generate([prompt], args.new_tokens)
+
             run()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
