@@ -98,7 +98,7 @@ class Engine:
         self._ids = itertools.count()
         self.fast_decoder = None
         self.host_control = False  # `engine.host_control`; `accelerate` turns it on for a GPU
-        self.fused_cycles = None  # `engine.fused_cycle`; `accelerate` builds it for a fast EAGLE chain
+        self.fused_cycles = None  # `engine.fused_cycle`; `accelerate` builds it for a fast EAGLE draft
         if fast:
             from .fast import accelerate
 
