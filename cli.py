@@ -89,8 +89,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fast",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="fast path: static buffers, Triton kernels, CUDA graphs (engine.fast); off: the reference path",
+        default=None,
+        help="fast path: static buffers, Triton kernels, CUDA graphs, fused EAGLE cycles (engine.fast); "
+        "off: the reference path (default: on for a Llama model on CUDA, off on a CPU)",
     )
 
 
@@ -130,7 +131,7 @@ def _load_engine(args: argparse.Namespace):
         layerskip_layers=args.layerskip_layers,
         eagle_head=args.eagle_head,
         draft_model=args.draft_model,
-        fast=args.fast,
+        fast="auto" if args.fast is None else args.fast,
     )
 
 
