@@ -92,8 +92,15 @@ def main() -> None:
             if (i + 1) % 20 == 0:
                 say(f"[{text}] {i + 1}/{len(ids)}")
         base = per.get("ar")
-        row = {"config": text, "S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size,
-               "prompts": len(ids), "new_tokens": args.max_new_tokens}
+        row = {
+            "config": text,
+            "S": spec.num_steps,
+            "K": spec.topk,
+            "N": spec.num_draft_tokens,
+            "P": spec.page_size,
+            "prompts": len(ids),
+            "new_tokens": args.max_new_tokens,
+        }
         for way, r in per.items():
             entry = {
                 "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
@@ -109,8 +116,10 @@ def main() -> None:
                     statistics.median(s / a for s, a in zip(r["tps"], base["tps"])), 3
                 )
             row[way] = entry
-        if fused is not None:
+        if fused is not None:  # the host's work per cycle in the fused loop (launch, flag copy and check)
             row["fused_replays"] = fused.replays
+            row["fused_host_us_per_cycle"] = round(fused.host_s / max(fused.replays, 1) * 1e6, 1)
+            row["fused_wait_us_per_cycle"] = round(fused.wait_s / max(fused.replays, 1) * 1e6, 1)
         rows.append(row)
         say("[fused_bench]", json.dumps(row))
         del engine, fused

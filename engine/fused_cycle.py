@@ -43,6 +43,7 @@ output and the per-cycle accept lengths equal to the state machine's (tests/unit
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -159,6 +160,8 @@ class FusedCycles:
         self._states: dict[int, _State] = {}
         self.replays = 0
         self.forced_tau: float | None = None  # `force_acceptance`
+        # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU
+        self.host_s = self.wait_s = 0.0
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -425,16 +428,24 @@ class FusedCycles:
         ring = LOOKAHEAD + 1
         flags = torch.zeros(ring, dtype=torch.bool, pin_memory=True)
         events = [torch.cuda.Event() for _ in range(ring)]
-        for i in range(max_cycles):
-            st.graphs[i % 2].replay()
-            self.replays += 1
-            flags[i % ring : i % ring + 1].copy_(st.sets[(i + 1) % 2]["all_done"], non_blocking=True)
-            events[i % ring].record()
-            if i >= LOOKAHEAD:
-                k = i - LOOKAHEAD
-                events[k % ring].synchronize()
-                if bool(flags[k % ring]):  # the cycles launched after it commit nothing
-                    torch.cuda.current_stream(self.device).synchronize()
-                    return i + 1
-        torch.cuda.current_stream(self.device).synchronize()
-        return max_cycles
+        clock = time.perf_counter
+        try:
+            for i in range(max_cycles):
+                start = clock()
+                st.graphs[i % 2].replay()
+                self.replays += 1
+                flags[i % ring : i % ring + 1].copy_(st.sets[(i + 1) % 2]["all_done"], non_blocking=True)
+                events[i % ring].record()
+                self.host_s += clock() - start
+                if i >= LOOKAHEAD:
+                    k = i - LOOKAHEAD
+                    start = clock()
+                    events[k % ring].synchronize()
+                    self.wait_s += clock() - start
+                    start = clock()
+                    if bool(flags[k % ring]):  # the cycles launched after it commit nothing
+                        return i + 1
+                    self.host_s += clock() - start
+            return max_cycles
+        finally:
+            torch.cuda.current_stream(self.device).synchronize()
