@@ -88,3 +88,16 @@ def test_bad_requests_get_clear_errors_and_lose_no_page(engines):
     assert engine.pool.num_free_pages == free
     results, _ = engine.generate([prompt], 4)  # the engine still works
     assert len(results[0].output) == 4
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_forced_acceptance_takes_the_forced_lengths(engines, name):
+    """Benchmarks force tau inside the fused graph: every cycle but a cut last one commits the forced length."""
+    engine = engines[name]
+    prompt = engine.chat_prompt(MESSAGES[0])
+    engine.fused_cycles.force_acceptance(3.0)
+    try:
+        _, stats = engine.generate([prompt], 19)
+    finally:
+        engine.fused_cycles.force_acceptance(None)
+    assert stats.accept_len_histogram == {3: 6}  # the prefill's token, then six cycles of 3: 19 tokens
