@@ -282,13 +282,13 @@ class EagleDraft:
         self.kv = pool.add_cache(cache_name, 1, hc.num_kv_heads, hc.head_dim, head.dtype)[0]
 
     def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
-        embed = F.embedding(batch.input_ids, self.target_model.embed_weight)
+        embed = F.embedding(batch.input_ids, self.target_model.embed_weight).to(self.head.dtype)
         if self.head.config.version == 1:
             x = F.linear(torch.cat([embed, x], -1), self.head.fc)
         out = self.head.layer(x, embed, batch, self.kv)  # [T, H]
         rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
         if self.head.config.target_lm_head:
-            logits = self.target_model.logits(rows)  # [R, V]
+            logits = self.target_model.logits(rows.to(self.target_model.dtype))  # [R, V]
         else:
             small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd]
             logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))

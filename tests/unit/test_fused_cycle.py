@@ -101,3 +101,16 @@ def test_forced_acceptance_takes_the_forced_lengths(engines, name):
     finally:
         engine.fused_cycles.force_acceptance(None)
     assert stats.accept_len_histogram == {3: 6}  # the prefill's token, then six cycles of 3: 19 tokens
+
+
+def test_a_bfloat16_head_over_a_float32_target_stays_lossless(model_path):
+    """The draft's dtype is its own (a head in bfloat16 drafts a third cheaper on a CPU); only tau may change."""
+    from speccycle.engine.drafters.eagle import EagleHead
+    from speccycle.engine.drafters.eagle_heads import shipped_eagle_head
+
+    head = EagleHead.load(shipped_eagle_head(model_path), torch.bfloat16, "cpu")
+    engine = Engine.load(model_path, draft="eagle", eagle_head=head, spec=SpecConfig(num_steps=3), kv_tokens=1024)
+    prompt = engine.chat_prompt(MESSAGES[1])
+    results, stats = engine.generate([prompt], NEW_TOKENS)
+    assert list(results[0].output) == engine.generate_autoregressive([prompt], NEW_TOKENS)[0]
+    assert stats.tau > 1.0
