@@ -10,6 +10,11 @@ prompts, the median per-prompt tokens/s, tau, and identical_to_ar (output == aut
     python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 2 --max-new-tokens 256
     python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 0 --max-new-tokens 128 \\
         --ways ar,fused            # every prompt: the bf16 losslessness of the fused cycles
+    python -m bench.fused_bench ... --ways ar,fused,ngram:S5,layerskip:S4   # against the other drafters
+
+Other drafters (``--ways`` entries ``draft:S..`` beyond ``ar,fused,host``) run on their own fast engines,
+interleaved with the rest. ``fused_host_us_per_cycle``: the host's work per fused cycle (launch, the
+done flag's copy, its check); ``fused_launch_us_per_cycle``: the part spent in the graph launch itself.
 """
 
 from __future__ import annotations
@@ -55,6 +60,18 @@ def main() -> None:
         prompts = pick(prompts, args.per_category)
     ways = args.ways.split(",")
     head = eagle_head_path(args.eagle_head)
+    # ways other than ar / fused / host: other drafters, "ngram:S5", "layerskip:S4" (gpu_bench's config
+    # syntax), each on its own fast engine built once and reused for every --configs entry
+    others = [w for w in ways if w not in ("ar", "fused", "host")]
+    other_engines = {}
+
+    def other_engine(way):
+        if way not in other_engines:
+            draft, spec = parse_config(way if ":" in way else f"{way}:S4")
+            other_engines[way] = Engine.load(draft=draft, spec=spec, device="cuda", dtype=torch.bfloat16,
+                                             kv_tokens=4096, fast=True)  # fmt: skip
+        return other_engines[way]
+
     rows = []
     for text in args.configs.split(","):
         spec = parse_config(f"eagle:{text}")[1]
@@ -66,6 +83,9 @@ def main() -> None:
         def run(way, x, n, engine=engine, fused=fused):
             if way == "ar":
                 return engine.generate_autoregressive([x], n)[0], None
+            if way in others:  # another drafter on its own fast engine (host control plane)
+                results, stats = other_engine(way).generate([x], n)
+                return list(results[0].output), stats
             engine.fused_cycles = fused if way == "fused" else None
             results, stats = engine.generate([x], n)
             return list(results[0].output), stats
@@ -73,6 +93,11 @@ def main() -> None:
         for x in ids[:3]:  # warm-up: prefill buckets, graphs
             for way in ways:
                 run(way, x, 8)
+        for x in ids:  # every prompt's prefill once (its shapes compile on first use)
+            for way in ways:
+                run(way, x, 2)
+        for way in ways:  # and one full-length run each, so that clocks are up before the first timed prompt
+            run(way, ids[0], args.max_new_tokens)
         per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[]) for way in ways}
         cats = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         for i, x in enumerate(ids):
@@ -120,6 +145,7 @@ def main() -> None:
             row["fused_replays"] = fused.replays
             row["fused_host_us_per_cycle"] = round(fused.host_s / max(fused.replays, 1) * 1e6, 1)
             row["fused_wait_us_per_cycle"] = round(fused.wait_s / max(fused.replays, 1) * 1e6, 1)
+            row["fused_launch_us_per_cycle"] = round(fused.launch_s / max(fused.replays, 1) * 1e6, 1)
         rows.append(row)
         say("[fused_bench]", json.dumps(row))
         del engine, fused

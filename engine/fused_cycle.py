@@ -119,6 +119,12 @@ class _State:
                 )
             )
         self.table = torch.full((batch, width), -1, **long)
+        # every cycle's "all done" flag, copied to the host by the cycle itself (a node of its graph): the
+        # loop reads it once the cycle's event has fired. Done is monotone, so a later cycle's value read
+        # in its place says no less than the awaited one's.
+        cuda = torch.device(device).type == "cuda"
+        self.host_done = torch.zeros(1, dtype=torch.bool, pin_memory=cuda)
+        self.host_done_np = self.host_done.numpy()
         self.out = torch.zeros((batch, max_out + 1), **long)  # the last column: a bin for masked writes
         self.hist = torch.zeros((max_cycles + 1, batch), **long)
         self.max_new = torch.zeros(batch, **long)
@@ -160,8 +166,9 @@ class FusedCycles:
         self._states: dict[int, _State] = {}
         self.replays = 0
         self.forced_tau: float | None = None  # `force_acceptance`
-        # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU
-        self.host_s = self.wait_s = 0.0
+        # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU;
+        # launch_s: the part of host_s spent in `CUDAGraph.replay` itself (the driver's graph launch)
+        self.host_s = self.wait_s = self.launch_s = 0.0
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -256,6 +263,7 @@ class FusedCycles:
         now_done = done | finished
         nxt["done"].copy_(now_done)
         nxt["all_done"].copy_(now_done.all()[None])
+        st.host_done.copy_(nxt["all_done"], non_blocking=True)
         nxt["out_len"].copy_(cur["out_len"] + keep)
         nxt["cycle"].copy_(cur["cycle"] + 1)
 
@@ -426,26 +434,30 @@ class FusedCycles:
                         return i + 1
             return max_cycles
         ring = LOOKAHEAD + 1
-        flags = torch.zeros(ring, dtype=torch.bool, pin_memory=True)
         events = [torch.cuda.Event() for _ in range(ring)]
+        flag = st.host_done_np  # the pinned flag each cycle's graph copies its "all done" into
+        torch.cuda.current_stream(self.device).synchronize()  # no copy in flight (a capture's warm-up wrote True)
+        flag[0] = False
         clock = time.perf_counter
+        host = wait = launch = 0.0
         try:
             for i in range(max_cycles):
                 start = clock()
                 st.graphs[i % 2].replay()
-                self.replays += 1
-                flags[i % ring : i % ring + 1].copy_(st.sets[(i + 1) % 2]["all_done"], non_blocking=True)
+                launched = clock()
                 events[i % ring].record()
-                self.host_s += clock() - start
+                end = clock()
+                launch += launched - start
+                host += end - start
                 if i >= LOOKAHEAD:
-                    k = i - LOOKAHEAD
+                    events[(i - LOOKAHEAD) % ring].synchronize()
                     start = clock()
-                    events[k % ring].synchronize()
-                    self.wait_s += clock() - start
-                    start = clock()
-                    if bool(flags[k % ring]):  # the cycles launched after it commit nothing
+                    wait += start - end
+                    if flag[0]:  # every request done by cycle i - LOOKAHEAD or later: the rest commit nothing
                         return i + 1
-                    self.host_s += clock() - start
+                    host += clock() - start
             return max_cycles
         finally:
+            self.replays += i + 1 if max_cycles else 0
+            self.host_s, self.wait_s, self.launch_s = self.host_s + host, self.wait_s + wait, self.launch_s + launch
             torch.cuda.current_stream(self.device).synchronize()
