@@ -44,7 +44,8 @@ from .row_linear_bench import graph_us
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (heads, KV heads, head dim)
 PAGE = 16
 WIDE_KEYS = 8192 + 16
-ROWS = {"1": (1, 0), "1+7pad": (1, 7), "1+15pad": (1, 15), "6": (6, 0), "32": (32, 0), "verify16": (16, 0)}
+ROWS = {"1": (1, 0), "1+7pad": (1, 7), "1+15pad": (1, 15), "6": (6, 0), "32": (32, 0), "verify16": (16, 0),
+        "verify32": (32, 0)}
 CONTEXTS = (128, 512, 2048, 8192)
 # name -> keyword options of paged_attention_rows_triton ({} = the defaults)
 VARIANTS = {
@@ -58,6 +59,11 @@ VARIANTS = {
     "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
     "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
     "b32-c128-m32": dict(block_n=32, chunk=128, max_chunks=32),
+    "rows2": dict(rows_per_program=2),  # consecutive rows a program (same bits)
+    "rows4": dict(rows_per_program=4),
+    "rows8": dict(rows_per_program=8),
+    "rows4-p4": dict(rows_per_program=4, programs_per_row=4),
+    "rows4-pmax": dict(rows_per_program=4, programs_per_row=1 << 20),
 }
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs
@@ -68,10 +74,10 @@ def say(*parts) -> None:
 
 
 def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
-    """Tensors of one call: decode rows (one request each) or a chain verify of one request."""
+    """Tensors of one call: decode rows (one request each) or a chain verify of one request (16 or 32 rows)."""
     heads, kv_heads, dim = MODELS[model]
     live, pad = ROWS[rows]
-    verify = rows == "verify16"
+    verify = rows.startswith("verify")
     requests = 1 if verify else live
     keys = ctx + (live if verify else 0)  # positions a request holds (a verify's rows write theirs after ctx)
     pages = -(-keys // PAGE)
