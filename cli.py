@@ -68,9 +68,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
     p.add_argument("--layerskip-layers", type=int, default=None, help="layers of the target the layerskip draft runs")
     p.add_argument(
-        "--steps", type=int, default=None, help="S: draft depth (default: 16 for an ngram chain on a CPU, else 4)"
+        "--steps",
+        type=int,
+        default=None,
+        help="S: draft depth (default: the draft's default, engine.default_spec: an ngram chain of 16 and an eagle "
+        "tree S3 K2 N6 on a CPU, an eagle tree S5 K4 N16 on a GPU, else a chain of 4)",
     )
-    p.add_argument("--topk", type=int, default=1, help="K: branching per draft step (1: chain)")
+    p.add_argument(
+        "--topk", type=int, default=None, help="K: branching per draft step (1: chain; default: the draft's default)"
+    )
     p.add_argument("--draft-tokens", type=int, default=None, help="N: verify rows per request (tree)")
     p.add_argument("--page-size", type=int, default=16, help="P: tokens per KV page")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: lossless sampling")
@@ -102,15 +108,23 @@ def _cuda() -> bool:
 
 
 def _spec(args: argparse.Namespace, device):
-    """The `SpecConfig` of ``--steps/--topk/--draft-tokens/--page-size``; without ``--steps`` a chain takes
-    its draft's default depth on ``device`` (`default_spec`: 16 for ngram on a CPU), a tree S=4."""
+    """The `SpecConfig` of ``--steps/--topk/--draft-tokens/--page-size``. None of the first three given: the
+    draft's default on ``device`` (`default_spec`: a chain of 16 for ngram on a CPU, a tree S3 K2 N6 for
+    eagle on a CPU, else a chain of 4) in pages of ``--page-size``; otherwise a chain (``--topk`` 1) without
+    ``--steps`` takes the default chain's depth, a tree S=4."""
+    import attrs
+
     from .core import SpecConfig
     from .engine.engine import default_spec
 
+    default = default_spec(args.draft, device)
+    if args.steps is None and args.topk is None and args.draft_tokens is None:
+        return attrs.evolve(default, page_size=args.page_size)
+    topk = 1 if args.topk is None else args.topk
     steps = args.steps
     if steps is None:
-        steps = default_spec(args.draft, device).num_steps if args.topk == 1 else 4
-    return SpecConfig(num_steps=steps, topk=args.topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
+        steps = default.num_steps if topk == 1 and default.topk == 1 else 4
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
 
 
 def _load_engine(args: argparse.Namespace):

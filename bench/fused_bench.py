@@ -11,6 +11,7 @@ prompts, the median per-prompt tokens/s, tau, and identical_to_ar (output == aut
     python -m bench.fused_bench --out $OUT --prompts spec_bench_dev.jsonl --per-category 0 --max-new-tokens 128 \\
         --ways ar,fused            # every prompt: the bf16 losslessness of the fused cycles
     python -m bench.fused_bench ... --ways ar,fused,ngram:S5,layerskip:S4   # against the other drafters
+    python -m bench.fused_bench ... --ways ar,fused,fused-torch   # the cycle's bookkeeping kernels vs torch ops
 
 Other drafters (``--ways`` entries ``draft:S..`` beyond ``ar,fused,host``) run on their own fast engines,
 interleaved with the rest. ``fused_host_us_per_cycle``: the host's work per fused cycle (launch, the
@@ -20,6 +21,7 @@ done flag's copy, its check); ``fused_launch_us_per_cycle``: the part spent in t
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -62,7 +64,7 @@ def main() -> None:
     head = eagle_head_path(args.eagle_head)
     # ways other than ar / fused / host: other drafters, "ngram:S5", "layerskip:S4" (gpu_bench's config
     # syntax), each on its own fast engine built once and reused for every --configs entry
-    others = [w for w in ways if w not in ("ar", "fused", "host")]
+    others = [w for w in ways if w not in ("ar", "fused", "fused-torch", "host")]
     other_engines = {}
 
     def other_engine(way):
@@ -78,15 +80,18 @@ def main() -> None:
         engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
                              fast=True, eagle_head=head)  # fmt: skip
         fused = engine.fused_cycles
+        # "fused-torch": the same fused cycles with the bookkeeping in torch ops (`FusedCycles.kernels`)
+        fused_torch = copy.copy(fused)
+        fused_torch._states, fused_torch.kernels, fused_torch.replays = {}, False, 0
         ids = [engine.chat_prompt(p["text"]) for p in prompts]
 
-        def run(way, x, n, engine=engine, fused=fused):
+        def run(way, x, n, engine=engine, fused=fused, fused_torch=fused_torch):
             if way == "ar":
                 return engine.generate_autoregressive([x], n)[0], None
             if way in others:  # another drafter on its own fast engine (host control plane)
                 results, stats = other_engine(way).generate([x], n)
                 return list(results[0].output), stats
-            engine.fused_cycles = fused if way == "fused" else None
+            engine.fused_cycles = {"fused": fused, "fused-torch": fused_torch}.get(way)
             results, stats = engine.generate([x], n)
             return list(results[0].output), stats
 

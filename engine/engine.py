@@ -40,11 +40,51 @@ DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
 
 
 def default_spec(draft: str, device: str | torch.device) -> SpecConfig:
-    """``SpecConfig()`` (S=4 chain), except ngram on a CPU: a chain of S=16, as its draft proposes only
-    as many tokens as a match supports (measured: bench/ngram_tau.py, docs/ngram.md)."""
-    if draft == "ngram" and torch.device(device).type == "cpu":
-        return SpecConfig(num_steps=NGRAM_CPU_NUM_STEPS)
+    """``SpecConfig()`` (S=4 chain), except on a CPU: ngram a chain of S=16, as its draft proposes only
+    as many tokens as a match supports (measured: bench/ngram_tau.py, docs/ngram.md); eagle a tree of
+    S=3, K=2, N=6 in pages of 16 (`EAGLE_CPU_SPEC`), the fastest of the settings measured side by side
+    on a 2-core CPU (bench/cpu_drafters.py; bench/results/cpu_drafters-session9-*.json: 1.76x against
+    ngram's 1.64x). On a GPU, eagle is a
+    tree of S=5, K=4, N=16 in pages of 16 (`EAGLE_GPU_SPEC`: the fused cycles' best, bench/fused_bench.py)."""
+    if torch.device(device).type == "cpu":
+        if draft == "ngram":
+            return SpecConfig(num_steps=NGRAM_CPU_NUM_STEPS)
+        if draft == "eagle":
+            return EAGLE_CPU_SPEC
+    elif draft == "eagle":
+        return EAGLE_GPU_SPEC
     return SpecConfig()
+
+
+# The EAGLE default on a CPU, with the head in bfloat16 where the CPU has bfloat16 instructions
+# (`eagle_head_dtype`). 13 Spec-Bench prompts x 128 tokens, float32 target, 2 cores, interleaved per prompt
+# (session 8, its JSON lost with its machine): S3K2N6 1.80x (tau 2.20), S4K2N6 1.76x, S3 chain 1.69x, S4K3N8
+# 1.68x, S4K2N8 1.61x (f32 head 1.51x), ngram S16 1.66x. Re-measured in session 9 (bench/cpu_drafters.py,
+# cpu_drafters-session9-*.json): S3K2N6 bf16 1.76x (tau 2.20), S4K2N6 bf16 1.72x, S4K2N8 f32 1.46x, ngram
+# 1.64x (AR 23.5 tokens/s); all 13/13 identical to autoregressive.
+EAGLE_CPU_SPEC = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=16)
+# The EAGLE default on a GPU (batch 1, bf16, fused cycles; H100, 13 prompts x 256 tokens, session 8):
+# S5K4N16 1.71x (tau 2.84), S6K4N32 1.65-1.70x (2.99), S5 chain 1.57x (2.28); ngram S5 1.01-1.05x.
+EAGLE_GPU_SPEC = SpecConfig(num_steps=5, topk=4, num_draft_tokens=16, page_size=16)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; Linux's /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def eagle_head_dtype(device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
+    """An EAGLE head's dtype over a target in ``dtype``: bfloat16 over a float32 target on a CPU with
+    bfloat16 instructions (the draft forwards a third cheaper, tau unchanged, output still the target's:
+    the draft only proposes), else the target's dtype."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_has_bf16():
+        return torch.bfloat16
+    return dtype
 
 
 @attrs.frozen
@@ -118,6 +158,7 @@ class Engine:
         draft_model: str | os.PathLike | None = None,
         max_ngram: int | None = None,
         fast: bool | str | None = None,
+        eagle_dtype: torch.dtype | None = None,
     ) -> Engine:
         """Load the target (``model``: GGUF file, HF directory or a named model such as ``gemma3-270m``;
         None: SmolLM2-135M-Instruct) and a draft.
@@ -127,12 +168,16 @@ class Engine:
         smaller model with the same tokenizer), ``none`` (autoregressive only). ``fast``: the fast path
         (`engine.fast`: CUDA graphs, Triton kernels, fused EAGLE cycles); None: off (the reference path);
         ``"auto"`` (the CLI's default): on for a Llama-architecture model on CUDA, off elsewhere.
-        ``spec`` None: `default_spec`; ``max_ngram`` None: the ngram draft's default.
+        ``spec`` None: `default_spec`; ``max_ngram`` None: the ngram draft's default. ``eagle_dtype``: the
+        dtype an EAGLE head loaded from a file runs in (None: the target's on the fast path, else
+        `eagle_head_dtype`: bfloat16 on a CPU with bfloat16 instructions under a float32 target).
         """
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}: choose one of {', '.join(DRAFTS)}")
         spec = spec or default_spec(draft, device)
         config, weights, path = load_model(model, dtype)
+        if fast == "auto":  # on for a Llama model on CUDA (lossless in bf16 on all 240 dev prompts, H100), else off
+            fast = torch.device(device).type == "cuda" and config.architecture == "llama"
         feature_layers = None
         head = None
         if draft == "eagle" and config.architecture != "llama":
@@ -150,7 +195,11 @@ class Engine:
                     f"--draft eagle needs an EAGLE head and speccycle ships none for {path.name}: pass eagle_head "
                     f"(a .safetensors path; train one with `speccycle train-draft`)"
                 )
-            head = eagle_head if isinstance(eagle_head, EagleHead) else EagleHead.load(eagle_head, dtype, device)
+            if not isinstance(eagle_head, EagleHead):
+                # the fast path's head forward runs in the target's dtype (`fast.eagle_rows_forward`)
+                head_dtype = eagle_dtype or (dtype if fast else eagle_head_dtype(device, dtype))
+                eagle_head = EagleHead.load(eagle_head, head_dtype, device)
+            head = eagle_head
             feature_layers = head.config.feature_layers if head.config.version == 3 else None
         target_model = build_model(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
         pool = PagedKVPool(num_pages=-(-kv_tokens // spec.page_size), page_size=spec.page_size, device=device)
@@ -177,8 +226,6 @@ class Engine:
                 return LlamaDraft(build_model(dconfig, dweights, dtype=dtype, device=device), pool)
             return None
 
-        if fast == "auto":  # on for a Llama model on CUDA (lossless in bf16 on all 240 dev prompts, H100), else off
-            fast = torch.device(device).type == "cuda" and config.architecture == "llama"
         return cls(target_model, pool, build, spec, tokenizer, fast=bool(fast))
 
     # ---- prompts -----------------------------------------------------------------------------

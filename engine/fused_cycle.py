@@ -55,6 +55,15 @@ from ..core.ports import ModelOutput
 from ..core.records import Ready
 from ..core.tree import draft_scratch_offsets, retrieve_links
 from ..statemachine.transitions import draft_levels
+from .cycle_kernels import (
+    EXTEND_FIELDS,
+    accept_commit,
+    accept_commit_torch,
+    cycle_slots,
+    cycle_slots_torch,
+    verify_rows,
+    verify_rows_torch,
+)
 from .graphs import GraphPool, RowInputs, batch_inputs, bucket
 
 LOOKAHEAD = 2  # cycles the host launches ahead of the one whose "all done" flag it waits for
@@ -133,21 +142,27 @@ class _State:
         # constants
         rows = batch * n
         self.rows_b = bucket(max(rows, min_rows)) or rows
-        self.arange_b = torch.arange(batch, **long)
+        requests = torch.arange(batch, **long)
         width = cfg.accept_width
         self.offs = torch.arange(n, **long)
-        self.width = torch.arange(width, **long)
         self.scratch = draft_scratch_offsets(cfg.num_steps, cfg.topk, 0, torch.device(device))  # [S - 1, K]
-        self.chain = torch.ones((n, n), dtype=torch.bool, device=device).tril()
-        self.chain_index = self.arange_b[:, None] * n + self.width  # a chain's accepted rows
-        self.row_request = self.arange_b.repeat_interleave(n)
-        self.ext_request = self.arange_b.repeat_interleave(width)
-        pad = self.rows_b - rows
-        self.pad_zero = torch.zeros(pad, **long)
-        self.pad_minus = torch.full((pad,), -1, **long)
-        self.pad_extra = torch.full((pad, n), -1, **long)
+        self.ext_request = requests.repeat_interleave(width)
         self.no_extra = torch.empty((batch * width, 0), **long)
-        self.bin = torch.full((batch, width), max_out, **long)
+        # the slots a cycle looks up: its verify rows' (L + i) and its draft scratch's (L + scratch)
+        self.slot_offsets = torch.cat([self.offs, self.scratch.reshape(-1)])
+        # the verify forward's row inputs, written by `cycle_kernels.verify_rows` (padding rows: no key, no KV)
+        self.verify = dict(
+            input_ids=torch.zeros(self.rows_b, **long),
+            positions=torch.zeros(self.rows_b, **long),
+            row_request=torch.cat([requests.repeat_interleave(n), torch.zeros(self.rows_b - rows, **long)]),
+            out_slots=torch.full((self.rows_b,), -1, **long),
+            prefix_lens=torch.zeros(self.rows_b, **long),
+            extra_slots=torch.full((self.rows_b, n), -1, **long),
+        )
+        # the draft extend's row inputs and a tree's KV moves, written by `cycle_kernels.accept_commit`
+        self.extend = {name: torch.zeros(batch * width, **long) for name in EXTEND_FIELDS}
+        self.extend["last"] = torch.zeros(batch, **long)
+        self.log = dict(out=self.out, hist=self.hist, max_new=self.max_new, stops=self.stops)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
 
@@ -166,6 +181,9 @@ class FusedCycles:
         self._states: dict[int, _State] = {}
         self.replays = 0
         self.forced_tau: float | None = None  # `force_acceptance`
+        # the bookkeeping between the forwards as `cycle_kernels`' kernels where they run (False: their torch
+        # twins, the cycle as it was before them; benchmarks compare the two)
+        self.kernels = True
         # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU;
         # launch_s: the part of host_s spent in `CUDAGraph.replay` itself (the driver's graph launch)
         self.host_s = self.wait_s = self.launch_s = 0.0
@@ -179,93 +197,57 @@ class FusedCycles:
         """One cycle: reads state set ``parity``, writes set ``1 - parity`` and the logs."""
         cur, nxt = st.sets[parity], st.sets[1 - parity]
         cfg, backend = self.spec, self.backend
-        S, K, N, W, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, cfg.accept_width, self.page_size
+        S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, self.page_size
         B = st.batch
         L, table, done = cur["L"], st.table, cur["done"]
 
-        def slots(positions):  # a finished request writes no KV and reads no draft slot: -1
-            page = table.gather(1, (positions // P).clamp(max=self.table_width - 1).reshape(B, -1))
-            slot = (page * P).view(positions.shape) + positions % P
-            return torch.where(done.view(B, *[1] * (positions.dim() - 1)), -1, slot)
-
-        verify_slots = slots(L[:, None] + st.offs)  # [B, N]: row i at the slot of L + i
+        # slots: the verify rows' and the draft scratch's, in one lookup (a finished request: -1, it writes
+        # no KV and reads no draft slot)
+        slots_fn, rows_fn, accept_fn = (
+            (cycle_slots, verify_rows, accept_commit)
+            if self.kernels
+            else (cycle_slots_torch, verify_rows_torch, accept_commit_torch)
+        )
+        slots = slots_fn(table, L, done, st.slot_offsets, P)  # [B, N + (S - 1) K]
+        verify_slots = slots[:, :N]  # row i at the slot of L + i
+        draft_slots = slots[:, N:].view(B, S - 1, K)
         # draft: S - 1 forwards over the frontier (`transitions.draft_levels`, greedy: no sync, static shapes)
         levels = _Levels(self.draft, kv_bound, P)
-        draft_slots = slots(L[:, None, None] + st.scratch)  # [B, S - 1, K]
         cands, scores, cand_parents, _ = draft_levels(
             levels, backend, cfg, (), L, table, draft_slots, cur["topk_p"], cur["topk_index"], cur["dh"]
         )
         if K == 1:
-            tokens = torch.cat([cur["root"][:, None], cands], 1)  # [B, N]
-            depths = st.offs.expand(B, N)
-            mask = st.chain[None]
-        else:  # EAGLE-2 rerank to N rows; depths in S rounds (a tree is at most S deep), no sync
+            tokens, parents = torch.cat([cur["root"][:, None], cands], 1), None  # [B, N]
+        else:  # EAGLE-2 rerank to N rows
             tokens, parents, _ = backend.rerank_tree(cur["root"], cands, scores, cand_parents, N)
-            depths = torch.zeros_like(parents)
-            for _ in range(S):
-                depths = torch.where(parents >= 0, depths.gather(1, parents.clamp(min=0)) + 1, 0)
-            mask = backend.tree_mask(parents)
 
-        # verify: every row at L + depth, the mask's rows as extra slots, padded to the decode step's bucket
-        extra = torch.where(mask, verify_slots[:, None, :], -1).reshape(B * N, N)
-        inputs = RowInputs(
-            input_ids=torch.cat([tokens.reshape(-1), st.pad_zero]),
-            positions=torch.cat([(L[:, None] + depths).reshape(-1), st.pad_zero]),
-            row_request=torch.cat([st.row_request, st.pad_zero]),
-            out_slots=torch.cat([verify_slots.reshape(-1), st.pad_minus]),
-            prefix_lens=torch.cat([L.index_select(0, st.row_request), st.pad_zero]),
-            extra_slots=torch.cat([extra, st.pad_extra]),
-            page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=None,
-        )  # fmt: skip
+        # verify: every row at L + depth, the tree mask's rows as extra slots, padded to the decode step's
+        # bucket (the padding rows of `st.verify` attend nothing and write no KV)
+        rows_fn(tokens, parents, L, verify_slots, S, st.verify, backend)
+        inputs = RowInputs(**st.verify, page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=None)
         logits, features = self.target._compute(inputs, want_hidden=True)
         predict = logits[: B * N].argmax(-1).view(B, N)  # the verify's greedy (`graphs.ForwardGraphs`)
 
-        # accept: the greedy walk, cut at the first stop token and at max_new_tokens
-        walk = predict if self.forced_tau is None else self._forced_walk(st, cur, tokens, None if K == 1 else parents)
-        if K == 1:
-            run = 1 + (tokens[:, 1:] == walk[:, :-1]).long().cumprod(1).sum(1)  # [B]
-            accept_index = st.chain_index  # [B, W]: row d of request b
-        else:
-            accept_index, run = backend.verify_greedy(tokens, parents, walk, W)  # flat rows, -1 padded
-        flat = accept_index.clamp(min=0)
-        committed = predict.reshape(-1)[flat]  # [B, W]
-        inside = st.width[None] < run[:, None]
-        is_stop = (committed[:, :, None] == st.stops[None, None, :]).any(-1) & inside
-        stop_at = torch.where(is_stop.any(1), is_stop.long().argmax(1) + 1, W)
-        room = st.max_new - cur["out_len"]
-        keep = torch.minimum(torch.minimum(run, stop_at), room).clamp(min=0)
-        keep = torch.where(done, 0, keep)
-        kept = st.width[None] < keep[:, None]
-        finished = (is_stop & kept).any(1) | (cur["out_len"] + keep >= st.max_new)
-        st.out.scatter_(1, torch.where(kept, cur["out_len"][:, None] + st.width, st.bin), committed)
-        st.hist.index_copy_(0, cur["cycle"], keep[None])
-
-        # compact: a tree's accepted rows move to [L, L + keep) (a chain's are there already)
-        if K > 1:
-            src, dst = self._plan_moves(accept_index, keep, verify_slots)
-            self._move(src, dst)
+        # accept and commit: the greedy walk, cut at the first stop token and at max_new_tokens; the output
+        # log, the next state, the draft extend's rows and a tree's KV moves (`cycle_kernels.accept_commit`)
+        walk = predict if self.forced_tau is None else self._forced_walk(st, cur, tokens, parents)
+        accept_fn(tokens, parents, predict, walk, verify_slots, cur, nxt, st.log, st.extend, backend)
+        ext = st.extend
+        if K > 1:  # compact: a tree's accepted rows move to [L, L + keep) (a chain's are there already)
+            self._move(ext["src"], ext["dst"])
         # draft extend over the accepted path's W rows: token d at L + d with the target features of its row;
         # rows past the run write draft KV that no later forward reads before writing it again
-        ext_pos = L[:, None] + st.width  # [B, W]
-        last = st.arange_b * W + (keep - 1).clamp(min=0)  # [B]: row keep - 1 of each request
         inputs = RowInputs(
-            input_ids=committed.reshape(-1), positions=ext_pos.reshape(-1), row_request=st.ext_request,
-            out_slots=slots(ext_pos).reshape(-1), prefix_lens=(ext_pos + 1).reshape(-1), extra_slots=st.no_extra,
-            page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=last,
+            input_ids=ext["input_ids"], positions=ext["positions"], row_request=st.ext_request,
+            out_slots=ext["out_slots"], prefix_lens=ext["prefix_lens"], extra_slots=st.no_extra,
+            page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=ext["last"],
         )  # fmt: skip
-        logits, out = self.draft._compute(inputs, features.index_select(0, flat.reshape(-1)), from_target=True)
+        logits, out = self.draft._compute(inputs, features.index_select(0, ext["feature_rows"]), from_target=True)
         topk_p, topk_index = backend.select_topk(logits, K)
         nxt["topk_p"].copy_(topk_p)
         nxt["topk_index"].copy_(topk_index)
-        nxt["dh"].copy_(out.index_select(0, last))
-        nxt["L"].copy_(L + keep)
-        nxt["root"].copy_(committed.gather(1, (keep - 1).clamp(min=0)[:, None])[:, 0])
-        now_done = done | finished
-        nxt["done"].copy_(now_done)
-        nxt["all_done"].copy_(now_done.all()[None])
+        nxt["dh"].copy_(out.index_select(0, ext["last"]))
         st.host_done.copy_(nxt["all_done"], non_blocking=True)
-        nxt["out_len"].copy_(cur["out_len"] + keep)
-        nxt["cycle"].copy_(cur["cycle"] + 1)
 
     def force_acceptance(self, tau: float | None) -> None:
         """Benchmarks only: accept exactly ``a`` rows a cycle, ``a`` the Beatty sequence of ``tau`` (None: off).
@@ -294,21 +276,6 @@ class FusedCycles:
             walk.scatter_(1, row, torch.where(take, tokens.gather(1, child.clamp(min=0)), walk.gather(1, row)))
             row = torch.where(child >= 0, child, row)
         return walk
-
-    def _plan_moves(self, accept_index, keep, verify_slots):
-        """`TorchBackend.plan_kv_move` padded to one move per (request, depth), -1 where none (no sync)."""
-        if verify_slots.device.type == "cuda":
-            from ..backends.cuda.kv import plan_kv_move_padded
-
-            return plan_kv_move_padded(accept_index, keep, verify_slots)
-        B, n = verify_slots.shape
-        width = accept_index.shape[1]
-        rows = accept_index - torch.arange(B, device=accept_index.device)[:, None] * n
-        depth = torch.arange(width, device=accept_index.device)
-        valid = (depth < keep[:, None]) & (rows != depth) & (accept_index >= 0)
-        src = verify_slots.gather(1, rows.clamp(0, n - 1))
-        dst = verify_slots.gather(1, depth.clamp(max=n - 1).expand(B, -1))
-        return torch.where(valid, src, -1).reshape(-1), torch.where(valid, dst, -1).reshape(-1)
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy target KV slot ``src[m]`` to ``dst[m]``, negatives skipped, all reads before any write."""

@@ -90,6 +90,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     A constexpr set may fix a runtime argument (``page_size=1``): the JIT makes an integer 1 a constant.
     """
     from ...engine import attention_triton as attention
+    from ...engine import cycle_kernels as cycle
     from ...engine import kernels as fused
     from ...engine import linear_triton
 
@@ -103,7 +104,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
                          counter_ptr="*i32", row_request_ptr=i64, **row_keys, table_ptr=i64,
                          **{name: i32 for name in strides}, num_extra=i32, page_size=i32, table_width=i32,
-                         num_heads=i32, chunk_bound=i32, scale="fp32")  # fmt: skip
+                         num_heads=i32, chunk_bound=i32, scale="fp32", num_rows=i32)  # fmt: skip
         aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr",
                    "row_request_ptr", "prefix_ptr", "extra_ptr", "table_ptr", *strides[:8], "page_size",
                    "table_width", "chunk_bound")  # fmt: skip
@@ -117,7 +118,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
             # the merge fused into the kernel (the default) and by the combine kernel (fused_combine=False)
             ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
                       BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, FUSED_COMBINE=True,
-                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), **split)  # fmt: skip
+                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), ROWS=1, **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
             if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
                 sets.append({**ce, "FUSED_COMBINE": False})
@@ -191,6 +192,29 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                      step_out_ptr=i64, history_ptr=i64, rows=i32, stride_h=i32),
                 [dict(BLOCK=8), dict(BLOCK=128)],
                 ("next_ptr", "pos_ptr", "ids_out_ptr", "pos_out_ptr", "history_ptr", "stride_h")))  # fmt: skip
+    # the fused cycle's bookkeeping (engine/cycle_kernels.py): a chain and a tree, SmolLM2's defaults
+    out.append((cycle._cycle_slots_kernel,
+                dict(table_ptr=i64, table_stride=i32, table_width=i32, L_ptr=i64, done_ptr="*i1", offsets_ptr=i64,
+                     out_ptr=i64, C=i32, page_size=i32),
+                [dict(BLOCK_C=32)], ("table_ptr", "L_ptr", "offsets_ptr", "out_ptr", "page_size")))  # fmt: skip
+    rows_signature = dict(tokens_ptr=i64, parents_ptr=i64, L_ptr=i64, slots_ptr=i64, ids_ptr=i64, positions_ptr=i64,
+                          out_slots_ptr=i64, prefix_ptr=i64, extra_ptr=i64, extra_stride=i32, N=i32)  # fmt: skip
+    out.append((cycle._verify_rows_kernel, rows_signature,
+                [dict(ROUNDS=5, TREE=False, BLOCK_N=8), dict(ROUNDS=5, TREE=True, BLOCK_N=16),
+                 dict(ROUNDS=6, TREE=True, BLOCK_N=32)],
+                ("tokens_ptr", "L_ptr", "extra_ptr", "extra_stride")))  # fmt: skip
+    accept_signature = dict(
+        tokens_ptr=i64, parents_ptr=i64, predict_ptr=i64, walk_ptr=i64, slots_ptr=i64, L_ptr=i64, done_ptr="*i1",
+        out_len_ptr=i64, cycle_ptr=i64, max_new_ptr=i64, stops_ptr=i64, num_stops=i32, out_ptr=i64, out_stride=i32,
+        hist_ptr=i64, next_L_ptr=i64, next_root_ptr=i64, next_done_ptr="*i1", next_out_len_ptr=i64,
+        next_cycle_ptr=i64, next_all_done_ptr="*i1", ext_ids_ptr=i64, ext_positions_ptr=i64, ext_slots_ptr=i64,
+        ext_prefix_ptr=i64, ext_rows_ptr=i64, last_ptr=i64, src_ptr=i64, dst_ptr=i64, B=i32, N=i32, W=i32,
+    )  # fmt: skip
+    out.append((cycle._accept_commit_kernel, accept_signature,
+                [dict(TREE=False, BLOCK_B=1, BLOCK_N=8, BLOCK_W=8, BLOCK_X=8),
+                 dict(TREE=True, BLOCK_B=1, BLOCK_N=16, BLOCK_W=8, BLOCK_X=8),
+                 dict(TREE=True, BLOCK_B=64, BLOCK_N=32, BLOCK_W=8, BLOCK_X=8)],
+                ("tokens_ptr", "out_ptr")))  # fmt: skip
     return out
 
 
