@@ -352,7 +352,9 @@ def accept_commit(tokens, parents, predict, walk, verify_slots, cur: dict, nxt: 
         ext["input_ids"], ext["positions"], ext["out_slots"], ext["prefix_lens"], ext["feature_rows"], ext["last"],
         ext["src"], ext["dst"],
         B, N, W,
-        TREE=tree, BLOCK_B=next_power_of_2(B), BLOCK_N=next_power_of_2(N), BLOCK_W=next_power_of_2(W),
+        # BLOCK_B at least 2: Triton 3.6 (the H100 image's) fails a tree's kernel at one request in its layout
+        # pass (TritonGPURemoveLayoutConversions); padding requests cost nothing
+        TREE=tree, BLOCK_B=max(2, next_power_of_2(B)), BLOCK_N=next_power_of_2(N), BLOCK_W=next_power_of_2(W),
         BLOCK_X=next_power_of_2(stops.shape[0]),
     )  # fmt: skip
     return None

@@ -211,8 +211,8 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         ext_prefix_ptr=i64, ext_rows_ptr=i64, last_ptr=i64, src_ptr=i64, dst_ptr=i64, B=i32, N=i32, W=i32,
     )  # fmt: skip
     out.append((cycle._accept_commit_kernel, accept_signature,
-                [dict(TREE=False, BLOCK_B=1, BLOCK_N=8, BLOCK_W=8, BLOCK_X=8),
-                 dict(TREE=True, BLOCK_B=1, BLOCK_N=16, BLOCK_W=8, BLOCK_X=8),
+                [dict(TREE=False, BLOCK_B=2, BLOCK_N=8, BLOCK_W=8, BLOCK_X=8),
+                 dict(TREE=True, BLOCK_B=2, BLOCK_N=16, BLOCK_W=8, BLOCK_X=8),
                  dict(TREE=True, BLOCK_B=64, BLOCK_N=32, BLOCK_W=8, BLOCK_X=8)],
                 ("tokens_ptr", "out_ptr")))  # fmt: skip
     return out
