@@ -64,6 +64,10 @@ VARIANTS = {
     "rows8": dict(rows_per_program=8),
     "rows4-p4": dict(rows_per_program=4, programs_per_row=4),
     "rows4-pmax": dict(rows_per_program=4, programs_per_row=1 << 20),
+    # the tile kernel (engine/attention_tiles.py): a verify's rows share their request's prefix blocks
+    "tiles": dict(kernel="tiles"),
+    "tiles-r4": dict(kernel="tiles", rows_per_tile=4),
+    "tiles-p2x": dict(kernel="tiles", programs=64),
 }
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs
@@ -107,9 +111,16 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
 
 
 def attend(args, options=None, **kwargs):
+    """One call of the variant: ``kernel="tiles"`` the tile kernel (`engine.attention_tiles`), else the rows kernel."""
+    from speccycle.engine.attention_tiles import paged_attention_tiles_triton
     from speccycle.engine.attention_triton import paged_attention_rows_triton
 
-    return paged_attention_rows_triton(*args, PAGE, **{**(options or {}), **kwargs})
+    options = {**(options or {}), **kwargs}
+    if options.pop("kernel", "rows") == "tiles":
+        if "programs_per_row" in options:
+            options["programs"] = options.pop("programs_per_row")
+        return paged_attention_tiles_triton(*args, PAGE, **options)
+    return paged_attention_rows_triton(*args, PAGE, **options)
 
 
 def twin(args, keys: int) -> torch.Tensor:
@@ -257,7 +268,8 @@ def main() -> None:
         payload["total_us_by_variant"] = totals
         say("total us over all cases:", totals)
     if "bitwise" in parts:
-        payload["bitwise"] = bitwise_part(models, [v for v in ("single", "split") if v in variants] or variants[:1])
+        checked = [v for v in ("single", "split", "tiles", "tiles-r4") if v in variants] or variants[:1]
+        payload["bitwise"] = bitwise_part(models, checked)
     payload["failures"] = FAILURES
     path = write_result("attention_bench", payload, device=DEVICE, directory=args.out)
     say(f"wrote {path}; {len(FAILURES)} failures")

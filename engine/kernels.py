@@ -27,10 +27,12 @@ up to its ``MAX_ROWS`` rows, `BatchInvariantOps` with them at any row count.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
+from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
     linear_rows,
@@ -342,6 +344,20 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---- op sets -----------------------------------------------------------------------------------
+ATTENTION_KERNELS = ("tiles", "rows")
+
+
+def triton_attention():
+    """The fast path's paged attention: ``SPECCYCLE_ATTENTION=tiles`` (`attention_tiles`: a verify's rows
+    share their request's prefix blocks) or ``rows`` (`attention_triton`: programs per row); read once, at
+    import. Both keep a verify row bitwise equal to the decode row at its position, each against its own
+    decode rows: an engine uses one of them for every forward."""
+    choice = os.environ.get("SPECCYCLE_ATTENTION", "rows")
+    if choice not in ATTENTION_KERNELS:
+        raise ValueError(f"SPECCYCLE_ATTENTION={choice!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    return paged_attention_tiles_triton if choice == "tiles" else paged_attention_rows_triton
+
+
 class TorchOps:
     """The fast forward's ops in plain torch (any device; sync-free, so also graph-capturable)."""
 
@@ -366,7 +382,7 @@ class TritonOps(TorchOps):
     add_rms_norm = staticmethod(add_rms_norm_triton)
     rope_write_kv = staticmethod(rope_write_kv_triton)
     silu_mul = staticmethod(silu_mul_triton)
-    attention = staticmethod(paged_attention_rows_triton)
+    attention = staticmethod(triton_attention())
     linear = staticmethod(linear_rows)  # row-invariant up to linear_triton.MAX_ROWS rows, F.linear above
     norm_linear = staticmethod(norm_linear_rows)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)

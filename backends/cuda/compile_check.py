@@ -89,6 +89,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
 
     A constexpr set may fix a runtime argument (``page_size=1``): the JIT makes an integer 1 a constant.
     """
+    from ...engine import attention_tiles as tiles
     from ...engine import attention_triton as attention
     from ...engine import cycle_kernels as cycle
     from ...engine import kernels as fused
@@ -125,6 +126,17 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                 sets.append({**ce, "MAX_CHUNKS": 1, "chunk_bound": 1, "FUSED_COMBINE": False, "BLOCK_C": 1})
             # SmolLM2's 9 heads are not 16-divisible, Llama's 32 are: both specializations of num_heads
             out.append((attention._paged_attention_kernel, signature, sets,
+                        (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
+            # the tile kernel (engine/attention_tiles.py): decode tiles of one row (rows_per_tile and tail 1,
+            # constants to the JIT) and verify tiles
+            tile_signature = {k: v for k, v in signature.items() if k != "num_rows"}
+            tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32)
+            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "ROWS")}
+            tile.update(BLOCK_Q=tiles.TILE_LINES, FUSED_COMBINE=True)
+            tile_sets = [{**tile, "rows_per_tile": 1, "tail": 1}, {**tile}]
+            if page_one:
+                tile_sets = [{**t, "page_size": 1} for t in tile_sets]
+            out.append((tiles._paged_attention_tile_kernel, tile_signature, tile_sets,
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
             combine = dict(HEAD_DIM=dim, BLOCK_D=dim, BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS),
                            BLOCK_M=block_m, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)  # fmt: skip

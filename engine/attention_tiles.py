@@ -1,0 +1,349 @@
+"""Paged attention over tiles of rows: a verify's rows load their request's prefix once, not once a row.
+
+`attention_triton`'s kernel gives each (row, KV head) its own programs, so the ``N`` verify rows of a
+request each read the request's whole prefix: at the Llama-3-8B shape a 32-row verify spent 3.9 ms of
+a 13.9 ms tree cycle in attention against 1.0 ms of a decode step (bench/results/scale_profile-*).
+Here a program holds a **tile**: the query heads of one KV head for ``R`` consecutive rows, as the
+lines of one ``[BLOCK_Q, D]`` query block (line ``i``: row ``i // GROUP``, head ``i % GROUP``).
+
+**The same bits as a row alone.** Every row keeps `attention_triton`'s key order and chunking: its
+keys are the virtual sequence prefix then extra slots, cut into chunks by its own key count, each chunk
+an online softmax over ``BLOCK_N``-key blocks from scratch, the chunks merged in a fixed order. What a
+tile changes is who computes a (row, chunk):
+
+* a **shared** chunk, one that lies inside the prefix of every row of the tile (all rows of one request,
+  with the same chunk length): one program loads each of its key blocks once and updates every line;
+* any other chunk of a row (its last ones, past the shortest prefix; a padding row's empty one; every
+  chunk of a tile whose rows do not share a request) is **its row's**: a program loads that row's keys
+  (prefix positions, then its extra slots by rank) and updates that row's lines only.
+
+Both paths run the same ``[BLOCK_Q, D] x [D, BLOCK_N]`` products on the same query block and the same
+row-wise reductions in the same layout, so a line's values depend on its own query and keys only, not on
+the path, its place in the tile or the other lines (`BLOCK_Q` is one constant for every launch, decode,
+verify and prefill alike: decode rows are tiles of one row). A verify row at ``L + d`` and a decode row
+at ``L + d`` therefore agree bitwise, as in `attention_triton` (tests/kernels/test_attention_tiles.py
+on the interpreter; bench/attention_bench.py's bitwise part on the GPU).
+
+**Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items (row
+``r``'s item ``t`` takes its chunks ``n_shared + t, n_shared + t + tail, ...``); ``P`` programs take every
+``P``-th item. A row of one chunk stores its output; a row of several stores each chunk's ``(max, sum,
+accumulator)``, counts the chunk's arrival per (row, head) and the chunk that arrives last merges the
+row's chunks in a fixed order (the same code for every line). ``rows_per_tile`` (``R``) and ``P`` are
+launch choices: they move work, never bits.
+
+`paged_attention_tiles_triton` has `attention_triton.paged_attention_rows_triton`'s contract; its
+torch twin is `attention_triton.paged_attention_rows_torch`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .attention_triton import (
+    BLOCK_N,
+    CHUNK,
+    MAX_CHUNKS,
+    MIN_TRITON_HEAD_DIM,
+    PROGRAMS_PER_SM,
+    _arrival_counters,
+    _multiprocessors,
+    paged_attention_rows_torch,
+    triton,
+)
+
+if triton is not None:
+    import triton.language as tl
+
+    from .attention_triton import _row_chunks, _row_keys
+
+# Lines of a tile's query block: one constant for every launch of an engine (the bits of a line depend on
+# the block's shape). 64 lines: 16 rows of Llama-3-8B's 4 heads per KV head, 21 of SmolLM2's 3.
+TILE_LINES = 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_update(q, k, v, cols_valid, lines, m_i, l_i, acc, scale, LOW_PRECISION: tl.constexpr,
+                      UPCAST: tl.constexpr):  # fmt: skip
+        """One key block of the online softmax for the lines in ``lines`` (the others keep their state)."""
+        if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif LOW_PRECISION:
+            s = tl.dot(q, tl.trans(k))  # bfloat16 / float16 tensor cores, float32 accumulation
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = s * scale
+        s = tl.where(lines[:, None] & cols_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_new = l_i * alpha + tl.sum(p, axis=1)
+        if LOW_PRECISION:  # probabilities rounded to the value dtype for the tensor cores (as flash attention)
+            p_low = p.to(v.dtype)
+            if UPCAST:
+                pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p_low, v)
+        else:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc_new = acc * alpha[:, None] + pv
+        return (tl.where(lines, m_new, m_i), tl.where(lines, l_new, l_i), tl.where(lines[:, None], acc_new, acc))
+
+    @triton.jit
+    def _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, lines, row, head, chunk,
+                      row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
+                      BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                      FUSED_COMBINE: tl.constexpr):  # fmt: skip
+        """Store chunk ``chunk`` of the lines in ``lines``: the output of a row of one chunk, else the
+        chunk's partial state, its arrival, and (the last chunk of a row to arrive) the row's merge."""
+        d_ok = d[None, :] < HEAD_DIM
+        single = lines & (row_chunks == 1)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_rows = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=single[:, None] & d_ok)
+        split = lines & (row_chunks > 1)
+        base = (row * num_heads + head) * chunk_bound  # [row, head, 0] of the [T, H, chunk_bound] scratch
+        part = base + chunk
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & d_ok)
+        tl.store(part_max_ptr + part, m_i, mask=split)
+        tl.store(part_sum_ptr + part, l_i, mask=split)
+        if FUSED_COMBINE:
+            tl.debug_barrier()  # every thread's states stored before the arrivals are counted
+            counter = counter_ptr + row * num_heads + head
+            arrived = tl.atomic_add(counter, 1, mask=split, sem="acq_rel", scope="gpu")
+            last = split & (arrived == row_chunks - 1)
+            tl.store(counter, 0, mask=last)
+            # merge the rows whose last chunk this was: chunk lanes in one fixed order for every line
+            c = tl.arange(0, BLOCK_C)
+            live = last[:, None] & (c[None, :] < row_chunks[:, None])
+            m = tl.load(part_max_ptr + base[:, None] + c[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
+            s = tl.load(part_sum_ptr + base[:, None] + c[None, :], mask=live, other=0.0, cache_modifier=".cg")
+            top = tl.max(m, axis=1)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w = tl.exp(m - top[:, None])  # 0 for absent chunks and chunks without a valid key
+            total = tl.sum(w * s, axis=1)
+            merged = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+            for j in range(0, tl.max(tl.where(last, row_chunks, 0), axis=0)):
+                w_j = tl.sum(tl.where(c[None, :] == j, w, 0.0), axis=1)
+                here = (last & (j < row_chunks))[:, None] & d_ok
+                a = tl.load(part_acc_ptr + (base + j)[:, None] * HEAD_DIM + d[None, :], mask=here, other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+                merged += w_j[:, None] * a
+            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=last[:, None] & d_ok)
+
+    @triton.jit
+    def _paged_attention_tile_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+        row_request_ptr, prefix_ptr, extra_ptr, table_ptr,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_et, stride_pt,
+        num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        lines = tl.arange(0, BLOCK_Q)
+        local = lines // GROUP
+        row = (tile * rows_per_tile + local).to(tl.int64)
+        ok = (local < rows_per_tile) & (row < num_rows)
+        head = kv_head * GROUP + lines % GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d[None, :] < HEAD_DIM
+        q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=ok[:, None] & d_ok, other=0.0)  # fmt: skip
+        # every line's key count and chunks (functions of its row's prefix and valid extra slots)
+        request = tl.load(row_request_ptr + row, mask=ok, other=-1)
+        prefix_len = tl.minimum(tl.load(prefix_ptr + row, mask=ok, other=0), table_width * page_size)
+        cols = tl.arange(0, BLOCK_M)
+        extra = tl.load(extra_ptr + row[:, None] * stride_et + cols[None, :],
+                        mask=ok[:, None] & (cols[None, :] < num_extra), other=-1)  # fmt: skip
+        total = prefix_len + tl.sum((extra >= 0).to(tl.int64), axis=1)
+        chunk_keys, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
+        # shared chunks: inside the prefix of every row with keys, all of one request and one chunk length
+        active = ok & (total > 0)
+        big = 1 << 40
+        same_request = tl.min(tl.where(active, request, big), axis=0) == tl.max(tl.where(active, request, -1), axis=0)
+        chunk_lo = tl.min(tl.where(active, chunk_keys, big), axis=0)
+        same_chunks = chunk_lo == tl.max(tl.where(active, chunk_keys, -1), axis=0)
+        min_prefix = tl.min(tl.where(active, prefix_len, big), axis=0)
+        n_shared = tl.where(same_request & same_chunks, min_prefix // tl.maximum(chunk_lo, 1), 0)
+        shared_request = tl.min(tl.where(active, request, big), axis=0)
+        offs = tl.arange(0, BLOCK_N)
+        programs = tl.num_programs(2)
+        for item in range(tl.program_id(2), n_shared + rows_per_tile * tail, programs):
+            m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+            if item < n_shared:  # a shared chunk: each key block loaded once for the whole tile
+                lo = item * chunk_lo
+                for start in range(lo, lo + chunk_lo, BLOCK_N):
+                    n = start + offs  # inside every active row's prefix, hence inside its page table
+                    page = tl.load(table_ptr + shared_request * stride_pt + n // page_size)
+                    valid = page >= 0
+                    safe = tl.where(valid, page * page_size + n % page_size, 0).to(tl.int64)
+                    k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                                mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                    v = tl.load(v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                                mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                    m_i, l_i, acc = _block_update(q, k, v, valid, active, m_i, l_i, acc, scale, LOW_PRECISION,
+                                                  UPCAST)  # fmt: skip
+                _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, active, row, head,
+                              item, row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
+                              BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_C, FUSED_COMBINE)  # fmt: skip
+            else:  # a row's own chunks: its keys (prefix positions, then its extra slots by rank)
+                r = (item - n_shared) // tail
+                t = (item - n_shared) % tail
+                the_row = (tile * rows_per_tile + r).to(tl.int64)
+                if the_row < num_rows:
+                    own = ok & (local == r)
+                    r_prefix, r_extra, r_has, r_rank, r_total = _row_keys(
+                        the_row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M
+                    )
+                    r_keys, r_chunks = _row_chunks(r_total, CHUNK, MAX_CHUNKS)
+                    r_request = tl.load(row_request_ptr + the_row)
+                    first = tl.where(r_total > 0, n_shared, 0) + t  # a padding row: its one empty chunk
+                    for chunk in range(first, r_chunks, tail):
+                        m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+                        l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+                        acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+                        lo = chunk * r_keys
+                        for start in range(lo, tl.minimum(r_total, lo + r_keys), BLOCK_N):
+                            n = start + offs
+                            in_prefix = n < r_prefix
+                            column = tl.minimum(n // page_size, table_width - 1)
+                            page = tl.load(table_ptr + r_request * stride_pt + column, mask=in_prefix, other=-1)
+                            prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
+                            e = n - r_prefix  # index among the row's valid extra slots
+                            pick = (r_rank[None, :] == e[:, None]) & r_has[None, :]
+                            extra_slot = tl.sum(tl.where(pick, r_extra[None, :] + 1, 0), axis=1) - 1
+                            slot = tl.where(in_prefix, prefix_slot, extra_slot)
+                            valid = slot >= 0
+                            safe = tl.maximum(slot, 0).to(tl.int64)
+                            k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                                        mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                            v = tl.load(v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                                        mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                            m_i, l_i, acc = _block_update(q, k, v, valid, own, m_i, l_i, acc, scale, LOW_PRECISION,
+                                                          UPCAST)  # fmt: skip
+                        _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, own, row, head,
+                                      chunk, row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot,
+                                      stride_oh, BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_C, FUSED_COMBINE)  # fmt: skip
+
+
+def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LINES) -> int:
+    """Rows a tile takes when the caller does not say: rows with extra slots are a verify's (``N`` rows of
+    a request, ``N`` extra columns), so the largest divisor of ``num_extra`` that fits keeps tiles inside
+    requests; rows without extra slots (decode rows, one per request) one a tile."""
+    fit = max(1, tile_lines // group)
+    if num_extra <= 0:
+        return 1
+    return max(r for r in range(1, min(fit, num_extra) + 1) if num_extra % r == 0)
+
+
+def paged_attention_tiles_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_request: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extra_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_bound: int | None = None,
+    *,
+    rows_per_tile: int | None = None,
+    programs: int | None = None,
+    tile_lines: int = TILE_LINES,
+    chunk: int = CHUNK,
+    max_chunks: int = MAX_CHUNKS,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
+
+    ``rows_per_tile`` (default `default_rows_per_tile`) and ``programs`` (per tile and KV head; default:
+    about `PROGRAMS_PER_SM` per multiprocessor) move work only. ``tile_lines``, ``chunk``, ``max_chunks``,
+    ``block_n`` set the bits: rows agree bitwise only between calls with the same four.
+    """
+    if triton is None:
+        raise RuntimeError("paged_attention_tiles_triton needs triton: pip install triton, or use the torch path")
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if block_n < 1 or block_n & (block_n - 1) or chunk < block_n or chunk % block_n or max_chunks < 1:
+        raise ValueError(
+            f"paged_attention_tiles_triton: block_n={block_n} must be a power of two, chunk={chunk} a multiple "
+            f"of it and max_chunks={max_chunks} at least 1"
+        )
+    if tile_lines < max(16, group) or tile_lines & (tile_lines - 1):
+        raise ValueError(f"paged_attention_tiles_triton: tile_lines={tile_lines} must be a power of two >= 16 "
+                         f"and >= the {group} query heads of a KV head")  # fmt: skip
+    num_extra = extra_slots.shape[1]
+    fit = tile_lines // group
+    rows = default_rows_per_tile(num_extra, group, tile_lines) if rows_per_tile is None else rows_per_tile
+    if not 1 <= rows <= fit:
+        raise ValueError(f"paged_attention_tiles_triton: rows_per_tile={rows} must lie in [1, {fit}] "
+                         f"({tile_lines} lines of {group} heads)")  # fmt: skip
+    if programs is not None and programs < 1:
+        raise ValueError(f"paged_attention_tiles_triton: programs={programs} must be at least 1")
+    if q.is_cuda and head_dim < MIN_TRITON_HEAD_DIM:
+        bound = page_table.shape[1] * page_size if kv_bound is None else kv_bound
+        return paged_attention_rows_torch(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
+                                          page_size, bound)  # fmt: skip
+    out = torch.empty_like(q)
+    if num_rows == 0:
+        return out
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention_tiles_triton: {name} needs a contiguous last dimension")
+    row_request, prefix_lens = row_request.contiguous(), prefix_lens.contiguous()
+    if num_extra == 0:
+        extra_slots = page_table  # no column is read (see paged_attention_rows_triton)
+    elif extra_slots.stride(1) != 1:
+        extra_slots = extra_slots.contiguous()
+    if page_table.stride(1) != 1:
+        page_table = page_table.contiguous()
+    table_width = page_table.shape[1]
+    chunk_bound = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
+    if chunk_bound > 1:
+        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
+        part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
+        part_max, part_sum = part_stats[0], part_stats[1]
+        counters = _arrival_counters(q.device, num_rows * num_heads)
+        if counters is None:
+            raise RuntimeError(
+                "paged_attention_tiles_triton: its arrival counters must exist before a graph capture: run the "
+                "same shapes once eagerly first"
+            )
+    else:
+        part_acc = part_max = part_sum = counters = torch.empty(1, dtype=torch.float32, device=q.device)
+    tiles = -(-num_rows // rows)
+    # a row's chunks past the shared ones: its own rows' spread (R - 1 positions) and extra slots, one more
+    tail = min(chunk_bound, 1 + -(-(rows - 1 + num_extra) // chunk))
+    items = chunk_bound + rows * tail
+    if programs is None:
+        if q.device.type == "cuda":
+            sms = _multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            programs = -(-PROGRAMS_PER_SM * sms // (tiles * num_kv_heads))
+        else:
+            programs = items  # the interpreter: every item its own program
+    programs = max(1, min(programs, items))
+    _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters, row_request, prefix_lens, extra_slots,
+        page_table, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1), extra_slots.stride(0) if num_extra else 0,
+        page_table.stride(0), num_extra, page_size, table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim),
+        num_rows, rows, tail,
+        GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=max(16, triton.next_power_of_2(max(num_extra, 1))),
+        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        FUSED_COMBINE=chunk_bound > 1, BLOCK_C=triton.next_power_of_2(max_chunks), num_warps=4,
+    )  # fmt: skip
+    return out

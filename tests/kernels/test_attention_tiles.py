@@ -1,0 +1,157 @@
+"""Invariant 14 for the tiled paged attention (engine/attention_tiles.py), and the bits it must keep.
+
+The tile kernel equals the torch twin (the reference's math) on extend rows, tree rows with holes,
+padding rows, several page sizes and grouped heads, split into chunks or not; a verify's rows computed
+together in one tile give, bitwise, what each row gives as a decode row alone (the property that makes
+greedy speculative decoding reproduce autoregressive decoding in bfloat16); and the tile size, the
+program count and the other rows of a launch change no bit. Runs on CPU under ``TRITON_INTERPRET=1``
+(CI) and on a GPU as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from speccycle.engine.attention_triton import paged_attention_rows_torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from speccycle.engine.attention_tiles import default_rows_per_tile, paged_attention_tiles_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# small chunks so that short contexts split into several (and grown) chunks under the interpreter
+SPLITS = {
+    "default": {},
+    "split": dict(block_n=16, chunk=32, max_chunks=8),
+    "grown": dict(block_n=16, chunk=16, max_chunks=3),
+    "single": dict(block_n=16, chunk=16, max_chunks=1),
+}
+
+
+def _tree_paths(parents):
+    paths = []
+    for i in range(len(parents)):
+        path, node = [], i
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def _batch(seed, page_size, heads, kv_heads, dim, length, parents, extend=3, padding=2):
+    """Rows of two requests and padding: request 0 extends causally (its last ``extend`` positions of
+    ``length + 9``), request 1 verifies the tree ``parents`` after ``length`` positions (chain or tree)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(parents)
+    width = -(-(length + 9 + n) // page_size) + 1
+    num_pages = 2 * width + 3
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.stack([perm[:width], perm[width : 2 * width]])
+
+    def slot(b, p):
+        return int(table[b, p // page_size]) * page_size + p % page_size
+
+    rows = []  # (request, prefix, extra slots)
+    for p in range(length + 9 - extend, length + 9):
+        rows.append((0, p + 1, []))
+    for path in _tree_paths(parents):
+        rows.append((1, length, [slot(1, length + j) if j in path else -1 for j in range(n)]))
+    rows += [(0, 0, [])] * padding
+    m = n
+    extra = torch.tensor([e + [-1] * (m - len(e)) for _, _, e in rows], dtype=torch.long)
+    t = len(rows)
+    q = torch.randn(t, heads, dim, generator=gen)
+    k = torch.randn(num_pages * page_size, kv_heads, dim, generator=gen)
+    v = torch.randn(num_pages * page_size, kv_heads, dim, generator=gen)
+    args = (
+        torch.tensor([r for r, _, _ in rows]),
+        torch.tensor([p for _, p, _ in rows]),
+        extra,
+        table,
+    )
+    return q, k, v, args, slot
+
+
+def _run(q, k, v, args, page_size, dtype, **options):
+    dev = [t.to(DEVICE) for t in (q.to(dtype), k.to(dtype), v.to(dtype), *args)]
+    return paged_attention_tiles_triton(*dev, page_size, **options).cpu()
+
+
+CHAIN = [-1, 0, 1, 2, 3, 4]
+TREE = [-1, 0, 0, 1, 2, 1, 3]
+
+
+@pytest.mark.parametrize(
+    "page_size,heads,dtype,split,parents",
+    [(1, (4, 2), torch.float32, "split", TREE), (4, (6, 2), torch.float32, "grown", CHAIN),
+     (16, (9, 3), torch.float32, "default", TREE), (3, (6, 2), torch.bfloat16, "split", CHAIN),
+     (16, (9, 3), torch.bfloat16, "split", TREE), (4, (4, 4), torch.float32, "single", TREE)],
+)  # fmt: skip
+def test_tiles_equal_the_torch_twin(page_size, heads, dtype, split, parents):
+    q, k, v, args, _ = _batch(7 + page_size, page_size, *heads, 16, 61, parents)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    twin = paged_attention_rows_torch(q, k, v, *args, page_size, kv_bound=args[3].shape[1] * page_size)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (None, 1, 2, 3):
+        fast = _run(q, k, v, args, page_size, dtype, rows_per_tile=rows, **SPLITS[split])
+        torch.testing.assert_close(fast.float(), twin.float(), atol=tol, rtol=tol)
+    assert torch.count_nonzero(fast[-2:]) == 0  # padding rows attend nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", ["default", "split", "grown", "single"])
+@pytest.mark.parametrize("parents", [CHAIN, TREE], ids=["chain", "tree"])
+def test_verify_tile_equals_decode_rows_bitwise(dtype, split, parents):
+    """The verify rows of one request in one tile == each row as a decode row at ``L + depth`` alone.
+
+    ``L = 45`` with 16-key blocks: the prefix ends inside a block and inside a chunk, and the rows past
+    it cross into the next chunk, so both the tile's shared chunks and the rows' own chunks are used."""
+    page_size, heads, kv_heads, dim, length = 4, 6, 2, 16, 45
+    q, k, v, args, slot = _batch(3, page_size, heads, kv_heads, dim, length, parents, extend=0, padding=0)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    row_request, prefix, extra, table = args
+    n = len(parents)
+    options = SPLITS[split]
+    tile = _run(q, k, v, args, page_size, dtype, rows_per_tile=n, **options)
+    for i, path in enumerate(_tree_paths(parents)):
+        # the decode view: positions L + depth hold the path's keys (what compaction would have moved there)
+        k2, v2 = k.clone(), v.clone()
+        for depth, node in enumerate(path):
+            k2[slot(1, length + depth)] = k[slot(1, length + node)]
+            v2[slot(1, length + depth)] = v[slot(1, length + node)]
+        no_extra = torch.empty((1, 0), dtype=torch.long)
+        decode_args = (row_request[i : i + 1], torch.tensor([length + len(path)]), no_extra, table)
+        alone = _run(q[i : i + 1], k2, v2, decode_args, page_size, dtype, **options)
+        assert torch.equal(tile[i], alone[0]), (i, (tile[i] - alone[0]).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_size_and_programs_change_no_bit(dtype):
+    q, k, v, args, _ = _batch(13, 4, 6, 2, 16, 70, TREE)
+    options = SPLITS["split"]
+    base = _run(q, k, v, args, 4, dtype, rows_per_tile=1, **options)
+    for rows, programs in ((2, None), (3, 1), (7, 2), (None, 3), (5, None)):
+        got = _run(q, k, v, args, 4, dtype, rows_per_tile=rows, programs=programs, **options)
+        assert torch.equal(got, base), (rows, programs)
+    # a row alone in its own launch, and the launch without the padding rows
+    for r in (0, 4, 8):
+        alone = _run(q[r : r + 1], k, v, [a[r : r + 1] if i < 3 else a for i, a in enumerate(args)], 4, dtype,
+                     **options)  # fmt: skip
+        assert torch.equal(alone[0], base[r])
+
+
+def test_default_rows_per_tile_and_bad_arguments():
+    assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile
+    assert default_rows_per_tile(32, 4) == 16  # a 32-row verify of Llama-3-8B: two tiles a request
+    assert default_rows_per_tile(16, 3) == 16 and default_rows_per_tile(32, 3) == 16  # SmolLM2: 21 fit
+    assert default_rows_per_tile(6, 3) == 6 and default_rows_per_tile(7, 4) == 7
+    q, k, v, args, _ = _batch(1, 4, 4, 2, 16, 20, CHAIN)
+    with pytest.raises(ValueError, match="rows_per_tile"):
+        _run(q, k, v, args, 4, torch.float32, rows_per_tile=33)
+    with pytest.raises(ValueError, match="programs"):
+        _run(q, k, v, args, 4, torch.float32, programs=0)
