@@ -4,12 +4,12 @@
 request each read the request's whole prefix: at the Llama-3-8B shape a 32-row verify spent 3.9 ms of
 a 13.9 ms tree cycle in attention against 1.0 ms of a decode step (bench/results/scale_profile-*).
 Here a program holds a **tile**: the query heads of one KV head for ``R`` consecutive rows, as the
-lines of one ``[BLOCK_Q, D]`` query block (line ``i``: row ``i // GROUP``, head ``i % GROUP``).
+lines of one ``[TILE_LINES, D]`` query block (line ``i``: row ``i // GROUP``, head ``i % GROUP``).
 
-**The same bits as a row alone.** Every row keeps `attention_triton`'s key order and chunking: its
+**The same bits as the rows kernel.** Every row keeps `attention_triton`'s key order and chunking: its
 keys are the virtual sequence prefix then extra slots, cut into chunks by its own key count, each chunk
-an online softmax over ``BLOCK_N``-key blocks from scratch, the chunks merged in a fixed order. What a
-tile changes is who computes a (row, chunk):
+an online softmax over ``BLOCK_N``-key blocks from scratch, the chunks merged by `attention_triton`'s
+merge. What a tile changes is who computes a (row, chunk):
 
 * a **shared** chunk, one that lies inside the prefix of every row of the tile (all rows of one request,
   with the same chunk length): one program loads each of its key blocks once and updates every line;
@@ -17,19 +17,18 @@ tile changes is who computes a (row, chunk):
   chunk of a tile whose rows do not share a request) is **its row's**: a program loads that row's keys
   (prefix positions, then its extra slots by rank) and updates that row's lines only.
 
-Both paths run the same ``[BLOCK_Q, D] x [D, BLOCK_N]`` products on the same query block and the same
-row-wise reductions in the same layout, so a line's values depend on its own query and keys only, not on
-the path, its place in the tile or the other lines (`BLOCK_Q` is one constant for every launch, decode,
-verify and prefill alike: decode rows are tiles of one row). A verify row at ``L + d`` and a decode row
-at ``L + d`` therefore agree bitwise, as in `attention_triton` (tests/kernels/test_attention_tiles.py
-on the interpreter; bench/attention_bench.py's bitwise part on the GPU).
+Both paths run the rows kernel's products (``[16, D] x [D, BLOCK_N]``: `TILE_LINES` is that kernel's
+query block) and its row-wise reductions on the same layout, and a line's values depend on its own query
+and keys only; so a verify row computed in a tile gives the bits of the decode row at its position
+computed by the rows kernel. `paged_attention_rows_or_tiles` (``SPECCYCLE_ATTENTION=tiles``) takes tiles
+where a tile holds several rows and the rows kernel for decode rows. Tested on the interpreter
+(tests/kernels/test_attention_tiles.py) and on the GPU (bench/attention_bench.py's bitwise part).
 
 **Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items (row
 ``r``'s item ``t`` takes its chunks ``n_shared + t, n_shared + t + tail, ...``); ``P`` programs take every
 ``P``-th item. A row of one chunk stores its output; a row of several stores each chunk's ``(max, sum,
-accumulator)``, counts the chunk's arrival per (row, head) and the chunk that arrives last merges the
-row's chunks in a fixed order (the same code for every line). ``rows_per_tile`` (``R``) and ``P`` are
-launch choices: they move work, never bits.
+accumulator)`` and `attention_triton`'s combine kernel merges them (a second launch). ``rows_per_tile``
+(``R``) and ``P`` are launch choices: they move work, never bits.
 
 `paged_attention_tiles_triton` has `attention_triton.paged_attention_rows_triton`'s contract; its
 torch twin is `attention_triton.paged_attention_rows_torch`.
@@ -48,20 +47,23 @@ from .attention_triton import (
     MAX_CHUNKS,
     MIN_TRITON_HEAD_DIM,
     PROGRAMS_PER_SM,
-    _arrival_counters,
     _multiprocessors,
     paged_attention_rows_torch,
+    paged_attention_rows_triton,
     triton,
 )
 
 if triton is not None:
     import triton.language as tl
 
-    from .attention_triton import _row_chunks, _row_keys
+    from .attention_triton import _paged_attention_combine_kernel, _row_chunks, _row_keys
 
-# Lines of a tile's query block: one constant for every launch of an engine (the bits of a line depend on
-# the block's shape). 64 lines: 16 rows of Llama-3-8B's 4 heads per KV head, 21 of SmolLM2's 3.
-TILE_LINES = 64
+# Lines of a tile's query block: the rows kernel's query block (`attention_triton`: 16 lines, the heads of
+# one KV head of one row), so that a line's products and reductions have that kernel's shapes and layout:
+# 4 rows of Llama-3-8B's 4 heads per KV head, 5 of SmolLM2's 3. (A first design took 64 lines for every
+# launch, decode included: decode attention at the 8B shape went from 15.4 to 27.6 µs, bench/results/
+# attention_bench-H100-tiles64-*.json.)
+TILE_LINES = 16
 
 
 if triton is not None:
@@ -95,57 +97,30 @@ if triton is not None:
         return (tl.where(lines, m_new, m_i), tl.where(lines, l_new, l_i), tl.where(lines[:, None], acc_new, acc))
 
     @triton.jit
-    def _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, lines, row, head, chunk,
-                      row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
-                      BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                      FUSED_COMBINE: tl.constexpr):  # fmt: skip
-        """Store chunk ``chunk`` of the lines in ``lines``: the output of a row of one chunk, else the
-        chunk's partial state, its arrival, and (the last chunk of a row to arrive) the row's merge."""
+    def _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, lines, row, head, chunk, row_chunks, m_i,
+                      l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):  # fmt: skip
+        """Store chunk ``chunk`` of the lines in ``lines``: the output of a row of one chunk, else the chunk's
+        partial state at ``[row, head, chunk]`` (`attention_triton`'s combine kernel merges them)."""
         d_ok = d[None, :] < HEAD_DIM
         single = lines & (row_chunks == 1)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_rows = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=single[:, None] & d_ok)
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=single[:, None] & d_ok)  # fmt: skip
         split = lines & (row_chunks > 1)
-        base = (row * num_heads + head) * chunk_bound  # [row, head, 0] of the [T, H, chunk_bound] scratch
-        part = base + chunk
+        part = (row * num_heads + head) * chunk_bound + chunk  # [row, head, chunk] of the [T, H, bound] scratch
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & d_ok)
         tl.store(part_max_ptr + part, m_i, mask=split)
         tl.store(part_sum_ptr + part, l_i, mask=split)
-        if FUSED_COMBINE:
-            tl.debug_barrier()  # every thread's states stored before the arrivals are counted
-            counter = counter_ptr + row * num_heads + head
-            arrived = tl.atomic_add(counter, 1, mask=split, sem="acq_rel", scope="gpu")
-            last = split & (arrived == row_chunks - 1)
-            tl.store(counter, 0, mask=last)
-            # merge the rows whose last chunk this was: chunk lanes in one fixed order for every line
-            c = tl.arange(0, BLOCK_C)
-            live = last[:, None] & (c[None, :] < row_chunks[:, None])
-            m = tl.load(part_max_ptr + base[:, None] + c[None, :], mask=live, other=float("-inf"), cache_modifier=".cg")
-            s = tl.load(part_sum_ptr + base[:, None] + c[None, :], mask=live, other=0.0, cache_modifier=".cg")
-            top = tl.max(m, axis=1)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            w = tl.exp(m - top[:, None])  # 0 for absent chunks and chunks without a valid key
-            total = tl.sum(w * s, axis=1)
-            merged = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-            for j in range(0, tl.max(tl.where(last, row_chunks, 0), axis=0)):
-                w_j = tl.sum(tl.where(c[None, :] == j, w, 0.0), axis=1)
-                here = (last & (j < row_chunks))[:, None] & d_ok
-                a = tl.load(part_acc_ptr + (base + j)[:, None] * HEAD_DIM + d[None, :], mask=here, other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-                merged += w_j[:, None] * a
-            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=last[:, None] & d_ok)
 
     @triton.jit
     def _paged_attention_tile_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         row_request_ptr, prefix_ptr, extra_ptr, table_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_et, stride_pt,
         num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_C: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
         tile = tl.program_id(0)
@@ -195,9 +170,8 @@ if triton is not None:
                                 mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
                     m_i, l_i, acc = _block_update(q, k, v, valid, active, m_i, l_i, acc, scale, LOW_PRECISION,
                                                   UPCAST)  # fmt: skip
-                _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, active, row, head,
-                              item, row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
-                              BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_C, FUSED_COMBINE)  # fmt: skip
+                _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, active, row, head, item, row_chunks,
+                              m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM)  # fmt: skip
             else:  # a row's own chunks: its keys (prefix positions, then its extra slots by rank)
                 r = (item - n_shared) // tail
                 t = (item - n_shared) % tail
@@ -233,9 +207,9 @@ if triton is not None:
                                         mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
                             m_i, l_i, acc = _block_update(q, k, v, valid, own, m_i, l_i, acc, scale, LOW_PRECISION,
                                                           UPCAST)  # fmt: skip
-                        _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, own, row, head,
-                                      chunk, row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot,
-                                      stride_oh, BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_C, FUSED_COMBINE)  # fmt: skip
+                        _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, own, row, head, chunk,
+                                      row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
+                                      HEAD_DIM)  # fmt: skip
 
 
 def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LINES) -> int:
@@ -246,6 +220,28 @@ def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LIN
     if num_extra <= 0:
         return 1
     return max(r for r in range(1, min(fit, num_extra) + 1) if num_extra % r == 0)
+
+
+def paged_attention_rows_or_tiles(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_request: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extra_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_bound: int | None = None,
+) -> torch.Tensor:
+    """The fast path's attention with tiles: the tile kernel where a tile takes several rows (a verify's
+    rows, `default_rows_per_tile`), `attention_triton`'s rows kernel elsewhere (decode rows). The two give a
+    row the same bits (`TILE_LINES`), so a verify row still equals the decode row at its position."""
+    group = q.shape[1] // k_cache.shape[1]
+    if default_rows_per_tile(extra_slots.shape[1], group) > 1:
+        return paged_attention_tiles_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
+                                            page_size, kv_bound)  # fmt: skip
+    return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
+                                       page_size, kv_bound)  # fmt: skip
 
 
 def paged_attention_tiles_triton(
@@ -270,7 +266,8 @@ def paged_attention_tiles_triton(
 
     ``rows_per_tile`` (default `default_rows_per_tile`) and ``programs`` (per tile and KV head; default:
     about `PROGRAMS_PER_SM` per multiprocessor) move work only. ``tile_lines``, ``chunk``, ``max_chunks``,
-    ``block_n`` set the bits: rows agree bitwise only between calls with the same four.
+    ``block_n`` set the bits: rows agree bitwise only between calls with the same four (and with the rows
+    kernel at its defaults only for the defaults here).
     """
     if triton is None:
         raise RuntimeError("paged_attention_tiles_triton needs triton: pip install triton, or use the torch path")
@@ -316,14 +313,8 @@ def paged_attention_tiles_triton(
         part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
         part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
         part_max, part_sum = part_stats[0], part_stats[1]
-        counters = _arrival_counters(q.device, num_rows * num_heads)
-        if counters is None:
-            raise RuntimeError(
-                "paged_attention_tiles_triton: its arrival counters must exist before a graph capture: run the "
-                "same shapes once eagerly first"
-            )
     else:
-        part_acc = part_max = part_sum = counters = torch.empty(1, dtype=torch.float32, device=q.device)
+        part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     tiles = -(-num_rows // rows)
     # a row's chunks past the shared ones: its own rows' spread (R - 1 positions) and extra slots, one more
     tail = min(chunk_bound, 1 + -(-(rows - 1 + num_extra) // chunk))
@@ -335,15 +326,23 @@ def paged_attention_tiles_triton(
         else:
             programs = items  # the interpreter: every item its own program
     programs = max(1, min(programs, items))
+    block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
+    stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters, row_request, prefix_lens, extra_slots,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,
         page_table, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), out.stride(0), out.stride(1), extra_slots.stride(0) if num_extra else 0,
-        page_table.stride(0), num_extra, page_size, table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim),
-        num_rows, rows, tail,
+        v_cache.stride(1), out.stride(0), out.stride(1), stride_et, page_table.stride(0), num_extra, page_size,
+        table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail,
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=max(16, triton.next_power_of_2(max(num_extra, 1))),
+        BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        FUSED_COMBINE=chunk_bound > 1, BLOCK_C=triton.next_power_of_2(max_chunks), num_warps=4,
+        num_warps=4,
     )  # fmt: skip
+    if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
+        _paged_attention_combine_kernel[(num_rows, num_heads)](
+            out, part_acc, part_max, part_sum, prefix_lens, extra_slots, out.stride(0), out.stride(1), stride_et,
+            num_extra, page_size, table_width, num_heads, chunk_bound, HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim), CHUNK=chunk, MAX_CHUNKS=max_chunks,
+            BLOCK_C=triton.next_power_of_2(max_chunks), BLOCK_M=block_m, num_warps=4,
+        )  # fmt: skip
     return out

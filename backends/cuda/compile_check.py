@@ -129,15 +129,16 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
             # the tile kernel (engine/attention_tiles.py): decode tiles of one row (rows_per_tile and tail 1,
             # constants to the JIT) and verify tiles
-            tile_signature = {k: v for k, v in signature.items() if k != "num_rows"}
+            tile_signature = {k: v for k, v in signature.items() if k not in ("num_rows", "counter_ptr")}
             tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32)
-            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "ROWS")}
-            tile.update(BLOCK_Q=tiles.TILE_LINES, FUSED_COMBINE=True)
+            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "ROWS", "FUSED_COMBINE", "BLOCK_C")}
+            tile.update(BLOCK_Q=tiles.TILE_LINES)
             tile_sets = [{**tile, "rows_per_tile": 1, "tail": 1}, {**tile}]
             if page_one:
                 tile_sets = [{**t, "page_size": 1} for t in tile_sets]
+            tile_aligned = tuple(a for a in aligned if a != "counter_ptr")
             out.append((tiles._paged_attention_tile_kernel, tile_signature, tile_sets,
-                        (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
+                        (*tile_aligned, "num_heads") if heads % 16 == 0 else tile_aligned))  # fmt: skip
             combine = dict(HEAD_DIM=dim, BLOCK_D=dim, BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS),
                            BLOCK_M=block_m, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)  # fmt: skip
             combine_sets.append({**combine, "page_size": 1} if page_one else combine)

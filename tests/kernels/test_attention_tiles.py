@@ -20,7 +20,12 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine.attention_tiles import default_rows_per_tile, paged_attention_tiles_triton  # noqa: E402
+from speccycle.engine.attention_tiles import (  # noqa: E402
+    default_rows_per_tile,
+    paged_attention_rows_or_tiles,
+    paged_attention_tiles_triton,
+)
+from speccycle.engine.attention_triton import paged_attention_rows_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # small chunks so that short contexts split into several (and grown) chunks under the interpreter
@@ -77,9 +82,9 @@ def _batch(seed, page_size, heads, kv_heads, dim, length, parents, extend=3, pad
     return q, k, v, args, slot
 
 
-def _run(q, k, v, args, page_size, dtype, **options):
+def _run(q, k, v, args, page_size, dtype, kernel=paged_attention_tiles_triton, **options):
     dev = [t.to(DEVICE) for t in (q.to(dtype), k.to(dtype), v.to(dtype), *args)]
-    return paged_attention_tiles_triton(*dev, page_size, **options).cpu()
+    return kernel(*dev, page_size, **options).cpu()
 
 
 CHAIN = [-1, 0, 1, 2, 3, 4]
@@ -97,7 +102,7 @@ def test_tiles_equal_the_torch_twin(page_size, heads, dtype, split, parents):
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     twin = paged_attention_rows_torch(q, k, v, *args, page_size, kv_bound=args[3].shape[1] * page_size)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows in (None, 1, 2, 3):
+    for rows in (None, 1, 2):
         fast = _run(q, k, v, args, page_size, dtype, rows_per_tile=rows, **SPLITS[split])
         torch.testing.assert_close(fast.float(), twin.float(), atol=tol, rtol=tol)
     assert torch.count_nonzero(fast[-2:]) == 0  # padding rows attend nothing
@@ -115,9 +120,8 @@ def test_verify_tile_equals_decode_rows_bitwise(dtype, split, parents):
     q, k, v, args, slot = _batch(3, page_size, heads, kv_heads, dim, length, parents, extend=0, padding=0)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     row_request, prefix, extra, table = args
-    n = len(parents)
     options = SPLITS[split]
-    tile = _run(q, k, v, args, page_size, dtype, rows_per_tile=n, **options)
+    tile = _run(q, k, v, args, page_size, dtype, rows_per_tile=len(parents) // 2 + 1, **options)
     for i, path in enumerate(_tree_paths(parents)):
         # the decode view: positions L + depth hold the path's keys (what compaction would have moved there)
         k2, v2 = k.clone(), v.clone()
@@ -128,6 +132,10 @@ def test_verify_tile_equals_decode_rows_bitwise(dtype, split, parents):
         decode_args = (row_request[i : i + 1], torch.tensor([length + len(path)]), no_extra, table)
         alone = _run(q[i : i + 1], k2, v2, decode_args, page_size, dtype, **options)
         assert torch.equal(tile[i], alone[0]), (i, (tile[i] - alone[0]).abs().max())
+        # and the rows kernel's decode row (what `paged_attention_rows_or_tiles` runs for decode rows)
+        rows_kernel = _run(q[i : i + 1], k2, v2, decode_args, page_size, dtype, kernel=paged_attention_rows_triton,
+                           **options)  # fmt: skip
+        assert torch.equal(tile[i], rows_kernel[0]), (i, (tile[i] - rows_kernel[0]).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -135,7 +143,7 @@ def test_tile_size_and_programs_change_no_bit(dtype):
     q, k, v, args, _ = _batch(13, 4, 6, 2, 16, 70, TREE)
     options = SPLITS["split"]
     base = _run(q, k, v, args, 4, dtype, rows_per_tile=1, **options)
-    for rows, programs in ((2, None), (3, 1), (7, 2), (None, 3), (5, None)):
+    for rows, programs in ((2, None), (3, 1), (4, 2), (None, 3), (5, None)):
         got = _run(q, k, v, args, 4, dtype, rows_per_tile=rows, programs=programs, **options)
         assert torch.equal(got, base), (rows, programs)
     # a row alone in its own launch, and the launch without the padding rows
@@ -146,12 +154,22 @@ def test_tile_size_and_programs_change_no_bit(dtype):
 
 
 def test_default_rows_per_tile_and_bad_arguments():
-    assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile
-    assert default_rows_per_tile(32, 4) == 16  # a 32-row verify of Llama-3-8B: two tiles a request
-    assert default_rows_per_tile(16, 3) == 16 and default_rows_per_tile(32, 3) == 16  # SmolLM2: 21 fit
-    assert default_rows_per_tile(6, 3) == 6 and default_rows_per_tile(7, 4) == 7
+    assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile (the rows kernel takes them)
+    assert default_rows_per_tile(32, 4) == 4  # a 32-row verify of Llama-3-8B: 8 tiles of 4 rows a request
+    assert default_rows_per_tile(16, 3) == 4 and default_rows_per_tile(6, 3) == 3  # SmolLM2: 5 rows fit
+    assert default_rows_per_tile(7, 4) == 1 and default_rows_per_tile(5, 2) == 5
     q, k, v, args, _ = _batch(1, 4, 4, 2, 16, 20, CHAIN)
     with pytest.raises(ValueError, match="rows_per_tile"):
-        _run(q, k, v, args, 4, torch.float32, rows_per_tile=33)
+        _run(q, k, v, args, 4, torch.float32, rows_per_tile=9)
     with pytest.raises(ValueError, match="programs"):
         _run(q, k, v, args, 4, torch.float32, programs=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_or_tiles_gives_the_rows_kernels_bits(dtype):
+    """`paged_attention_rows_or_tiles` (the fast path with ``SPECCYCLE_ATTENTION=tiles``): tiles for the verify
+    rows, the rows kernel for decode rows; every row's bits are the rows kernel's."""
+    q, k, v, args, _ = _batch(17, 4, 6, 2, 16, 70, TREE)
+    rows = _run(q, k, v, args, 4, dtype, kernel=paged_attention_rows_triton)
+    both = _run(q, k, v, args, 4, dtype, kernel=paged_attention_rows_or_tiles)
+    assert torch.equal(both, rows)
