@@ -68,7 +68,6 @@ VARIANTS = {
     "tiles": dict(kernel="tiles"),
     "tiles-r2": dict(kernel="tiles", rows_per_tile=2),
     "tiles-p64": dict(kernel="tiles", programs=64),
-    "rows-or-tiles": dict(kernel="rows-or-tiles"),  # tiles for verify rows, the rows kernel for decode rows
 }
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs
@@ -113,14 +112,11 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
 
 def attend(args, options=None, **kwargs):
     """One call of the variant: ``kernel="tiles"`` the tile kernel (`engine.attention_tiles`), else the rows kernel."""
-    from speccycle.engine.attention_tiles import paged_attention_rows_or_tiles, paged_attention_tiles_triton
+    from speccycle.engine.attention_tiles import paged_attention_tiles_triton
     from speccycle.engine.attention_triton import paged_attention_rows_triton
 
     options = {**(options or {}), **kwargs}
     kernel = options.pop("kernel", "rows")
-    if kernel == "rows-or-tiles":  # the fast path's SPECCYCLE_ATTENTION=tiles: its defaults only
-        options.pop("programs_per_row", None)
-        return paged_attention_rows_or_tiles(*args, PAGE, **options)
     if kernel == "tiles":
         if "programs_per_row" in options:
             options["programs"] = options.pop("programs_per_row")
@@ -273,7 +269,7 @@ def main() -> None:
         payload["total_us_by_variant"] = totals
         say("total us over all cases:", totals)
     if "bitwise" in parts:
-        checked = [v for v in ("single", "split", "tiles", "rows-or-tiles") if v in variants] or variants[:1]
+        checked = [v for v in ("single", "split", "tiles") if v in variants] or variants[:1]
         payload["bitwise"] = bitwise_part(models, checked)
     payload["failures"] = FAILURES
     path = write_result("attention_bench", payload, device=DEVICE, directory=args.out)

@@ -13,19 +13,21 @@ import json
 import time
 
 import torch
-
 from speccycle.core import SpecConfig
 from speccycle.engine.bench import device_label, load_prompts, run_bench
-from speccycle.engine.drafters.eagle import EagleDraft
 from speccycle.engine.engine import Engine, eagle_head_for
 
 
 def lossless(device: str) -> list[dict]:
     prompts = load_prompts(None)[:3]
     rows = []
-    cases = [("ngram", SpecConfig(num_steps=5, topk=1)), ("ngram", SpecConfig(num_steps=4, topk=4, num_draft_tokens=16)),
-             ("layerskip", SpecConfig(num_steps=3, topk=1)), ("layerskip", SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, page_size=1)),
-             ("eagle", SpecConfig(num_steps=3, topk=3, num_draft_tokens=10))]
+    cases = [
+        ("ngram", SpecConfig(num_steps=5, topk=1)),
+        ("ngram", SpecConfig(num_steps=4, topk=4, num_draft_tokens=16)),
+        ("layerskip", SpecConfig(num_steps=3, topk=1)),
+        ("layerskip", SpecConfig(num_steps=3, topk=2, num_draft_tokens=8, page_size=1)),
+        ("eagle", SpecConfig(num_steps=3, topk=3, num_draft_tokens=10)),
+    ]
     for draft, spec in cases:
         kwargs = {"layerskip_layers": 8} if draft == "layerskip" else {}
         if draft == "eagle":
@@ -38,15 +40,19 @@ def lossless(device: str) -> list[dict]:
         ar = [engine.generate_autoregressive([x], 32)[0] for x in ids]
         results, stats = engine.generate(ids, 32, checked=True)
         same = sum(list(r.output) == a for r, a in zip(results, ar))
-        rows.append({"draft": draft, "config": str(spec), "identical": same, "prompts": len(ids), "tau": round(stats.tau, 3)})
+        rows.append(
+            {"draft": draft, "config": str(spec), "identical": same, "prompts": len(ids), "tau": round(stats.tau, 3)}
+        )
         print(rows[-1], flush=True)
     return rows
 
 
 def speed(device: str, new_tokens: int) -> dict:
     out = {}
-    for draft, spec in [("ngram", SpecConfig(num_steps=5, topk=1, page_size=16)),
-                        ("layerskip", SpecConfig(num_steps=3, topk=1, page_size=16))]:
+    for draft, spec in [
+        ("ngram", SpecConfig(num_steps=5, topk=1, page_size=16)),
+        ("layerskip", SpecConfig(num_steps=3, topk=1, page_size=16)),
+    ]:
         engine = Engine.load(draft=draft, spec=spec, device=device, dtype=torch.bfloat16, layerskip_layers=8)
         engine.generate_autoregressive([engine.chat_prompt("warm up")], 8)
         summary = run_bench(engine, load_prompts(None), new_tokens, progress=False)

@@ -17,12 +17,16 @@ merge. What a tile changes is who computes a (row, chunk):
   chunk of a tile whose rows do not share a request) is **its row's**: a program loads that row's keys
   (prefix positions, then its extra slots by rank) and updates that row's lines only.
 
-Both paths run the rows kernel's products (``[16, D] x [D, BLOCK_N]``: `TILE_LINES` is that kernel's
-query block) and its row-wise reductions on the same layout, and a line's values depend on its own query
-and keys only; so a verify row computed in a tile gives the bits of the decode row at its position
-computed by the rows kernel. `paged_attention_rows_or_tiles` (``SPECCYCLE_ATTENTION=tiles``) takes tiles
-where a tile holds several rows and the rows kernel for decode rows. Tested on the interpreter
-(tests/kernels/test_attention_tiles.py) and on the GPU (bench/attention_bench.py's bitwise part).
+Both paths run the same ``[TILE_LINES, D] x [D, BLOCK_N]`` products and row-wise reductions in one
+compiled kernel, and a line's values depend on its own query and keys only; so a verify row computed in
+a tile gives the bits of the decode row at its position computed as a tile of one row. Decode rows must
+therefore take this kernel too (``SPECCYCLE_ATTENTION=tiles``: every forward of the fast path), not
+`attention_triton`'s: on the H100 a tiled bfloat16 verify row differed in its last bits from that
+kernel's decode row at real shapes (5 or more chunks; float32 agreed), although the two run the same
+math on same-shaped blocks (bench/results/attention_bench-H100-rows-or-tiles-bitwise-*.json), while the
+tile kernel against itself passed every check, bfloat16 and float32, SmolLM2 and Llama-3-8B shapes, 100
+to 6,000 keys (`attention_bench-H100-tiles16-bitwise-*.json`). Tested on the interpreter too
+(tests/kernels/test_attention_tiles.py).
 
 **Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items (row
 ``r``'s item ``t`` takes its chunks ``n_shared + t, n_shared + t + tail, ...``); ``P`` programs take every
@@ -49,7 +53,6 @@ from .attention_triton import (
     PROGRAMS_PER_SM,
     _multiprocessors,
     paged_attention_rows_torch,
-    paged_attention_rows_triton,
     triton,
 )
 
@@ -220,28 +223,6 @@ def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LIN
     if num_extra <= 0:
         return 1
     return max(r for r in range(1, min(fit, num_extra) + 1) if num_extra % r == 0)
-
-
-def paged_attention_rows_or_tiles(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    row_request: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extra_slots: torch.Tensor,
-    page_table: torch.Tensor,
-    page_size: int,
-    kv_bound: int | None = None,
-) -> torch.Tensor:
-    """The fast path's attention with tiles: the tile kernel where a tile takes several rows (a verify's
-    rows, `default_rows_per_tile`), `attention_triton`'s rows kernel elsewhere (decode rows). The two give a
-    row the same bits (`TILE_LINES`), so a verify row still equals the decode row at its position."""
-    group = q.shape[1] // k_cache.shape[1]
-    if default_rows_per_tile(extra_slots.shape[1], group) > 1:
-        return paged_attention_tiles_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
-                                            page_size, kv_bound)  # fmt: skip
-    return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
-                                       page_size, kv_bound)  # fmt: skip
 
 
 def paged_attention_tiles_triton(

@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention_tiles import paged_attention_rows_or_tiles
+from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
     linear_rows,
@@ -348,14 +348,14 @@ ATTENTION_KERNELS = ("tiles", "rows")
 
 
 def triton_attention():
-    """The fast path's paged attention: ``SPECCYCLE_ATTENTION=tiles`` (`attention_tiles`: a verify's rows
-    share their request's prefix blocks, decode rows take the rows kernel) or ``rows`` (`attention_triton`:
-    programs per row for every forward); read once, at import. Either keeps a verify row bitwise equal to the
-    decode row at its position."""
+    """The fast path's paged attention for every forward: ``SPECCYCLE_ATTENTION=tiles`` (`attention_tiles`: a
+    verify's rows share their request's prefix blocks) or ``rows`` (`attention_triton`: programs per row);
+    read once, at import. Each keeps a verify row bitwise equal to the decode row at its position as long as
+    decode and verify take the same one (the two kernels differ in bfloat16's last bits)."""
     choice = os.environ.get("SPECCYCLE_ATTENTION", "rows")
     if choice not in ATTENTION_KERNELS:
         raise ValueError(f"SPECCYCLE_ATTENTION={choice!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
-    return paged_attention_rows_or_tiles if choice == "tiles" else paged_attention_rows_triton
+    return paged_attention_tiles_triton if choice == "tiles" else paged_attention_rows_triton
 
 
 class TorchOps:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from ..core import shapes
 from ..core.config import SpecConfig
 from ..core.ports import ForwardBatch, KVPool, KVPoolExhausted, ModelOutput, Ports
 from ..core.records import (
@@ -29,7 +30,6 @@ from ..core.records import (
     RowOutputs,
     Verified,
 )
-from ..core import shapes
 from ..core.tree import draft_position, draft_scratch_offsets, tree_depths
 from . import sampling
 from .stops import cut_at_stops
@@ -519,7 +519,7 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     level order, never reranked (`statemachine.sampling`); their ``q`` per row goes to the verify.
     """
     cfg, bs = rec.config, len(rec.requests)
-    S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
+    K, N = cfg.topk, cfg.num_draft_tokens
     L, device = rec.seq_lens, rec.seq_lens.device
     offset = draft_offset(ports, cfg)
     # draft_slots [bs, S-1, K]: the slots of draft_scratch_positions(L, S, K, offset)

@@ -20,12 +20,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine.attention_tiles import (  # noqa: E402
-    default_rows_per_tile,
-    paged_attention_rows_or_tiles,
-    paged_attention_tiles_triton,
-)
-from speccycle.engine.attention_triton import paged_attention_rows_triton  # noqa: E402
+from speccycle.engine.attention_tiles import default_rows_per_tile, paged_attention_tiles_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # small chunks so that short contexts split into several (and grown) chunks under the interpreter
@@ -132,10 +127,6 @@ def test_verify_tile_equals_decode_rows_bitwise(dtype, split, parents):
         decode_args = (row_request[i : i + 1], torch.tensor([length + len(path)]), no_extra, table)
         alone = _run(q[i : i + 1], k2, v2, decode_args, page_size, dtype, **options)
         assert torch.equal(tile[i], alone[0]), (i, (tile[i] - alone[0]).abs().max())
-        # and the rows kernel's decode row (what `paged_attention_rows_or_tiles` runs for decode rows)
-        rows_kernel = _run(q[i : i + 1], k2, v2, decode_args, page_size, dtype, kernel=paged_attention_rows_triton,
-                           **options)  # fmt: skip
-        assert torch.equal(tile[i], rows_kernel[0]), (i, (tile[i] - rows_kernel[0]).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -164,12 +155,3 @@ def test_default_rows_per_tile_and_bad_arguments():
     with pytest.raises(ValueError, match="programs"):
         _run(q, k, v, args, 4, torch.float32, programs=0)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_or_tiles_gives_the_rows_kernels_bits(dtype):
-    """`paged_attention_rows_or_tiles` (the fast path with ``SPECCYCLE_ATTENTION=tiles``): tiles for the verify
-    rows, the rows kernel for decode rows; every row's bits are the rows kernel's."""
-    q, k, v, args, _ = _batch(17, 4, 6, 2, 16, 70, TREE)
-    rows = _run(q, k, v, args, 4, dtype, kernel=paged_attention_rows_triton)
-    both = _run(q, k, v, args, 4, dtype, kernel=paged_attention_rows_or_tiles)
-    assert torch.equal(both, rows)
