@@ -344,18 +344,36 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---- op sets -----------------------------------------------------------------------------------
-ATTENTION_KERNELS = ("tiles", "rows")
+ATTENTION_KERNELS = ("auto", "tiles", "rows")
+# `auto` takes tiles from this head size up. Measured on an H100, bf16, batch 1 (session 9): at the
+# Llama-3-8B shape (heads of 128) a 32-row verify's attention fell from 65 to 39 us (512 keys) and 172 to 70
+# (2,048), fused 32-node tree cycles went from 333.6 to 376.6 tokens/s and a decode step lost nothing
+# (bench/results/gpu_bench-H100-scale-tiles-all-*.json against -scale-rows-b-*); with SmolLM2's heads of 64
+# a decode step got ~4% slower (a second launch merges the chunks) and fused cycles 1% slower in tokens/s
+# (fused_bench-H100-attn-tiles-* against -attn-rows-*).
+TILES_MIN_HEAD_DIM = 128
+
+
+def paged_attention_auto(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size,
+                         kv_bound=None):  # fmt: skip
+    """`attention_tiles` for heads of `TILES_MIN_HEAD_DIM` or more, `attention_triton`'s rows kernel below:
+    a function of the model's shape, so every forward of an engine (decode and verify) takes the same one."""
+    kernel = paged_attention_tiles_triton if q.shape[-1] >= TILES_MIN_HEAD_DIM else paged_attention_rows_triton
+    return kernel(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
 
 
 def triton_attention():
-    """The fast path's paged attention for every forward: ``SPECCYCLE_ATTENTION=tiles`` (`attention_tiles`: a
-    verify's rows share their request's prefix blocks) or ``rows`` (`attention_triton`: programs per row);
-    read once, at import. Each keeps a verify row bitwise equal to the decode row at its position as long as
-    decode and verify take the same one (the two kernels differ in bfloat16's last bits)."""
-    choice = os.environ.get("SPECCYCLE_ATTENTION", "rows")
+    """The fast path's paged attention for every forward: ``SPECCYCLE_ATTENTION=auto`` (the default,
+    `paged_attention_auto`), ``tiles`` (`attention_tiles`: a verify's rows share their request's prefix
+    blocks) or ``rows`` (`attention_triton`: programs per row); read once, at import. Each keeps a verify row
+    bitwise equal to the decode row at its position as long as decode and verify take the same kernel (the
+    two kernels differ in bfloat16's last bits)."""
+    choice = os.environ.get("SPECCYCLE_ATTENTION", "auto")
     if choice not in ATTENTION_KERNELS:
         raise ValueError(f"SPECCYCLE_ATTENTION={choice!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
-    return paged_attention_tiles_triton if choice == "tiles" else paged_attention_rows_triton
+    return {"auto": paged_attention_auto, "tiles": paged_attention_tiles_triton}.get(
+        choice, paged_attention_rows_triton
+    )
 
 
 class TorchOps:

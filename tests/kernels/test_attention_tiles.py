@@ -155,3 +155,22 @@ def test_default_rows_per_tile_and_bad_arguments():
     with pytest.raises(ValueError, match="programs"):
         _run(q, k, v, args, 4, torch.float32, programs=0)
 
+
+def test_auto_takes_tiles_for_large_heads_and_rows_below(monkeypatch):
+    """`kernels.paged_attention_auto` (the fast path's default): tiles for heads of 128 and more (every forward
+    of such a model), the rows kernel below; `SPECCYCLE_ATTENTION` names one or the other, anything else fails."""
+    from speccycle.engine import kernels
+    from speccycle.engine.attention_triton import paged_attention_rows_triton
+
+    for dim, kernel in ((128, paged_attention_tiles_triton), (16, paged_attention_rows_triton)):
+        q, k, v, args, _ = _batch(5, 4, 4, 2, dim, 20, CHAIN, extend=1, padding=1)
+        assert torch.equal(_run(q, k, v, args, 4, torch.float32, kernel=kernels.paged_attention_auto),
+                           _run(q, k, v, args, 4, torch.float32, kernel=kernel))  # fmt: skip
+    for name, kernel in (("rows", paged_attention_rows_triton), ("tiles", paged_attention_tiles_triton)):
+        monkeypatch.setenv("SPECCYCLE_ATTENTION", name)
+        assert kernels.triton_attention() is kernel
+    monkeypatch.delenv("SPECCYCLE_ATTENTION")
+    assert kernels.triton_attention() is kernels.paged_attention_auto
+    monkeypatch.setenv("SPECCYCLE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SPECCYCLE_ATTENTION"):
+        kernels.triton_attention()
