@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -14,6 +15,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
+    """The measured commit: ``$SPECCYCLE_COMMIT`` where set (the device machine's copy of the tree carries a
+    stale git snapshot: pass the commit from where the command is written), else ``git rev-parse``."""
+    if os.environ.get("SPECCYCLE_COMMIT"):
+        return os.environ["SPECCYCLE_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
