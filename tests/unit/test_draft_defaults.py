@@ -40,6 +40,14 @@ def test_cli_spec_takes_the_default_unless_a_shape_option_is_given():
     assert cli._spec(_args("ngram", topk=2, draft_tokens=8), "cpu") == SpecConfig(4, 2, 8, 16)
     parsed = cli.build_parser().parse_args(["bench", "--draft", "eagle"])
     assert parsed.topk is None and parsed.steps is None and parsed.draft_tokens is None
+    # --draft auto (the default): the shipped EAGLE head on the embedded model, ngram on a model given by path
+    parsed = cli.build_parser().parse_args(["bench"])
+    assert parsed.draft == "auto"
+    cli._resolve_draft(parsed)
+    assert parsed.draft == "eagle"
+    parsed = cli.build_parser().parse_args(["generate", "hi", "--model", "other.gguf"])
+    cli._resolve_draft(parsed)
+    assert parsed.draft == "ngram"
 
 
 def test_eagle_head_dtype(monkeypatch):
