@@ -9,13 +9,14 @@ Every system decodes the same chat-templated prompts; the JSON goes to bench/res
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 
 import torch
 from speccycle.core import SpecConfig
 from speccycle.engine.bench import load_prompts, run_bench
-from speccycle.engine.engine import Engine
+from speccycle.engine.engine import Engine, default_spec
 
 from .common import transformers_model, write_result
 
@@ -32,8 +33,11 @@ def pick(prompts: list[dict], per_category: int) -> list[dict]:
     return out
 
 
-def transformers_baseline(prompts: list[dict], token_ids: list[list[int]], max_new_tokens: int, device: str) -> dict:
-    """transformers `generate` (greedy) and its prompt lookup (5 tokens) on the same token ids."""
+def transformers_baseline(
+    prompts: list[dict], token_ids: list[list[int]], max_new_tokens: int, device: str, lookup: bool = True
+) -> dict:
+    """transformers `generate` (greedy) and its prompt lookup (5 tokens; ``lookup`` False: skipped) on the
+    same token ids."""
     model = transformers_model(torch.float32, device)
     eos = model.generation_config.eos_token_id
     rows = defaultdict(lambda: {"tokens": 0, "s": 0.0, "pl_tokens": 0, "pl_s": 0.0, "pl_identical": 0, "outputs": []})
@@ -43,15 +47,15 @@ def transformers_baseline(prompts: list[dict], token_ids: list[list[int]], max_n
         start = time.perf_counter()
         plain = model.generate(x, **kwargs)[0, len(ids) :].tolist()
         plain_s = time.perf_counter() - start
-        start = time.perf_counter()
-        lookup = model.generate(x, prompt_lookup_num_tokens=5, **kwargs)[0, len(ids) :].tolist()
-        lookup_s = time.perf_counter() - start
         r = rows[item["category"]]
         r["tokens"] += len(plain)
         r["s"] += plain_s
-        r["pl_tokens"] += len(lookup)
-        r["pl_s"] += lookup_s
-        r["pl_identical"] += int(lookup == plain)
+        if lookup:
+            start = time.perf_counter()
+            found = model.generate(x, prompt_lookup_num_tokens=5, **kwargs)[0, len(ids) :].tolist()
+            r["pl_s"] += time.perf_counter() - start
+            r["pl_tokens"] += len(found)
+            r["pl_identical"] += int(found == plain)
         r["outputs"].append(plain)
     return rows
 
@@ -66,6 +70,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layerskip-layers", type=int, default=8)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-prompt-lookup", action="store_true", help="transformers: generate only")
+    parser.add_argument(
+        "--cpu-defaults",
+        action="store_true",
+        help="each draft's default config (engine.default_spec: ngram a chain of 16 on a CPU, layerskip S=4) "
+        "instead of ngram S=5 / layerskip S=3",
+    )
+    parser.add_argument("--partial", default=None, help="JSON path rewritten after every stage (long runs)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = pick(load_prompts(args.prompts), args.per_category)
@@ -79,19 +91,31 @@ def main() -> None:
     token_ids = None
     for draft in args.drafts.split(","):
         spec = SpecConfig(num_steps=5, topk=1) if draft != "layerskip" else SpecConfig(num_steps=3, topk=1)
+        if args.cpu_defaults:
+            spec = default_spec(draft, args.device)
         engine = Engine.load(draft=draft, spec=spec, device=args.device, layerskip_layers=args.layerskip_layers)
         token_ids = [engine.chat_prompt(p["text"]) for p in prompts]
         summary = run_bench(engine, prompts, args.max_new_tokens)
         summary["config"] = {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size}
         results["drafts"][draft] = summary
-        print(draft, {k: v for k, v in summary.items() if k != "categories"})
+        print(draft, {k: v for k, v in summary.items() if k != "categories"}, flush=True)
+        if args.partial:
+            with open(args.partial, "w") as f:
+                json.dump(results, f, indent=1)
     if not args.no_transformers and token_ids is not None:
-        rows = transformers_baseline(prompts, token_ids, args.max_new_tokens, args.device)
+        lookup = not args.no_prompt_lookup
+        rows = transformers_baseline(prompts, token_ids, args.max_new_tokens, args.device, lookup)
         results["transformers"] = {
             cat: {
                 "generate_tokens_per_s": round(r["tokens"] / r["s"], 2),
-                "prompt_lookup_tokens_per_s": round(r["pl_tokens"] / r["pl_s"], 2),
-                "prompt_lookup_identical": r["pl_identical"],
+                **(
+                    {
+                        "prompt_lookup_tokens_per_s": round(r["pl_tokens"] / r["pl_s"], 2),
+                        "prompt_lookup_identical": r["pl_identical"],
+                    }
+                    if lookup
+                    else {}
+                ),
             }
             for cat, r in rows.items()
         }
