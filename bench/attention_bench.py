@@ -59,11 +59,6 @@ VARIANTS = {
     "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
     "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
     "b32-c128-m32": dict(block_n=32, chunk=128, max_chunks=32),
-    "rows2": dict(rows_per_program=2),  # consecutive rows a program (same bits)
-    "rows4": dict(rows_per_program=4),
-    "rows8": dict(rows_per_program=8),
-    "rows4-p4": dict(rows_per_program=4, programs_per_row=4),
-    "rows4-pmax": dict(rows_per_program=4, programs_per_row=1 << 20),
     # the tile kernel (engine/attention_tiles.py): a verify's rows share their request's prefix blocks
     "tiles": dict(kernel="tiles"),
     "tiles-r2": dict(kernel="tiles", rows_per_tile=2),

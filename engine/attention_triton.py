@@ -164,8 +164,7 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
     @triton.jit
-    def _attend_row(
-        row,
+    def _paged_attention_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
@@ -206,9 +205,19 @@ if triton is not None:
         UPCAST: tl.constexpr,
         FUSED_COMBINE: tl.constexpr,
         BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
-        """One row's programs (KV head ``program_id(1)``, chunks from ``program_id(2)``): see the kernel."""
+    ):
+        """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
+        ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
+        bit: each chunk starts afresh and keeps its own result).
 
+        A row of one chunk stores its output; a row of several stores each chunk's running max, sum
+        and unnormalized accumulator, merged by `_paged_attention_combine_kernel` or, with
+        ``FUSED_COMBINE``, by the last of the row's programs (for that KV head) to finish: each counts
+        its arrival in ``counter_ptr[row, kv_head]`` (an atomic, after a barrier, so its states are
+        visible first); the one that sees all others arrived merges the group's heads and puts the
+        counter back to 0 for the next launch. Programs past the row's chunks do nothing.
+        """
+        row = tl.program_id(0)
         kv_head = tl.program_id(1)
         first_chunk = tl.program_id(2)
         request = tl.load(row_request_ptr + row)
@@ -313,111 +322,6 @@ if triton is not None:
                         _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP + h,
                                       row_chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
                                       BLOCK_C, ".cg")  # fmt: skip
-
-    @triton.jit
-    def _paged_attention_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        out_ptr,
-        part_acc_ptr,
-        part_max_ptr,
-        part_sum_ptr,
-        counter_ptr,
-        row_request_ptr,
-        prefix_ptr,
-        extra_ptr,
-        table_ptr,
-        stride_qt,
-        stride_qh,
-        stride_ks,
-        stride_kh,
-        stride_vs,
-        stride_vh,
-        stride_ot,
-        stride_oh,
-        stride_et,
-        stride_pt,
-        num_extra,
-        page_size,
-        table_width,
-        num_heads,
-        chunk_bound,
-        scale,
-        GROUP: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CHUNK: tl.constexpr,
-        MAX_CHUNKS: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-        FUSED_COMBINE: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        num_rows,
-        ROWS: tl.constexpr,
-    ):
-        """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
-        ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
-        bit: each chunk starts afresh and keeps its own result).
-
-        A row of one chunk stores its output; a row of several stores each chunk's running max, sum
-        and unnormalized accumulator, merged by `_paged_attention_combine_kernel` or, with
-        ``FUSED_COMBINE``, by the last of the row's programs (for that KV head) to finish: each counts
-        its arrival in ``counter_ptr[row, kv_head]`` (an atomic, after a barrier, so its states are
-        visible first); the one that sees all others arrived merges the group's heads and puts the
-        counter back to 0 for the next launch. Programs past the row's chunks do nothing.
-        """
-        # ROWS consecutive rows a program, one after the other, each exactly as alone (`_attend_row`): the
-        # rows of one request (a verify's) then read their shared prefix through this SM's L1 cache
-        for j in range(ROWS):
-            row = tl.program_id(0) * ROWS + j
-            if row < num_rows:
-                _attend_row(
-                    row,
-                    q_ptr,
-                    k_ptr,
-                    v_ptr,
-                    out_ptr,
-                    part_acc_ptr,
-                    part_max_ptr,
-                    part_sum_ptr,
-                    counter_ptr,
-                    row_request_ptr,
-                    prefix_ptr,
-                    extra_ptr,
-                    table_ptr,
-                    stride_qt,
-                    stride_qh,
-                    stride_ks,
-                    stride_kh,
-                    stride_vs,
-                    stride_vh,
-                    stride_ot,
-                    stride_oh,
-                    stride_et,
-                    stride_pt,
-                    num_extra,
-                    page_size,
-                    table_width,
-                    num_heads,
-                    chunk_bound,
-                    scale,
-                    GROUP,
-                    BLOCK_G,
-                    HEAD_DIM,
-                    BLOCK_D,
-                    BLOCK_N,
-                    CHUNK,
-                    MAX_CHUNKS,
-                    BLOCK_M,
-                    LOW_PRECISION,
-                    UPCAST,
-                    FUSED_COMBINE,
-                    BLOCK_C,
-                )
 
     @triton.jit
     def _paged_attention_combine_kernel(
@@ -535,7 +439,6 @@ def paged_attention_rows_triton(
     block_n: int = BLOCK_N,
     programs_per_row: int | None = None,
     fused_combine: bool = True,
-    rows_per_program: int = 1,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
 
@@ -550,9 +453,6 @@ def paged_attention_rows_triton(
     ``fused_combine``: rows of several chunks are merged by the last of their programs to finish, inside
     the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
     benchmarks compare them). Either way a row's output is a function of its own chunks only.
-    ``rows_per_program``: consecutive rows each program takes, one after the other (the rows of a verify
-    share their request's prefix, read once from memory and then from the SM's L1 cache); a launch
-    choice too, no bit changes.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
@@ -561,8 +461,6 @@ def paged_attention_rows_triton(
             f"paged_attention_rows_triton: block_n={block_n} must be a power of two, chunk={chunk} a multiple "
             f"of it and max_chunks={max_chunks} at least 1"
         )
-    if rows_per_program < 1:
-        raise ValueError(f"paged_attention_rows_triton: rows_per_program={rows_per_program} must be at least 1")
     if programs_per_row is not None and programs_per_row < 1:
         raise ValueError(f"paged_attention_rows_triton: programs_per_row={programs_per_row} must be at least 1")
     num_rows, num_heads, head_dim = q.shape
@@ -619,12 +517,11 @@ def paged_attention_rows_triton(
     fused = counters is not None
     if counters is None:
         counters = part_max  # not read
-    row_programs = -(-num_rows // rows_per_program)
     if programs_per_row is None:
-        programs = default_programs_per_row(q.device, row_programs, num_kv_heads, chunk_bound)
+        programs = default_programs_per_row(q.device, num_rows, num_kv_heads, chunk_bound)
     else:
         programs = min(programs_per_row, chunk_bound)
-    _paged_attention_kernel[(row_programs, num_kv_heads, programs)](
+    _paged_attention_kernel[(num_rows, num_kv_heads, programs)](
         q,
         k_cache,
         v_cache,
@@ -665,8 +562,6 @@ def paged_attention_rows_triton(
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
-        num_rows=num_rows,
-        ROWS=rows_per_program,
         num_warps=4,
     )
     if chunk_bound > 1 and not fused:

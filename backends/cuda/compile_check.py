@@ -105,7 +105,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32,
                          counter_ptr="*i32", row_request_ptr=i64, **row_keys, table_ptr=i64,
                          **{name: i32 for name in strides}, num_extra=i32, page_size=i32, table_width=i32,
-                         num_heads=i32, chunk_bound=i32, scale="fp32", num_rows=i32)  # fmt: skip
+                         num_heads=i32, chunk_bound=i32, scale="fp32")  # fmt: skip
         aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr",
                    "row_request_ptr", "prefix_ptr", "extra_ptr", "table_ptr", *strides[:8], "page_size",
                    "table_width", "chunk_bound")  # fmt: skip
@@ -119,7 +119,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
             # the merge fused into the kernel (the default) and by the combine kernel (fused_combine=False)
             ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
                       BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, FUSED_COMBINE=True,
-                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), ROWS=1, **split)  # fmt: skip
+                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
             if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
                 sets.append({**ce, "FUSED_COMBINE": False})
@@ -129,9 +129,9 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
             # the tile kernel (engine/attention_tiles.py): decode tiles of one row (rows_per_tile and tail 1,
             # constants to the JIT) and verify tiles
-            tile_signature = {k: v for k, v in signature.items() if k not in ("num_rows", "counter_ptr")}
+            tile_signature = {k: v for k, v in signature.items() if k != "counter_ptr"}
             tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32)
-            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "ROWS", "FUSED_COMBINE", "BLOCK_C")}
+            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "FUSED_COMBINE", "BLOCK_C")}
             tile.update(BLOCK_Q=tiles.TILE_LINES)
             tile_sets = [{**tile, "rows_per_tile": 1, "tail": 1}, {**tile}]
             if page_one:

@@ -329,22 +329,3 @@ def test_strided_row_indices_are_read_as_their_values():
     want = paged_attention_rows_triton(*args, row_request.contiguous().to(DEVICE), prefix_lens.contiguous().to(DEVICE),
                                        extra.to(DEVICE), batch.page_table.to(DEVICE), 4)  # fmt: skip
     assert torch.equal(got.cpu(), want.cpu())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", ["default", "split", "looped"])
-def test_rows_per_program_changes_no_bit(dtype, split):
-    """Several consecutive rows a program (a verify's rows sharing their prefix) give the bits of one row a
-    program, for extend rows, tree rows with holes and a row count that is not a multiple (ragged last
-    program), split into chunks or not, with the fused merge and with the second kernel."""
-    options = {} if split == "default" else SPLITS[split]
-    batch, q, k_cache, v_cache = _case(31, 4, 6, 2, lens=(75, 40))
-    q, k_cache, v_cache = q.to(dtype).to(DEVICE), k_cache.to(dtype).to(DEVICE), v_cache.to(dtype).to(DEVICE)
-    args = (q, k_cache, v_cache, *_rows_args(batch, DEVICE), 4)
-    one = paged_attention_rows_triton(*args, **options).cpu()
-    for rows in (2, 3, q.shape[0], q.shape[0] + 5):
-        for fused in (True, False):
-            got = paged_attention_rows_triton(*args, **options, rows_per_program=rows, fused_combine=fused).cpu()
-            assert torch.equal(got, one), (rows, fused)
-    with pytest.raises(ValueError, match="rows_per_program"):
-        paged_attention_rows_triton(*args, rows_per_program=0)
