@@ -34,22 +34,51 @@ def pick(prompts: list[dict], per_category: int) -> list[dict]:
 
 
 def transformers_baseline(
-    prompts: list[dict], token_ids: list[list[int]], max_new_tokens: int, device: str, lookup: bool = True
+    prompts: list[dict],
+    token_ids: list[list[int]],
+    max_new_tokens: int,
+    device: str,
+    lookup: bool = True,
+    engine: Engine | None = None,
 ) -> dict:
     """transformers `generate` (greedy) and its prompt lookup (5 tokens; ``lookup`` False: skipped) on the
-    same token ids."""
+    same token ids. With ``engine``, the engine's autoregressive greedy decode of the same prompt runs right
+    before transformers' (side by side, prompt by prompt, so both see the same machine), and its output is
+    compared with transformers' token for token."""
     model = transformers_model(torch.float32, device)
     eos = model.generation_config.eos_token_id
-    rows = defaultdict(lambda: {"tokens": 0, "s": 0.0, "pl_tokens": 0, "pl_s": 0.0, "pl_identical": 0, "outputs": []})
+    rows = defaultdict(
+        lambda: {
+            "tokens": 0,
+            "s": 0.0,
+            "pl_tokens": 0,
+            "pl_s": 0.0,
+            "pl_identical": 0,
+            "engine_tokens": 0,
+            "engine_s": 0.0,
+            "engine_identical": 0,
+            "outputs": [],
+        }
+    )
     for item, ids in zip(prompts, token_ids):
+        r = rows[item["category"]]
+        ours = None
+        if engine is not None:
+            start = time.perf_counter()
+            ours = engine.generate_autoregressive([ids], max_new_tokens)[0]
+            r["engine_s"] += time.perf_counter() - start
+            r["engine_tokens"] += len(ours)
         x = torch.tensor([ids], device=device)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
         start = time.perf_counter()
         plain = model.generate(x, **kwargs)[0, len(ids) :].tolist()
         plain_s = time.perf_counter() - start
-        r = rows[item["category"]]
         r["tokens"] += len(plain)
         r["s"] += plain_s
+        if ours is not None:
+            # transformers keeps the EOS token in its output; the engine stops before it
+            trimmed = plain[:-1] if plain and plain[-1] == eos else plain
+            r["engine_identical"] += int(list(ours) in (plain, trimmed))
         if lookup:
             start = time.perf_counter()
             found = model.generate(x, prompt_lookup_num_tokens=5, **kwargs)[0, len(ids) :].tolist()
@@ -78,6 +107,11 @@ def main() -> None:
         "instead of ngram S=5 / layerskip S=3",
     )
     parser.add_argument("--partial", default=None, help="JSON path rewritten after every stage (long runs)")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        help="a --partial JSON of an interrupted run with the same prompts: its drafts are kept, not rerun",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompts = pick(load_prompts(args.prompts), args.per_category)
@@ -88,8 +122,20 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf, dequantized to float32",
         "drafts": {},
     }
+    if args.resume:
+        with open(args.resume) as f:
+            done = json.load(f)
+        if (done["prompts"], done["new_tokens"]) != (len(prompts), args.max_new_tokens):
+            raise SystemExit(
+                f"--resume {args.resume}: it ran {done['prompts']} prompts x {done['new_tokens']} tokens, "
+                f"this run asks {len(prompts)} x {args.max_new_tokens}; pass the same --per-category and "
+                "--max-new-tokens"
+            )
+        results["drafts"] = done["drafts"]
+        results["resumed_from"] = args.resume
+    engine = None
     token_ids = None
-    for draft in args.drafts.split(","):
+    for draft in [d for d in args.drafts.split(",") if d and d not in results["drafts"]]:
         spec = SpecConfig(num_steps=5, topk=1) if draft != "layerskip" else SpecConfig(num_steps=3, topk=1)
         if args.cpu_defaults:
             spec = default_spec(draft, args.device)
@@ -102,12 +148,17 @@ def main() -> None:
         if args.partial:
             with open(args.partial, "w") as f:
                 json.dump(results, f, indent=1)
-    if not args.no_transformers and token_ids is not None:
+    if not args.no_transformers:
+        if engine is None:  # every draft resumed: the autoregressive path needs no drafter, ngram loads fastest
+            engine = Engine.load(draft="ngram", spec=default_spec("ngram", args.device), device=args.device)
+            token_ids = [engine.chat_prompt(p["text"]) for p in prompts]
         lookup = not args.no_prompt_lookup
-        rows = transformers_baseline(prompts, token_ids, args.max_new_tokens, args.device, lookup)
+        rows = transformers_baseline(prompts, token_ids, args.max_new_tokens, args.device, lookup, engine)
         results["transformers"] = {
             cat: {
                 "generate_tokens_per_s": round(r["tokens"] / r["s"], 2),
+                "engine_ar_tokens_per_s": round(r["engine_tokens"] / r["engine_s"], 2),
+                "engine_ar_identical_to_transformers": r["engine_identical"],
                 **(
                     {
                         "prompt_lookup_tokens_per_s": round(r["pl_tokens"] / r["pl_s"], 2),
@@ -121,7 +172,14 @@ def main() -> None:
         }
         total_t = sum(r["tokens"] for r in rows.values())
         total_s = sum(r["s"] for r in rows.values())
-        results["transformers"]["all"] = {"generate_tokens_per_s": round(total_t / total_s, 2)}
+        engine_t = sum(r["engine_tokens"] for r in rows.values())
+        engine_s = sum(r["engine_s"] for r in rows.values())
+        results["transformers"]["all"] = {
+            "generate_tokens_per_s": round(total_t / total_s, 2),
+            "engine_ar_tokens_per_s": round(engine_t / engine_s, 2),
+            "engine_ar_over_generate": round((engine_t / engine_s) / (total_t / total_s), 3),
+            "engine_ar_identical_to_transformers": sum(r["engine_identical"] for r in rows.values()),
+        }
         print("transformers", results["transformers"]["all"])
     path = write_result("cpu_compare", results, args.device)
     print(f"wrote {path}")
