@@ -44,8 +44,15 @@ from .row_linear_bench import graph_us
 MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (heads, KV heads, head dim)
 PAGE = 16
 WIDE_KEYS = 8192 + 16
-ROWS = {"1": (1, 0), "1+7pad": (1, 7), "1+15pad": (1, 15), "6": (6, 0), "32": (32, 0), "verify16": (16, 0),
-        "verify32": (32, 0)}
+ROWS = {
+    "1": (1, 0),
+    "1+7pad": (1, 7),
+    "1+15pad": (1, 15),
+    "6": (6, 0),
+    "32": (32, 0),
+    "verify16": (16, 0),
+    "verify32": (32, 0),
+}
 CONTEXTS = (128, 512, 2048, 8192)
 # name -> keyword options of paged_attention_rows_triton ({} = the defaults)
 VARIANTS = {
@@ -59,6 +66,10 @@ VARIANTS = {
     "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
     "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
     "b32-c128-m32": dict(block_n=32, chunk=128, max_chunks=32),
+    "split-w1": dict(num_warps=1),  # warps per program (the default 4)
+    "split-w2": dict(num_warps=2),
+    "split-w8": dict(num_warps=8),
+    "b64-c64-m32-w2": dict(block_n=64, chunk=64, max_chunks=32, num_warps=2),
     # the tile kernel (engine/attention_tiles.py): a verify's rows share their request's prefix blocks
     "tiles": dict(kernel="tiles"),
     "tiles-r2": dict(kernel="tiles", rows_per_tile=2),

@@ -380,6 +380,7 @@ MIN_PROGRAMS_PER_ROW = 4  # the default launch: at least this many programs per 
 # ("split-pmax") 1 row + 7 padding rows at 2,048 keys took 11.8 us against 18.2 with about 2 per SM, 6 rows
 # at 8,192 keys 41.4 against 50.8; 32 rows at 128-512 keys in an engine-wide table lost 1.8 us.
 PROGRAMS_PER_SM = 8
+NUM_WARPS = 4  # warps per program of the rows kernel and the combine kernel (speed only: any count, same bits)
 
 
 @functools.cache
@@ -439,6 +440,7 @@ def paged_attention_rows_triton(
     block_n: int = BLOCK_N,
     programs_per_row: int | None = None,
     fused_combine: bool = True,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
 
@@ -453,6 +455,7 @@ def paged_attention_rows_triton(
     ``fused_combine``: rows of several chunks are merged by the last of their programs to finish, inside
     the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
     benchmarks compare them). Either way a row's output is a function of its own chunks only.
+    ``num_warps``: warps per program (default `NUM_WARPS`), for benchmarks.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
@@ -562,7 +565,7 @@ def paged_attention_rows_triton(
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
-        num_warps=4,
+        num_warps=num_warps or NUM_WARPS,
     )
     if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
@@ -586,6 +589,6 @@ def paged_attention_rows_triton(
             MAX_CHUNKS=max_chunks,
             BLOCK_C=block_c,
             BLOCK_M=block_m,
-            num_warps=4,
+            num_warps=num_warps or NUM_WARPS,
         )
     return out
