@@ -53,7 +53,14 @@ def main() -> None:
     ap.add_argument("--eagle-head", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--attention-warps",
+        default="",
+        help="comma list (e.g. 4,1): one engine per warp count of the rows attention kernel "
+        "(`attention_triton.NUM_WARPS`), every way run on each, interleaved; labels get '@w<n>'",
+    )
     args = ap.parse_args()
+    from speccycle.engine import attention_triton
 
     prompts = [json.loads(line) for line in open(args.prompts)]
     for p in prompts:
@@ -74,18 +81,29 @@ def main() -> None:
                                              kv_tokens=4096, fast=True)  # fmt: skip
         return other_engines[way]
 
+    warps_list = [int(w) for w in args.attention_warps.split(",") if w] or [None]
+    default_warps = attention_triton.NUM_WARPS
+    labels = [(f"{way}@w{w}" if w else way, way, w) for w in warps_list for way in ways]
     rows = []
     for text in args.configs.split(","):
         spec = parse_config(f"eagle:{text}")[1]
-        engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
-                             fast=True, eagle_head=head)  # fmt: skip
-        fused = engine.fused_cycles
-        # "fused-torch": the same fused cycles with the bookkeeping in torch ops (`FusedCycles.kernels`)
-        fused_torch = copy.copy(fused)
-        fused_torch._states, fused_torch.kernels, fused_torch.replays = {}, False, 0
+        engines = {}
+        for w in warps_list:
+            attention_triton.NUM_WARPS = w or default_warps
+            engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
+                                 fast=True, eagle_head=head)  # fmt: skip
+            fused = engine.fused_cycles
+            # "fused-torch": the same fused cycles with the bookkeeping in torch ops (`FusedCycles.kernels`)
+            fused_torch = copy.copy(fused)
+            fused_torch._states, fused_torch.kernels, fused_torch.replays = {}, False, 0
+            engines[w] = (engine, fused, fused_torch)
         ids = [engine.chat_prompt(p["text"]) for p in prompts]
 
-        def run(way, x, n, engine=engine, fused=fused, fused_torch=fused_torch):
+        def run(label, x, n, engines=engines):
+            _, way, w = next(item for item in labels if item[0] == label)
+            engine, fused, fused_torch = engines[w]
+            # graphs capture the launch they first see: each engine's graphs keep its own warp count
+            attention_triton.NUM_WARPS = w or default_warps
             if way == "ar":
                 return engine.generate_autoregressive([x], n)[0], None
             if way in others:  # another drafter on its own fast engine (host control plane)
@@ -95,18 +113,19 @@ def main() -> None:
             results, stats = engine.generate([x], n)
             return list(results[0].output), stats
 
+        names = [label for label, _, _ in labels]
         for x in ids[:3]:  # warm-up: prefill buckets, graphs
-            for way in ways:
+            for way in names:
                 run(way, x, 8)
         for x in ids:  # every prompt's prefill once (its shapes compile on first use)
-            for way in ways:
+            for way in names:
                 run(way, x, 2)
-        for way in ways:  # and one full-length run each, so that clocks are up before the first timed prompt
+        for way in names:  # and one full-length run each, so that clocks are up before the first timed prompt
             run(way, ids[0], args.max_new_tokens)
-        per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[]) for way in ways}
+        per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[]) for way in names}
         cats = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         for i, x in enumerate(ids):
-            for way in ways:
+            for way in names:
                 (out, stats), seconds = _timed(lambda way=way, x=x: run(way, x, args.max_new_tokens))
                 r = per[way]
                 r["tokens"] += len(out)
@@ -121,7 +140,6 @@ def main() -> None:
                     c[1] += stats.verifies
             if (i + 1) % 20 == 0:
                 say(f"[{text}] {i + 1}/{len(ids)}")
-        base = per.get("ar")
         row = {
             "config": text,
             "S": spec.num_steps,
@@ -131,7 +149,9 @@ def main() -> None:
             "prompts": len(ids),
             "new_tokens": args.max_new_tokens,
         }
-        for way, r in per.items():
+        for label, way, w in labels:
+            r = per[label]
+            base = per.get(f"ar@w{w}" if w else "ar")
             entry = {
                 "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
                 "median_prompt_tokens_per_s": round(statistics.median(r["tps"]), 1),
@@ -141,11 +161,17 @@ def main() -> None:
                 entry["tau_by_category"] = {k: round(v[0] / v[1], 3) for k, v in sorted(cats[way].items())}
             if base is not None and way != "ar":
                 entry["identical_to_ar"] = sum(a == b for a, b in zip(base["outputs"], r["outputs"]))
-                entry["speedup_vs_ar"] = round(entry["tokens_per_s"] / row["ar"]["tokens_per_s"], 3)
+                entry["speedup_vs_ar"] = round(entry["tokens_per_s"] / (base["tokens"] / base["seconds"]), 3)
                 entry["median_speedup_vs_ar"] = round(
                     statistics.median(s / a for s, a in zip(r["tps"], base["tps"])), 3
                 )
-            row[way] = entry
+            row[label] = entry
+        if len(warps_list) > 1 and "ar" in ways:  # the AR decodes of every warp count, outputs compared
+            first = per[f"ar@w{warps_list[0]}"]["outputs"]
+            row["ar_identical_across_warps"] = sum(
+                all(per[f"ar@w{w}"]["outputs"][i] == out for w in warps_list) for i, out in enumerate(first)
+            )
+        fused = engines[warps_list[0]][1]
         if fused is not None:  # the host's work per cycle in the fused loop (launch, flag copy and check)
             row["fused_replays"] = fused.replays
             row["fused_host_us_per_cycle"] = round(fused.host_s / max(fused.replays, 1) * 1e6, 1)
@@ -153,8 +179,9 @@ def main() -> None:
             row["fused_launch_us_per_cycle"] = round(fused.launch_s / max(fused.replays, 1) * 1e6, 1)
         rows.append(row)
         say("[fused_bench]", json.dumps(row))
-        del engine, fused
+        del engine, fused, engines
         free()
+    attention_triton.NUM_WARPS = default_warps
     payload = {
         "benchmark": "fused_bench",
         "config": {
@@ -162,6 +189,7 @@ def main() -> None:
             "batch": 1,
             "draft": "eagle (shipped head)",
             "ways": ways,
+            "attention_warps": warps_list,
             "prompts_file": args.prompts,
             "per_category": args.per_category,
         },  # fmt: skip
