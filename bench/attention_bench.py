@@ -66,8 +66,9 @@ VARIANTS = {
     "b64-c64-m32": dict(block_n=64, chunk=64, max_chunks=32),
     "b64-c64-m64": dict(block_n=64, chunk=64, max_chunks=64),
     "b32-c128-m32": dict(block_n=32, chunk=128, max_chunks=32),
-    "split-w1": dict(num_warps=1),  # warps per program (the default 4)
+    "split-w1": dict(num_warps=1),  # warps per program (default: 1 at head dim 64, 4 at 128)
     "split-w2": dict(num_warps=2),
+    "split-w4": dict(num_warps=4),
     "split-w8": dict(num_warps=8),
     "b64-c64-m32-w2": dict(block_n=64, chunk=64, max_chunks=32, num_warps=2),
     # the tile kernel (engine/attention_tiles.py): a verify's rows share their request's prefix blocks

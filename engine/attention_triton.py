@@ -380,7 +380,23 @@ MIN_PROGRAMS_PER_ROW = 4  # the default launch: at least this many programs per 
 # ("split-pmax") 1 row + 7 padding rows at 2,048 keys took 11.8 us against 18.2 with about 2 per SM, 6 rows
 # at 8,192 keys 41.4 against 50.8; 32 rows at 128-512 keys in an engine-wide table lost 1.8 us.
 PROGRAMS_PER_SM = 8
-NUM_WARPS = 4  # warps per program of the rows kernel and the combine kernel (speed only: any count, same bits)
+# Warps per program of the rows kernel and the combine kernel. Not speed only: the count sets the tensor-core
+# instruction layout (Hopper's warp-group MMA needs 4 warps, 1 warp runs mma.sync), and outputs differ in the
+# last bits between counts, so every call of an engine must use one count (decode and verify alike: the
+# kernel reads no row count to pick it). H100, SmolLM2 (head_dim 64), bfloat16: 1 warp against 4, verify
+# rows of a chain at 512 keys 10.3 against 14.0 us (16 rows) and 10.9 against 20.9 (32 rows), a decode row
+# 9.9 against 9.3; the fused EAGLE cycles on 13 Spec-Bench prompts x 256 tokens 1686.7 against 1653.3
+# tokens/s (tree S5 K4 N16) and 1546.5 against 1506.2 (chain S5), autoregressive 896.6 against 888.8
+# (bench/results/fused_bench-H100-warps-*.json). Larger head dims (128: Llama-3-8B) keep 4, unmeasured with 1.
+# ``NUM_WARPS`` (None: by head dim) overrides it for benchmarks.
+NUM_WARPS: int | None = None
+
+
+def default_num_warps(head_dim: int) -> int:
+    """The rows kernel's warps per program for a head dim (see `NUM_WARPS`): 1 up to 64, else 4."""
+    if NUM_WARPS is not None:
+        return NUM_WARPS
+    return 1 if head_dim <= 64 else 4
 
 
 @functools.cache
@@ -455,7 +471,8 @@ def paged_attention_rows_triton(
     ``fused_combine``: rows of several chunks are merged by the last of their programs to finish, inside
     the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
     benchmarks compare them). Either way a row's output is a function of its own chunks only.
-    ``num_warps``: warps per program (default `NUM_WARPS`), for benchmarks.
+    ``num_warps``: warps per program (default `default_num_warps`), for benchmarks; rows agree bitwise
+    only between calls with the same count.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
@@ -512,6 +529,7 @@ def paged_attention_rows_triton(
     else:  # every row has one chunk and stores its output directly
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    warps = num_warps or default_num_warps(head_dim)
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
     block_c = triton.next_power_of_2(max_chunks)
     counters = None
@@ -565,7 +583,7 @@ def paged_attention_rows_triton(
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
-        num_warps=num_warps or NUM_WARPS,
+        num_warps=warps,
     )
     if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
@@ -589,6 +607,6 @@ def paged_attention_rows_triton(
             MAX_CHUNKS=max_chunks,
             BLOCK_C=block_c,
             BLOCK_M=block_m,
-            num_warps=num_warps or NUM_WARPS,
+            num_warps=warps,
         )
     return out
