@@ -95,6 +95,8 @@ def llama_rows_forward(
     views = _feature_views(features, capture, hidden_size)
 
     x = F.embedding(inputs.input_ids, model.embed_weight)  # [T, hidden]
+    if getattr(ops, "fold_norms", False):
+        return _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps), features
     delta = None  # the previous layer's MLP output, added to x by the next norm
     for i in range(depth):
         layer = model.layers[i]
@@ -114,6 +116,59 @@ def llama_rows_forward(
         y = y.index_select(0, inputs.logits_rows)
     logits = ops.linear(y, model.lm_head_weight, torch.float32)  # the dtype's rounding, stored as float32
     return logits, features
+
+
+def fold_norm_weights(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's QKV and gate-up weights with its norm's gain folded in (``W * g`` per input column, rounded
+    to the model dtype once), kept on the model for `FoldedNormOps` (made on first use, outside any graph)."""
+    folded = getattr(model, "folded_norm_weights", None)
+    if folded is None:
+        folded = []
+        for layer in model.layers:
+            gain_in = layer.input_norm.weight.float()[None, :]
+            gain_post = layer.post_attention_norm.weight.float()[None, :]
+            folded.append(
+                (
+                    (layer.qkv_weight.float() * gain_in).to(model.dtype).contiguous(),
+                    (layer.gate_up_weight.float() * gain_post).to(model.dtype).contiguous(),
+                )
+            )
+        model.folded_norm_weights = folded
+    return folded
+
+
+def _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps) -> torch.Tensor:
+    """The layers with the norms folded (`kernels.FoldedNormOps`): per layer the QKV GEMM reads the residual
+    stream itself (the gain in its weight), the RoPE kernel applies the row's RMS factor, the O GEMM adds
+    into the residual (cuBLAS's ``beta = 1``), the gate-up GEMM reads it, the SiLU-mul kernel applies the
+    factor, the down GEMM adds: 7 kernels a layer instead of 9, no norm kernel. Returns the logits."""
+    c = model.config
+    rows = x.shape[0]
+    folded = getattr(model, "folded_norm_weights", None)
+    if folded is None:
+        raise RuntimeError(
+            "FoldedNormOps: call fast.fold_norm_weights(model) before the first forward (outside a graph)"
+        )
+    for i in range(depth):
+        layer = model.layers[i]
+        k_cache, v_cache = kv[i]
+        qkv_weight, gate_up_weight = folded[i]
+        if i in views:
+            views[i].copy_(x)  # the residual stream entering layer i (EAGLE-3's features)
+        qkv = ops.linear(x, qkv_weight)
+        q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
+                              c.num_heads, c.num_kv_heads, x, eps)  # fmt: skip
+        attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                             inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+        x = ops.linear_add(x, attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
+        act = ops.silu_mul(ops.linear(x, gate_up_weight), x, eps)
+        x = ops.linear_add(x, act, layer.down_weight)
+    if depth in views:
+        views[depth].copy_(x)
+    y = ops.rms_norm(x, model.norm.weight, eps)
+    if inputs.logits_rows is not None:
+        y = y.index_select(0, inputs.logits_rows)
+    return ops.linear(y, model.lm_head_weight, torch.float32)
 
 
 def eagle_rows_forward(
@@ -457,6 +512,8 @@ class FastTarget(LlamaTarget):
         self.options = options
         c = target.model.config
         self.rope = _rope_for(target.model, pool, c.head_dim, c.rope_theta, target.model.dtype, c.max_position)
+        if getattr(options.ops, "fold_norms", False):
+            fold_norm_weights(target.model)
         compute = functools.partial(self._compute, want_hidden=True)
         # summarize: every forward also hands over its rows' argmax and finiteness (inside the graph),
         # so the cycle never reduces the logits itself (`core.ports.ModelOutput`).
@@ -482,6 +539,8 @@ class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
         c = self.model.config
         self.options = options
         self.rope = _rope_for(self.model, pool, c.head_dim, c.rope_theta, self.model.dtype, c.max_position)
+        if getattr(options.ops, "fold_norms", False):
+            fold_norm_weights(self.model)
         self.graphs = options.runner(self._compute, pool, c.vocab_size)
         self._init_levels(pool, options, None)
 

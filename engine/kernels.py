@@ -88,6 +88,23 @@ def rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def rms_scale_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rsqrt(mean(x32^2) + eps)`` per row of ``x [T, H]``: ``[T, 1]`` float32 (RMSNorm's factor)."""
+    x32 = x.float()
+    return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scale_rows_torch(y: torch.Tensor, norm_src: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``y`` times its row's `rms_scale_torch` of ``norm_src``, rounded to ``y``'s dtype (``norm_src`` None: ``y``).
+
+    The folded norm (`FoldedNormOps`): ``F.linear(rms_norm(h), W) == F.linear(h, W * g) * rms_scale(h)`` up
+    to roundings, so the GEMM reads the residual stream ``h`` itself and the scale is applied after it.
+    """
+    if norm_src is None:
+        return y
+    return (y.float() * rms_scale_torch(norm_src, eps)).to(y.dtype)
+
+
 def rope_write_kv_torch(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -98,14 +115,20 @@ def rope_write_kv_torch(
     v_cache: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    norm_src: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """RoPE on Q and K, K and V written at ``out_slots`` (slot -1: not written); returns Q ``[T, H, D]``.
+
+    ``norm_src [T, hidden]``: first scale every row of ``qkv`` by ``norm_src``'s RMS factor
+    (`scale_rows_torch`: the folded input norm).
 
     Shapes: ``qkv [T, (H + 2 Hkv) D]``, ``positions, out_slots [T]``, tables ``[max_position, D]`` in the
     model dtype, caches ``[num_slots, Hkv, D]``. Without host syncs: a row that writes nothing writes
     the value of the first writing row at that row's slot instead, the same bits at the same place;
     when no row writes, every row writes slot 0's own value back.
     """
+    qkv = scale_rows_torch(qkv, norm_src, eps)
     rows = qkv.shape[0]
     head_dim = cos_table.shape[1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -125,9 +148,10 @@ def rope_write_kv_torch(
     return q
 
 
-def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul_torch(gate_up: torch.Tensor, norm_src: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` (gate first) -> ``[T, I]``; ``norm_src``: ``gate_up``'s rows
+    first scaled by its RMS factor (`scale_rows_torch`: the folded post-attention norm)."""
+    gate, up = scale_rows_torch(gate_up, norm_src, eps).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -183,6 +207,23 @@ if triton is not None:
         tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
 
     @triton.jit
+    def _rms_scale(src_ptr, stride_src, row, hidden, eps, BLOCK_H: tl.constexpr):
+        """``rsqrt(mean(src[row]^2) + eps)`` in float32, the row read in ``BLOCK_H`` blocks."""
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            x = tl.load(src_ptr + row * stride_src + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+            acc += x * x
+        return 1.0 / tl.sqrt(tl.sum(acc, axis=0) / hidden + eps)
+
+    @triton.jit
+    def _scaled(x, scale, dtype: tl.constexpr):
+        """``x * scale`` rounded to ``dtype`` (bfloat16 in integer arithmetic, as `_round_to_bfloat16`)."""
+        if dtype == tl.bfloat16:
+            return _round_to_bfloat16(x.to(tl.float32) * scale)
+        return (x.to(tl.float32) * scale).to(dtype)
+
+    @triton.jit
     def _rope_write_kv_kernel(
         qkv_ptr,
         pos_ptr,
@@ -200,10 +241,16 @@ if triton is not None:
         stride_kh,
         stride_vs,
         stride_vh,
+        src_ptr,
+        stride_src,
+        hidden,
+        eps,
         NUM_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
+        NORM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: Q, H..H+Hkv-1: K, then V
@@ -213,6 +260,10 @@ if triton is not None:
         x1 = tl.load(base + i, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + i, mask=mask, other=0.0)
         dtype = qkv_ptr.dtype.element_ty
+        if NORM:  # the folded input norm: the row's RMS factor of the residual stream, then the dtype
+            scale = _rms_scale(src_ptr, stride_src, row, hidden, eps, BLOCK_H)
+            x1 = _scaled(x1, scale, dtype)
+            x2 = _scaled(x2, scale, dtype)
         slot = tl.load(slot_ptr + row)
         if head >= NUM_HEADS + NUM_KV_HEADS:  # V: copied as is
             kv = head - NUM_HEADS - NUM_KV_HEADS
@@ -254,12 +305,19 @@ if triton is not None:
                 tl.store(dst + HALF + i, out2.to(k_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(
+        x_ptr, out_ptr, stride_x, stride_o, inter, src_ptr, stride_src, hidden, eps,
+        BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+        if NORM:  # the folded post-attention norm
+            scale = _rms_scale(src_ptr, stride_src, row, hidden, eps, BLOCK_H)
+            gate = _scaled(gate, scale, x_ptr.dtype.element_ty)
+            up = _scaled(up, scale, x_ptr.dtype.element_ty)
         g = gate.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
@@ -311,6 +369,8 @@ def rope_write_kv_triton(
     v_cache: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    norm_src: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     _need_triton()
     rows = qkv.shape[0]
@@ -324,13 +384,27 @@ def rope_write_kv_triton(
             qkv, positions, cos_table, sin_table, out_slots, q, k_cache, v_cache,
             qkv.stride(0), cos_table.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            *_norm_args(qkv, norm_src, eps),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-            enable_fp_fusion=False,
+            NORM=norm_src is not None, BLOCK_H=_block_h(norm_src), enable_fp_fusion=False,
         )  # fmt: skip
     return q
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def _norm_args(like: torch.Tensor, norm_src: torch.Tensor | None, eps: float) -> tuple:
+    """The kernels' ``(src_ptr, stride_src, hidden, eps)`` for a folded norm's source (None: unused)."""
+    if norm_src is None:
+        return like, 0, 1, 0.0
+    if norm_src.stride(-1) != 1:
+        raise ValueError("norm_src needs a contiguous last dimension")
+    return norm_src, norm_src.stride(0), norm_src.shape[1], float(eps)
+
+
+def _block_h(norm_src: torch.Tensor | None) -> int:
+    return 16 if norm_src is None else min(1024, triton.next_power_of_2(norm_src.shape[1]))
+
+
+def silu_mul_triton(gate_up: torch.Tensor, norm_src: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     _need_triton()
     rows, width = gate_up.shape
     inter = width // 2
@@ -338,8 +412,9 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block
-        )
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, *_norm_args(gate_up, norm_src, eps),
+            BLOCK=block, NORM=norm_src is not None, BLOCK_H=_block_h(norm_src),
+        )  # fmt: skip
     return out
 
 
@@ -390,6 +465,7 @@ class TorchOps:
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_torch)
     norm_qkv_rope = staticmethod(norm_qkv_rope_torch)
     needs_kv_bound = True  # the torch attention gathers keys up to a static bound
+    fold_norms = False  # `FoldedNormOps`: the norms folded into the GEMMs and the kernels after them
 
 
 class TritonOps(TorchOps):
@@ -428,6 +504,24 @@ class TritonCublasOps(TritonOps):
     norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=0))
     norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=0))
     norm_qkv_rope = staticmethod(functools.partial(norm_qkv_rope_rows, max_rows=0))
+
+
+def linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x + F.linear(a, weight)`` in one GEMM (``addmm``: cuBLAS adds ``x`` in its epilogue, then rounds once)."""
+    return torch.addmm(x, a, weight.t())
+
+
+class FoldedNormOps(TritonCublasOps):
+    """`TritonCublasOps` with the RMSNorms folded away (`fast.fold_norm_weights`): each norm's gain lives in
+    the next GEMM's weight, its per-row factor ``rsqrt(mean(h^2) + eps)`` is applied by the kernel after the
+    GEMM (RoPE + KV write, SiLU-mul), and the residual adds ride on the O and down GEMMs. 7 kernels a
+    layer instead of 9. Not bitwise `TorchOps` (the scale is applied after the GEMM's rounding instead of
+    before it), but every row is still a function of that row alone, and decode and verify rows run the
+    same kernels at the same shapes, so greedy speculative output stays the autoregressive output."""
+
+    name = "triton-cublas-folded"
+    fold_norms = True
+    linear_add = staticmethod(linear_add)
 
 
 def triton_available() -> bool:

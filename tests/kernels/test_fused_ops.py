@@ -121,3 +121,55 @@ def test_rope_write_kv_reads_strided_positions_and_slots_as_their_values():
         results.append((q.cpu(), k_cache.cpu(), v_cache.cpu()))
     for got, want in zip(results[0], results[1]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_folded_norm_prologues_equal_their_twins(dtype):
+    """`FoldedNormOps`: the RoPE + KV-write and SiLU-mul kernels scale each row by its residual row's RMS
+    factor first. The twins equal the folded algebra (norm gain in the weight, factor after the GEMM), and
+    the kernels equal the twins; in float32 the folded GEMM equals the norm-then-GEMM one closely."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, hidden, rows = 4, 2, 8, 40, 5
+    h = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)  # the residual stream, not unit scale
+    gain = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    w = (0.2 * torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=gen)).to(dtype)
+    folded = (w.float() * gain.float()[None, :]).to(dtype)
+    qkv = F.linear(h, folded)
+    scale = kernels.rms_scale_torch(h, 1e-5)
+    torch.testing.assert_close(kernels.scale_rows_torch(qkv, h, 1e-5), (qkv.float() * scale).to(dtype), atol=0, rtol=0)
+    if dtype == torch.float32:  # the algebra: F.linear(rms_norm(h), w) == F.linear(h, w * g) * rms_scale(h)
+        torch.testing.assert_close(
+            kernels.scale_rows_torch(qkv, h, 1e-5), F.linear(RMSNorm(gain, 1e-5)(h), w), atol=1e-5, rtol=1e-5
+        )
+    cos, sin = rope_cos_sin(torch.arange(64), dim, 10000.0, dtype)
+    positions = torch.tensor([3, 0, 17, 17, 40])
+    slots = torch.tensor([4, -1, 9, 2, 11])
+    outs = {}
+    for name, fn, device in (
+        ("torch", kernels.rope_write_kv_torch, "cpu"),
+        ("triton", kernels.rope_write_kv_triton, DEVICE),
+    ):
+        k_cache = torch.zeros(16, kv_heads, dim, dtype=dtype, device=device)
+        v_cache = torch.zeros(16, kv_heads, dim, dtype=dtype, device=device)
+        q = fn(qkv.to(device), positions.to(device), cos.to(device), sin.to(device), slots.to(device),
+               k_cache, v_cache, heads, kv_heads, h.to(device), 1e-5)  # fmt: skip
+        outs[name] = (q.cpu(), k_cache.cpu(), v_cache.cpu())
+    plain = torch.zeros(16, kv_heads, dim, dtype=dtype), torch.zeros(16, kv_heads, dim, dtype=dtype)
+    q_plain = kernels.rope_write_kv_torch(kernels.scale_rows_torch(qkv, h, 1e-5), positions, cos, sin, slots,
+                                          *plain, heads, kv_heads)  # fmt: skip
+    for got, want in zip(outs["torch"], (q_plain, *plain)):  # the twin: scale, then the plain RoPE
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for got, want in zip(outs["triton"], outs["torch"]):  # the factor's sum may round in another order
+        torch.testing.assert_close(got, want, **_tol(dtype))
+
+    gate_up = F.linear(h, (0.2 * torch.randn(2 * 24, hidden, generator=gen)).to(dtype))
+    want = kernels.silu_mul_torch(kernels.scale_rows_torch(gate_up, h, 1e-5))
+    torch.testing.assert_close(kernels.silu_mul_torch(gate_up, h, 1e-5), want, atol=0, rtol=0)
+    fast = kernels.silu_mul_triton(gate_up.to(DEVICE), h.to(DEVICE), 1e-5).cpu()
+    torch.testing.assert_close(fast, want, **_tol(dtype))
+
+
+def test_linear_add_is_one_gemm_with_the_residual():
+    gen = torch.Generator().manual_seed(6)
+    x, a, w = torch.randn(4, 12, generator=gen), torch.randn(4, 20, generator=gen), torch.randn(12, 20, generator=gen)
+    torch.testing.assert_close(kernels.linear_add(x, a, w), x + F.linear(a, w), atol=1e-5, rtol=1e-5)

@@ -19,10 +19,17 @@ from speccycle.core.ports import ForwardBatch
 from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.engine import Engine
-from speccycle.engine.fast import FastEagleDraft, FastGreedyDecoder, FastLlamaDraft, FastOptions, FastTarget
+from speccycle.engine.fast import (
+    FastEagleDraft,
+    FastGreedyDecoder,
+    FastLlamaDraft,
+    FastOptions,
+    FastTarget,
+    accelerate,
+)
 from speccycle.engine.graphs import bucket
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kernels import TorchOps, TritonOps, triton_available
+from speccycle.engine.kernels import FoldedNormOps, TorchOps, TritonOps, triton_available
 from speccycle.engine.kv_pool import PagedKVPool
 from speccycle.engine.llama import LlamaModel, random_llama_weights
 from speccycle.engine.target import LlamaTarget
@@ -47,7 +54,7 @@ TINY = LlamaConfig(
 ATOL, RTOL = 1e-4, 1e-4  # float32, values up to ~20: reduction orders and rsqrt differ
 OPS = [TorchOps]
 if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
-    OPS.append(TritonOps)
+    OPS += [TritonOps, FoldedNormOps]
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +267,36 @@ def test_fast_engine_is_lossless(weights, draft, spec):
     assert pool.num_free_pages == pool.num_pages
     reference = Engine(LlamaModel(TINY, weights), PagedKVPool(num_pages=512, page_size=1), None, SpecConfig())
     assert reference.generate_autoregressive(prompts, 16) == ar
+
+
+@pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
+@pytest.mark.parametrize(
+    "draft,spec",
+    [
+        ("layerskip", SpecConfig(num_steps=3, topk=1, page_size=4)),
+        ("eagle", SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)),
+    ],
+)
+def test_fast_engine_with_folded_norms_is_lossless(weights, draft, spec):
+    """`FoldedNormOps` (norm gains in the GEMM weights, the RMS factor after the GEMM, residual adds in the
+    GEMMs) computes other roundings than the reference, but decode and verify rows run the same kernels:
+    speculative output equals the same engine's autoregressive output, and the pool ends empty."""
+    prompts = [tokens_of(11, 8) * 2, tokens_of(12, 5), tokens_of(13, 4)]
+    model = LlamaModel(TINY, weights)
+    pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
+
+    def build(engine):
+        if draft == "layerskip":
+            return LlamaDraft(model, pool, num_layers=2)
+        return EagleDraft(EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3), model, pool)
+
+    engine = Engine(model, pool, build, spec)
+    accelerate(engine, graphs=False, ops=FoldedNormOps)
+    assert model.folded_norm_weights is not None
+    ar = engine.generate_autoregressive(prompts, 12)
+    results, _ = engine.generate(prompts, 12, checked=True)
+    assert [list(r.output) for r in results] == ar
+    assert pool.num_free_pages == pool.num_pages
 
 
 @pytest.mark.parametrize("topk", [1, 2])
