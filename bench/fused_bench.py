@@ -59,8 +59,29 @@ def main() -> None:
         help="comma list (e.g. 4,1): one engine per warp count of the rows attention kernel "
         "(`attention_triton.NUM_WARPS`), every way run on each, interleaved; labels get '@w<n>'",
     )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), an op set "
+        "(triton-cublas, triton-cublas-folded: `kernels.CUDA_OPS`); one engine each, every way run on each, "
+        "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
+    )
     args = ap.parse_args()
-    from speccycle.engine import attention_triton
+    from speccycle.engine import attention_triton, kernels
+
+    op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.TritonOps)}
+
+    def settings(variant):
+        """``(warps or None, op set or None)`` of a variant string."""
+        warps, ops = None, None
+        for part in [p for p in (variant or "").split("+") if p]:
+            if part.startswith("w") and part[1:].isdigit():
+                warps = int(part[1:])
+            elif part in op_sets:
+                ops = op_sets[part]
+            else:
+                raise SystemExit(f"--variants: unknown setting {part!r} (w<n> or one of {sorted(op_sets)})")
+        return warps, ops
 
     prompts = [json.loads(line) for line in open(args.prompts)]
     for p in prompts:
@@ -81,15 +102,22 @@ def main() -> None:
                                              kv_tokens=4096, fast=True)  # fmt: skip
         return other_engines[way]
 
-    warps_list = [int(w) for w in args.attention_warps.split(",") if w] or [None]
+    variants = [v for v in args.variants.split(",") if v] or [f"w{w}" for w in args.attention_warps.split(",") if w]
+    warps_list = variants or [None]  # the variant strings (the name is historical)
     default_warps = attention_triton.NUM_WARPS
-    labels = [(f"{way}@w{w}" if w else way, way, w) for w in warps_list for way in ways]
+
+    def apply(variant):  # graphs capture the launches they first see: each engine keeps its own settings
+        warps, ops = settings(variant)
+        attention_triton.NUM_WARPS = warps or default_warps
+        kernels.CUDA_OPS = ops
+
+    labels = [(f"{way}@{w}" if w else way, way, w) for w in warps_list for way in ways]
     rows = []
     for text in args.configs.split(","):
         spec = parse_config(f"eagle:{text}")[1]
         engines = {}
         for w in warps_list:
-            attention_triton.NUM_WARPS = w or default_warps
+            apply(w)
             engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
                                  fast=True, eagle_head=head)  # fmt: skip
             fused = engine.fused_cycles
@@ -102,8 +130,7 @@ def main() -> None:
         def run(label, x, n, engines=engines):
             _, way, w = next(item for item in labels if item[0] == label)
             engine, fused, fused_torch = engines[w]
-            # graphs capture the launch they first see: each engine's graphs keep its own warp count
-            attention_triton.NUM_WARPS = w or default_warps
+            apply(w)
             if way == "ar":
                 return engine.generate_autoregressive([x], n)[0], None
             if way in others:  # another drafter on its own fast engine (host control plane)
@@ -151,7 +178,7 @@ def main() -> None:
         }
         for label, way, w in labels:
             r = per[label]
-            base = per.get(f"ar@w{w}" if w else "ar")
+            base = per.get(f"ar@{w}" if w else "ar")
             entry = {
                 "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
                 "median_prompt_tokens_per_s": round(statistics.median(r["tps"]), 1),
@@ -166,10 +193,10 @@ def main() -> None:
                     statistics.median(s / a for s, a in zip(r["tps"], base["tps"])), 3
                 )
             row[label] = entry
-        if len(warps_list) > 1 and "ar" in ways:  # the AR decodes of every warp count, outputs compared
-            first = per[f"ar@w{warps_list[0]}"]["outputs"]
-            row["ar_identical_across_warps"] = sum(
-                all(per[f"ar@w{w}"]["outputs"][i] == out for w in warps_list) for i, out in enumerate(first)
+        if len(warps_list) > 1 and "ar" in ways:  # the AR decodes of every variant, outputs compared
+            first = per[f"ar@{warps_list[0]}"]["outputs"]
+            row["ar_identical_across_variants"] = sum(
+                all(per[f"ar@{w}"]["outputs"][i] == out for w in warps_list) for i, out in enumerate(first)
             )
         fused = engines[warps_list[0]][1]
         if fused is not None:  # the host's work per cycle in the fused loop (launch, flag copy and check)
@@ -181,7 +208,7 @@ def main() -> None:
         say("[fused_bench]", json.dumps(row))
         del engine, fused, engines
         free()
-    attention_triton.NUM_WARPS = default_warps
+    attention_triton.NUM_WARPS, kernels.CUDA_OPS = default_warps, None
     payload = {
         "benchmark": "fused_bench",
         "config": {
@@ -189,7 +216,7 @@ def main() -> None:
             "batch": 1,
             "draft": "eagle (shipped head)",
             "ways": ways,
-            "attention_warps": warps_list,
+            "variants": warps_list,
             "prompts_file": args.prompts,
             "per_category": args.per_category,
         },  # fmt: skip

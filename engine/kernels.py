@@ -528,6 +528,9 @@ def triton_available() -> bool:
     return triton is not None
 
 
+CUDA_OPS: type[TorchOps] | None = None  # benchmarks: the op set `default_ops` gives CUDA (None: its choice)
+
+
 def default_ops(device: torch.device | str) -> type[TorchOps]:
     """`TritonCublasOps` on CUDA when triton imports, torch otherwise.
 
@@ -535,4 +538,6 @@ def default_ops(device: torch.device | str) -> type[TorchOps]:
     (bench/row_linear_bench.py, SmolLM2 bf16, 2026-11-22) they decoded at 593 tokens/s against cuBLAS's 769,
     and a 16-row cuBLAS verify already gave the 1-row decode's logits bitwise there. Pass ``ops=`` to use them.
     """
-    return TritonCublasOps if torch.device(device).type == "cuda" and triton is not None else TorchOps
+    if torch.device(device).type == "cuda" and triton is not None:
+        return CUDA_OPS or TritonCublasOps
+    return TorchOps

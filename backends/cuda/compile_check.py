@@ -163,9 +163,33 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                     k_ptr=p,
                     v_ptr=p,
                     **{name: i32 for name in rope_strides},
+                    src_ptr=p,
+                    stride_src=i32,
+                    hidden=i32,
+                    eps="fp32",
                 ),
-                [dict(NUM_HEADS=9, NUM_KV_HEADS=3, HALF=32, BLOCK_HALF=32, enable_fp_fusion=False)],
-                ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", *rope_strides),
+                # plain, and with the folded input norm (`kernels.FoldedNormOps`) at SmolLM2's hidden size
+                [
+                    dict(
+                        NUM_HEADS=9,
+                        NUM_KV_HEADS=3,
+                        HALF=32,
+                        BLOCK_HALF=32,
+                        NORM=False,
+                        BLOCK_H=16,
+                        enable_fp_fusion=False,
+                    ),
+                    dict(
+                        NUM_HEADS=9,
+                        NUM_KV_HEADS=3,
+                        HALF=32,
+                        BLOCK_HALF=32,
+                        NORM=True,
+                        BLOCK_H=1024,
+                        enable_fp_fusion=False,
+                    ),
+                ],  # fmt: skip
+                ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", *rope_strides),
             )
         )
         out.append(
@@ -188,8 +212,11 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                 ("x_ptr", "r_ptr", "w_ptr", "sum_ptr", "y_ptr", "stride_x", "stride_r", "stride_s", "stride_y"),
             )
         )
-        out.append((fused._silu_mul_kernel, dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, inter=i32),
-                    [dict(BLOCK=1024)], ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter")))  # fmt: skip
+        out.append((fused._silu_mul_kernel,
+                    dict(x_ptr=p, out_ptr=p, stride_x=i32, stride_o=i32, inter=i32, src_ptr=p, stride_src=i32,
+                         hidden=i32, eps="fp32"),
+                    [dict(BLOCK=1024, NORM=False, BLOCK_H=16), dict(BLOCK=1024, NORM=True, BLOCK_H=1024)],
+                    ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter", "src_ptr")))  # fmt: skip
     out += linear_triton.compile_specs()  # the row-invariant GEMMs at both models' tiles
     # the decode step's bookkeeping (`engine.decode_step`), at a decode graph's 8 rows and 128 rows, page sizes 16 and 1
     from ...engine import decode_step
