@@ -507,8 +507,11 @@ class TritonCublasOps(TritonOps):
 
 
 def linear_add(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x + F.linear(a, weight)`` in one GEMM (``addmm``: cuBLAS adds ``x`` in its epilogue, then rounds once)."""
-    return torch.addmm(x, a, weight.t())
+    """``x += F.linear(a, weight)`` in place, one GEMM (cuBLAS's ``beta = 1``: ``x`` is read in the epilogue and
+    the sum rounded once). In place because out of place ``addmm`` first copies ``x`` to its result, a second
+    kernel (measured: the decode step kept its 278.5 kernels). ``x`` must be a tensor nothing else reads
+    later (the fast forward's residual stream)."""
+    return x.addmm_(a, weight.t())
 
 
 class FoldedNormOps(TritonCublasOps):
