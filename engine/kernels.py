@@ -535,12 +535,17 @@ CUDA_OPS: type[TorchOps] | None = None  # benchmarks: the op set `default_ops` g
 
 
 def default_ops(device: torch.device | str) -> type[TorchOps]:
-    """`TritonCublasOps` on CUDA when triton imports, torch otherwise.
+    """`FoldedNormOps` on CUDA when triton imports, torch otherwise.
 
-    The row-invariant Triton GEMMs (`TritonOps`, `BatchInvariantOps`) are not the default: on an H100
-    (bench/row_linear_bench.py, SmolLM2 bf16, 2026-11-22) they decoded at 593 tokens/s against cuBLAS's 769,
-    and a 16-row cuBLAS verify already gave the 1-row decode's logits bitwise there. Pass ``ops=`` to use them.
+    Folded norms: on an H100 (SmolLM2 bf16, session 10, `decode_profile` and `fused_bench-H100-folded-240-*`)
+    the autoregressive decode step went from 278.5 kernels and 1,081 us to 218.5 and 992 us (925 -> 1,008
+    tokens/s), 240 prompts x 128 tokens from 851 to 917 tokens/s end to end and fused tree cycles from 1,345 to
+    1,419, every output identical to autoregressive in both. `TritonCublasOps` (the norms as kernels) is the
+    same with the norms apart. The row-invariant Triton GEMMs (`TritonOps`, `BatchInvariantOps`) are not the
+    default: on an H100 (bench/row_linear_bench.py, SmolLM2 bf16, 2026-11-22) they decoded at 593 tokens/s
+    against cuBLAS's 769, and a 16-row cuBLAS verify already gave the 1-row decode's logits bitwise there.
+    Pass ``ops=`` to use another set (``CUDA_OPS`` sets it for benchmarks).
     """
     if torch.device(device).type == "cuda" and triton is not None:
-        return CUDA_OPS or TritonCublasOps
+        return CUDA_OPS or FoldedNormOps
     return TorchOps
