@@ -175,19 +175,11 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         NUM_KV_HEADS=3,
                         HALF=32,
                         BLOCK_HALF=32,
-                        NORM=False,
-                        BLOCK_H=16,
+                        NORM=norm,
+                        BLOCK_H=block_h,
                         enable_fp_fusion=False,
-                    ),
-                    dict(
-                        NUM_HEADS=9,
-                        NUM_KV_HEADS=3,
-                        HALF=32,
-                        BLOCK_HALF=32,
-                        NORM=True,
-                        BLOCK_H=1024,
-                        enable_fp_fusion=False,
-                    ),
+                    )
+                    for norm, block_h in ((False, 16), (True, 1024))
                 ],  # fmt: skip
                 ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", *rope_strides),
             )
