@@ -54,12 +54,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default="")
     ap.add_argument(
-        "--attention-warps",
-        default="",
-        help="comma list (e.g. 4,1): one engine per warp count of the rows attention kernel "
-        "(`attention_triton.NUM_WARPS`), every way run on each, interleaved; labels get '@w<n>'",
-    )
-    ap.add_argument(
         "--variants",
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), an op set "
@@ -102,8 +96,7 @@ def main() -> None:
                                              kv_tokens=4096, fast=True)  # fmt: skip
         return other_engines[way]
 
-    variants = [v for v in args.variants.split(",") if v] or [f"w{w}" for w in args.attention_warps.split(",") if w]
-    warps_list = variants or [None]  # the variant strings (the name is historical)
+    variants = [v for v in args.variants.split(",") if v] or [None]  # None: the defaults, labels unsuffixed
     default_warps = attention_triton.NUM_WARPS
 
     def apply(variant):  # graphs capture the launches they first see: each engine keeps its own settings
@@ -111,12 +104,12 @@ def main() -> None:
         attention_triton.NUM_WARPS = warps or default_warps
         kernels.CUDA_OPS = ops
 
-    labels = [(f"{way}@{w}" if w else way, way, w) for w in warps_list for way in ways]
+    labels = [(f"{way}@{w}" if w else way, way, w) for w in variants for way in ways]
     rows = []
     for text in args.configs.split(","):
         spec = parse_config(f"eagle:{text}")[1]
         engines = {}
-        for w in warps_list:
+        for w in variants:
             apply(w)
             engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
                                  fast=True, eagle_head=head)  # fmt: skip
@@ -193,12 +186,12 @@ def main() -> None:
                     statistics.median(s / a for s, a in zip(r["tps"], base["tps"])), 3
                 )
             row[label] = entry
-        if len(warps_list) > 1 and "ar" in ways:  # the AR decodes of every variant, outputs compared
-            first = per[f"ar@{warps_list[0]}"]["outputs"]
+        if len(variants) > 1 and "ar" in ways:  # the AR decodes of every variant, outputs compared
+            first = per[f"ar@{variants[0]}"]["outputs"]
             row["ar_identical_across_variants"] = sum(
-                all(per[f"ar@{w}"]["outputs"][i] == out for w in warps_list) for i, out in enumerate(first)
+                all(per[f"ar@{w}"]["outputs"][i] == out for w in variants) for i, out in enumerate(first)
             )
-        fused = engines[warps_list[0]][1]
+        fused = engines[variants[0]][1]
         if fused is not None:  # the host's work per cycle in the fused loop (launch, flag copy and check)
             row["fused_replays"] = fused.replays
             row["fused_host_us_per_cycle"] = round(fused.host_s / max(fused.replays, 1) * 1e6, 1)
@@ -216,7 +209,7 @@ def main() -> None:
             "batch": 1,
             "draft": "eagle (shipped head)",
             "ways": ways,
-            "variants": warps_list,
+            "variants": variants,
             "prompts_file": args.prompts,
             "per_category": args.per_category,
         },  # fmt: skip

@@ -95,7 +95,7 @@ def llama_rows_forward(
     views = _feature_views(features, capture, hidden_size)
 
     x = F.embedding(inputs.input_ids, model.embed_weight)  # [T, hidden]
-    if getattr(ops, "fold_norms", False):
+    if ops.fold_norms:
         return _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps), features
     delta = None  # the previous layer's MLP output, added to x by the next norm
     for i in range(depth):
@@ -512,7 +512,7 @@ class FastTarget(LlamaTarget):
         self.options = options
         c = target.model.config
         self.rope = _rope_for(target.model, pool, c.head_dim, c.rope_theta, target.model.dtype, c.max_position)
-        if getattr(options.ops, "fold_norms", False):
+        if options.ops.fold_norms:
             fold_norm_weights(target.model)
         compute = functools.partial(self._compute, want_hidden=True)
         # summarize: every forward also hands over its rows' argmax and finiteness (inside the graph),
@@ -539,7 +539,7 @@ class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
         c = self.model.config
         self.options = options
         self.rope = _rope_for(self.model, pool, c.head_dim, c.rope_theta, self.model.dtype, c.max_position)
-        if getattr(options.ops, "fold_norms", False):
+        if options.ops.fold_norms:
             fold_norm_weights(self.model)
         self.graphs = options.runner(self._compute, pool, c.vocab_size)
         self._init_levels(pool, options, None)

@@ -142,3 +142,19 @@ else:
     @pytest.mark.skip(reason="the cycle machine's tensors live on the CPU: its kernels run under TRITON_INTERPRET=1")
     def test_cycle_on_kernels():
         pass
+
+
+def test_fast_path_op_set_and_attention_warps_per_device(monkeypatch):
+    """CUDA gets the folded-norm op set (7 kernels a layer), a CPU the torch one; ``CUDA_OPS`` overrides it for
+    benchmarks. The rows attention kernel runs 1 warp a program up to head dim 64, 4 above; ``NUM_WARPS``
+    overrides it. (Both choices were measured on an H100: docs/fast_engine.md.)"""
+    from speccycle.engine import attention_triton, kernels
+
+    assert kernels.default_ops("cuda") is kernels.FoldedNormOps
+    assert kernels.default_ops("cpu") is kernels.TorchOps
+    assert kernels.FoldedNormOps.fold_norms and not kernels.TritonCublasOps.fold_norms
+    monkeypatch.setattr(kernels, "CUDA_OPS", kernels.TritonCublasOps)
+    assert kernels.default_ops("cuda") is kernels.TritonCublasOps
+    assert [attention_triton.default_num_warps(d) for d in (32, 64, 128)] == [1, 1, 4]
+    monkeypatch.setattr(attention_triton, "NUM_WARPS", 8)
+    assert attention_triton.default_num_warps(64) == 8
