@@ -57,13 +57,14 @@ def main() -> None:
         "--variants",
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), an op set "
-        "(triton-cublas, triton-cublas-folded: `kernels.CUDA_OPS`); one engine each, every way run on each, "
+        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`); one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
     )
     args = ap.parse_args()
     from speccycle.engine import attention_triton, kernels
 
-    op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.TritonOps)}
+    op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.FoldedTargetOps,
+                                           kernels.TritonOps)}  # fmt: skip
 
     def settings(variant):
         """``(warps or None, op set or None)`` of a variant string."""
@@ -142,12 +143,17 @@ def main() -> None:
                 run(way, x, 2)
         for way in names:  # and one full-length run each, so that clocks are up before the first timed prompt
             run(way, ids[0], args.max_new_tokens)
-        per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[]) for way in names}
+        per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[], run_s=0.0) for way in names}
         cats = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         for i, x in enumerate(ids):
             for way in names:
+                _, plain, w = next(item for item in labels if item[0] == way)
+                cycles = engines[w][1] if plain == "fused" else None
+                before = cycles.run_s if cycles is not None else 0.0
                 (out, stats), seconds = _timed(lambda way=way, x=x: run(way, x, args.max_new_tokens))
                 r = per[way]
+                if cycles is not None:  # the part of the call inside `FusedCycles.run`
+                    r["run_s"] += cycles.run_s - before
                 r["tokens"] += len(out)
                 r["seconds"] += seconds
                 r["tps"].append(len(out) / seconds)
@@ -176,6 +182,9 @@ def main() -> None:
                 "tokens_per_s": round(r["tokens"] / r["seconds"], 1),
                 "median_prompt_tokens_per_s": round(statistics.median(r["tps"]), 1),
             }
+            if r["run_s"]:  # per prompt: the prefill and first draft extend (outside the cycles) and the cycles' run
+                entry["outside_cycles_ms_per_prompt"] = round((r["seconds"] - r["run_s"]) / len(ids) * 1e3, 2)
+                entry["cycles_run_ms_per_prompt"] = round(r["run_s"] / len(ids) * 1e3, 2)
             if r["verifies"]:
                 entry["tau"] = round(r["committed"] / r["verifies"], 3)
                 entry["tau_by_category"] = {k: round(v[0] / v[1], 3) for k, v in sorted(cats[way].items())}

@@ -183,10 +183,29 @@ def eagle_rows_forward(
     """`EagleDraft.extend` (``from_target``: ``hidden_in`` are target features) or `.step` over `RowInputs`."""
     head, target = draft.head, draft.target_model
     c = head.config
-    rows = inputs.input_ids.shape[0]
     eps = c.rms_norm_eps
+    if c.version != 1 and ops.fold_head:
+        out = _folded_eagle3_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
+    else:
+        out = _eagle_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
+    picked = out if inputs.logits_rows is None else out.index_select(0, inputs.logits_rows)
+    if c.target_lm_head:  # EAGLE-1, or EAGLE-3 over the target's norm and LM head: [R, V]
+        target_eps = target.config.rms_norm_eps
+        _, logits = ops.norm_linear(picked, None, target.norm.weight, target_eps, target.lm_head_weight,
+                                    out_dtype=torch.float32)  # fmt: skip
+        return logits, out
+    _, small = ops.norm_linear(picked, None, head.norm.weight, eps, head.lm_head, out_dtype=torch.float32)  # [R, Vd]
+    logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
+    logits.index_copy_(1, head.draft_to_target, small)
+    return logits, out
+
+
+def _eagle_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_target: bool) -> torch.Tensor:
+    """The head's layer, norms as kernels: its output hidden state ``[T, H]``."""
+    head, target = draft.head, draft.target_model
+    c = head.config
+    rows, eps = inputs.input_ids.shape[0], c.rms_norm_eps
     embed = F.embedding(inputs.input_ids, target.embed_weight)
-    x = hidden_in.to(head.dtype)
     if c.version == 1:
         x = ops.linear(torch.cat([embed, x], -1), head.fc)
         attn_in, norm_weight = x, head.input_norm.weight  # normed in the QKV kernel
@@ -204,17 +223,43 @@ def eagle_rows_forward(
                          inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
     o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), head.o)
     h, act = ops.norm_gate_up_silu(x, o, head.post_norm.weight, eps, head.gate_up)
-    out = h + ops.linear(act, head.down)  # [T, H]
-    picked = out if inputs.logits_rows is None else out.index_select(0, inputs.logits_rows)
-    if c.target_lm_head:  # EAGLE-1, or EAGLE-3 over the target's norm and LM head: [R, V]
-        target_eps = target.config.rms_norm_eps
-        _, logits = ops.norm_linear(picked, None, target.norm.weight, target_eps, target.lm_head_weight,
-                                    out_dtype=torch.float32)  # fmt: skip
-        return logits, out
-    _, small = ops.norm_linear(picked, None, head.norm.weight, eps, head.lm_head, out_dtype=torch.float32)  # [R, Vd]
-    logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
-    logits.index_copy_(1, head.draft_to_target, small)
-    return logits, out
+    return h + ops.linear(act, head.down)  # [T, H]
+
+
+def fold_head_weights(head) -> torch.Tensor:
+    """An EAGLE-3 head's gate-up weight with its post-attention norm's gain folded in (`fold_norm_weights`'s
+    rule), kept on the head for `FoldedNormOps` (made on first use, outside any graph)."""
+    folded = getattr(head, "folded_gate_up", None)
+    if folded is None:
+        gain = head.post_norm.weight.float()[None, :]
+        folded = (head.gate_up.float() * gain).to(head.dtype).contiguous()
+        head.folded_gate_up = folded
+    return folded
+
+
+def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_target: bool) -> torch.Tensor:
+    """The EAGLE-3 head's layer with `FoldedNormOps`: one kernel for the embedding, the two input norms and
+    their concatenation (`kernels.eagle_input_triton`, which also copies the residual stream), the O and
+    down GEMMs adding into that copy in place, the post-attention norm folded into the gate-up GEMM (its
+    row factor applied by the SiLU-mul kernel): 9 kernels up to the final norm instead of 14."""
+    head, target = draft.head, draft.target_model
+    c = head.config
+    rows, eps = inputs.input_ids.shape[0], c.rms_norm_eps
+    folded = getattr(head, "folded_gate_up", None)
+    if folded is None:
+        raise RuntimeError("FoldedNormOps: call fast.fold_head_weights(head) before the first forward (outside a graph)")
+    if from_target:
+        x = ops.linear(x, head.fc)  # [T, 3H] -> [T, H]
+    attn_in, residual = ops.eagle_input(inputs.input_ids, target.embed_weight, x, head.embed_norm.weight,
+                                        head.hidden_norm.weight, eps)  # fmt: skip
+    k_cache, v_cache = draft.kv
+    q = ops.rope_write_kv(ops.linear(attn_in, head.qkv), inputs.positions, rope.cos, rope.sin, inputs.out_slots,
+                          k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
+    attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                         inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+    residual = ops.linear_add(residual, attn.reshape(rows, c.num_heads * c.head_dim), head.o)
+    act = ops.silu_mul(ops.linear(residual, folded), residual, eps)
+    return ops.linear_add(residual, act, head.down)  # [T, H]
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -571,6 +616,8 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
         )
         c = self.head.config
         self.options = options
+        if options.ops.fold_head and c.version != 1:
+            fold_head_weights(self.head)
         max_position = self.target_model.config.max_position
         self.rope = _rope_for(self.head, pool, c.head_dim, c.rope_theta, self.head.dtype, max_position)
         features = self.target_model.feature_size()

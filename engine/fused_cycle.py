@@ -66,7 +66,10 @@ from .cycle_kernels import (
 )
 from .graphs import GraphPool, RowInputs, batch_inputs, bucket
 
-LOOKAHEAD = 2  # cycles the host launches ahead of the one whose "all done" flag it waits for
+# Cycles the host launches ahead of the one whose "all done" flag it waits for. One is enough to keep the GPU
+# busy (a cycle takes ~1.3 ms on an H100 with SmolLM2, its launch ~20-50 us), and every cycle launched ahead
+# runs once more after the last request finished: 2 cost a second idle cycle per generate call.
+LOOKAHEAD = 1
 MAX_STOPS = 8
 
 
@@ -187,6 +190,9 @@ class FusedCycles:
         # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU;
         # launch_s: the part of host_s spent in `CUDAGraph.replay` itself (the driver's graph launch)
         self.host_s = self.wait_s = self.launch_s = 0.0
+        # the whole of `run` (setup, graph captures, the loop, the outputs' copies back): what a generate call
+        # spends beside it is the prefill and the first draft extend (benchmarks report the split)
+        self.run_s = 0.0
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -226,7 +232,9 @@ class FusedCycles:
         rows_fn(tokens, parents, L, verify_slots, S, st.verify, backend)
         inputs = RowInputs(**st.verify, page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=None)
         logits, features = self.target._compute(inputs, want_hidden=True)
-        predict = logits[: B * N].argmax(-1).view(B, N)  # the verify's greedy (`graphs.ForwardGraphs`)
+        # the verify's greedy: the vocabulary argmax the decode step takes (`decode_step.vocab_argmax` on CUDA,
+        # torch's indices, ties included), one split reduce instead of torch's 16-row reduce
+        predict = backend.greedy_predict(logits[: B * N]).view(B, N)
 
         # accept and commit: the greedy walk, cut at the first stop token and at max_new_tokens; the output
         # log, the next state, the draft extend's rows and a tree's KV moves (`cycle_kernels.accept_commit`)
@@ -326,6 +334,13 @@ class FusedCycles:
 
         The requests' KV pages are grown to cover every position a cycle may write; the caller frees them.
         """
+        start = time.perf_counter()
+        try:
+            return self._run(ready, max_new_tokens, stop_token_ids)
+        finally:
+            self.run_s += time.perf_counter() - start
+
+    def _run(self, ready: Ready, max_new_tokens: int, stop_token_ids: Sequence[int]) -> FusedRun:
         N = self.spec.num_draft_tokens
         requests = ready.requests
         B = len(requests)

@@ -155,6 +155,23 @@ def silu_mul_torch(gate_up: torch.Tensor, norm_src: torch.Tensor | None = None, 
     return F.silu(gate) * up
 
 
+def eagle_input_torch(
+    input_ids: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_gain: torch.Tensor,
+    hidden_gain: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's layer input and residual stream: ``(cat(rms_norm(embed[ids]) g_e, rms_norm(hidden) g_h),
+    a copy of hidden)``. Shapes: ``input_ids [T]``, ``embed_weight [V, H]``, ``hidden [T, H]`` ->
+    ``[T, 2H]``, ``[T, H]``. The copy is a fresh tensor the head's O and down GEMMs may add into in place
+    (`FoldedNormOps.linear_add`): ``hidden`` itself may be another forward's output."""
+    embed = F.embedding(input_ids, embed_weight)
+    normed = torch.cat([rms_norm_torch(embed, embed_gain, eps), rms_norm_torch(hidden, hidden_gain, eps)], -1)
+    return normed, hidden.clone()
+
+
 # ---- Triton kernels ----------------------------------------------------------------------------
 if triton is not None:
 
@@ -322,6 +339,38 @@ if triton is not None:
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
+    @triton.jit
+    def _norm_row(x, w_ptr, cols, mask, hidden, eps, dtype: tl.constexpr):
+        """`_rms_norm_kernel`'s arithmetic on one loaded row: normalized in float32, rounded to the row's dtype,
+        times the gain, rounded to ``dtype``."""
+        x32 = x.to(tl.float32)
+        mean_square = tl.sum(x32 * x32, axis=0) / hidden
+        normed = (x32 * (1.0 / tl.sqrt(mean_square + eps))).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        return (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+    @triton.jit
+    def _eagle_input_kernel(
+        ids_ptr, embed_ptr, hidden_ptr, embed_gain_ptr, hidden_gain_ptr, out_ptr, res_ptr,
+        stride_e, stride_h, stride_o, stride_r, hidden, eps, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One program per row: the token's embedding row and the hidden row, each RMS-normed with its gain
+        into the two halves of ``out``, and the hidden row copied to ``res`` (`eagle_input_torch`)."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        token = tl.load(ids_ptr + row).to(tl.int64)
+        e = tl.load(embed_ptr + token * stride_e + cols, mask=mask, other=0.0)
+        h = tl.load(hidden_ptr + row * stride_h + cols, mask=mask, other=0.0)
+        tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptr + row * stride_o + cols, _norm_row(e, embed_gain_ptr, cols, mask, hidden, eps, dtype), mask=mask)
+        tl.store(
+            out_ptr + row * stride_o + hidden + cols,
+            _norm_row(h, hidden_gain_ptr, cols, mask, hidden, eps, dtype),
+            mask=mask,
+        )
+
 
 def _need_triton() -> None:
     if triton is None:
@@ -418,6 +467,31 @@ def silu_mul_triton(gate_up: torch.Tensor, norm_src: torch.Tensor | None = None,
     return out
 
 
+def eagle_input_triton(
+    input_ids: torch.Tensor,
+    embed_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    embed_gain: torch.Tensor,
+    hidden_gain: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`eagle_input_torch` in one kernel (four before: the embedding, two norms, the concatenation). Mixed
+    dtypes (an embedding in another dtype than the hidden rows) take the twin."""
+    _need_triton()
+    rows, width = hidden.shape
+    if embed_weight.dtype != hidden.dtype or hidden.stride(-1) != 1 or embed_weight.stride(-1) != 1:
+        return eagle_input_torch(input_ids, embed_weight, hidden, embed_gain, hidden_gain, eps)
+    out = torch.empty((rows, 2 * width), dtype=hidden.dtype, device=hidden.device)
+    res = torch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
+    if rows:
+        _eagle_input_kernel[(rows,)](
+            input_ids.contiguous(), embed_weight, hidden, embed_gain, hidden_gain, out, res,
+            embed_weight.stride(0), hidden.stride(0), out.stride(0), res.stride(0), width, eps,
+            BLOCK=triton.next_power_of_2(width),
+        )  # fmt: skip
+    return out, res
+
+
 # ---- op sets -----------------------------------------------------------------------------------
 ATTENTION_KERNELS = ("auto", "tiles", "rows")
 # `auto` takes tiles from this head size up. Measured on an H100, bf16, batch 1 (session 9): at the
@@ -464,8 +538,10 @@ class TorchOps:
     norm_linear = staticmethod(norm_linear_torch)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_torch)
     norm_qkv_rope = staticmethod(norm_qkv_rope_torch)
+    eagle_input = staticmethod(eagle_input_torch)
     needs_kv_bound = True  # the torch attention gathers keys up to a static bound
     fold_norms = False  # `FoldedNormOps`: the norms folded into the GEMMs and the kernels after them
+    fold_head = False  # `FoldedNormOps`: an EAGLE-3 head's norms folded as well
 
 
 class TritonOps(TorchOps):
@@ -481,6 +557,7 @@ class TritonOps(TorchOps):
     norm_linear = staticmethod(norm_linear_rows)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)
     norm_qkv_rope = staticmethod(norm_qkv_rope_rows)
+    eagle_input = staticmethod(eagle_input_triton)
     needs_kv_bound = False
 
 
@@ -524,7 +601,16 @@ class FoldedNormOps(TritonCublasOps):
 
     name = "triton-cublas-folded"
     fold_norms = True
+    fold_head = True  # an EAGLE-3 head's layer too (`fast._folded_eagle3_layer`)
     linear_add = staticmethod(linear_add)
+
+
+class FoldedTargetOps(FoldedNormOps):
+    """`FoldedNormOps` with an EAGLE-3 head's layer run as before (norms as kernels, 14 kernels up to its final
+    norm instead of 9): the target is folded, the head is not. Benchmarks compare the two."""
+
+    name = "triton-cublas-folded-target"
+    fold_head = False
 
 
 def triton_available() -> bool:

@@ -176,3 +176,31 @@ def test_linear_add_is_one_gemm_with_the_residual():
     got = kernels.linear_add(x, a, w)
     assert got is x  # in place: no copy kernel
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eagle_input_equals_its_twin_and_the_unfused_ops(dtype):
+    """An EAGLE-3 head's layer input in one kernel: the token's embedding and the hidden row, each RMS-normed
+    with its own gain, side by side, and a fresh copy of the hidden row (the residual the O and down GEMMs add
+    into in place). The twin is the unfused ops; the kernel reads a strided hidden view and padding tokens."""
+    gen = torch.Generator().manual_seed(7)
+    vocab, hidden, rows = 50, 40, 6
+    embed = torch.randn(vocab, hidden, generator=gen).to(dtype)
+    wide = (3 * torch.randn(rows, 2 * hidden, generator=gen)).to(dtype)
+    h = wide[:, hidden:]  # a strided view, as a gathered parent's state may be
+    ids = torch.tensor([0, 49, 7, 7, 3, 0])
+    g_e = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    g_h = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    want = torch.cat([RMSNorm(g_e, 1e-5)(F.embedding(ids, embed)), RMSNorm(g_h, 1e-5)(h)], -1)
+    normed, residual = kernels.eagle_input_torch(ids, embed, h, g_e, g_h, 1e-5)
+    torch.testing.assert_close(normed, want, atol=0, rtol=0)
+    assert torch.equal(residual, h) and residual.data_ptr() != h.data_ptr()
+    fast, fast_residual = kernels.eagle_input_triton(
+        ids.to(DEVICE), embed.to(DEVICE), h.to(DEVICE), g_e.to(DEVICE), g_h.to(DEVICE), 1e-5
+    )
+    torch.testing.assert_close(fast.cpu(), want, **_tol(dtype))
+    assert torch.equal(fast_residual.cpu(), h)  # a copy, bit for bit
+    empty, empty_residual = kernels.eagle_input_triton(
+        ids[:0].to(DEVICE), embed.to(DEVICE), h[:0].to(DEVICE), g_e.to(DEVICE), g_h.to(DEVICE), 1e-5
+    )
+    assert empty.shape == (0, 2 * hidden) and empty_residual.shape == (0, hidden)
