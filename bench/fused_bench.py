@@ -56,27 +56,33 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), an op set "
+        help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), frontier-torch "
+        "(`CudaBackend.advance_frontier` as torch ops), an op set "
         "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`); one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
     )
     args = ap.parse_args()
+    from speccycle.backends.cuda.ops import CudaBackend
     from speccycle.engine import attention_triton, kernels
 
     op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.FoldedTargetOps,
                                            kernels.TritonOps)}  # fmt: skip
 
     def settings(variant):
-        """``(warps or None, op set or None)`` of a variant string."""
-        warps, ops = None, None
+        """``(warps or None, op set or None, fused frontier)`` of a variant string."""
+        warps, ops, frontier = None, None, True
         for part in [p for p in (variant or "").split("+") if p]:
             if part.startswith("w") and part[1:].isdigit():
                 warps = int(part[1:])
             elif part in op_sets:
                 ops = op_sets[part]
+            elif part == "frontier-torch":
+                frontier = False
             else:
-                raise SystemExit(f"--variants: unknown setting {part!r} (w<n> or one of {sorted(op_sets)})")
-        return warps, ops
+                raise SystemExit(
+                    f"--variants: unknown setting {part!r} (w<n>, frontier-torch or one of {sorted(op_sets)})"
+                )
+        return warps, ops, frontier
 
     prompts = [json.loads(line) for line in open(args.prompts)]
     for p in prompts:
@@ -101,9 +107,10 @@ def main() -> None:
     default_warps = attention_triton.NUM_WARPS
 
     def apply(variant):  # graphs capture the launches they first see: each engine keeps its own settings
-        warps, ops = settings(variant)
+        warps, ops, frontier = settings(variant)
         attention_triton.NUM_WARPS = warps or default_warps
         kernels.CUDA_OPS = ops
+        CudaBackend.fused_frontier = frontier
 
     labels = [(f"{way}@{w}" if w else way, way, w) for w in variants for way in ways]
     rows = []

@@ -72,6 +72,10 @@ class ModelOutput:
     # ``logits`` itself; they must be exactly those reductions.
     greedy: torch.Tensor | None = None
     finite: torch.Tensor | None = None
+    # A draft's logits over its own reduced vocabulary (EAGLE-3's draft vocabulary): ``logits [R, Vd]`` with
+    # column ``j`` the target token ``vocab_map[j]`` (``[Vd]`` int64), every other target token at ``-inf``.
+    # Greedy drafting picks its top-K there and maps the ids; None: ``logits`` cover the target vocabulary.
+    vocab_map: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -7,8 +7,21 @@ row 0 is the root (the last committed token), and parents precede children (``pa
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+
+
+class FrontierStep(NamedTuple):
+    """What `advance_frontier` returns: one level's candidates and the next level's frontier."""
+
+    cum: torch.Tensor  # [bs, K*K] the children's cumulative scores (this level's candidates)
+    parents: torch.Tensor  # [bs, K*K] each child's parent's candidate index
+    scores: torch.Tensor  # [bs, K] the kept children's scores (the new frontier)
+    tokens: torch.Tensor  # [bs, K] their tokens
+    cand: torch.Tensor  # [bs, K] their candidate indices, level_base + index among the K*K
+    path: torch.Tensor  # [bs, K, D (+1)] their draft KV paths (their parent's, then their own next slot)
+    hidden: torch.Tensor | None  # [bs, K, H] their parents' draft hidden states
 
 
 def draft_position(seq_lens: torch.Tensor, depth: int, offset: int) -> torch.Tensor:
@@ -178,6 +191,41 @@ def expand_frontier(
     order = torch.sort(cum_scores, dim=-1, descending=True, stable=True).indices
     keep = order[:, :topk]
     return cum_scores, keep, cum_scores.gather(1, keep), child_ids.reshape(bs, -1).gather(1, keep)
+
+
+def advance_frontier(
+    frontier_scores: torch.Tensor,
+    child_p: torch.Tensor,
+    child_ids: torch.Tensor,
+    frontier_cand: torch.Tensor,
+    level_base: int,
+    path_slots: torch.Tensor,
+    hidden: torch.Tensor | None,
+    next_own: torch.Tensor | None,
+    topk: int,
+) -> FrontierStep:
+    """One EAGLE-2 level with its bookkeeping: `expand_frontier`, then what the next level needs.
+
+    Shapes: ``frontier_scores [bs, K]``, ``child_p, child_ids [bs, K, K]``, ``frontier_cand [bs, K]`` (each
+    frontier node's candidate index), ``path_slots [bs, K, D]`` (each frontier node's draft KV slots, root
+    side first, its own last), ``hidden [bs * K, H]`` (the level's draft hidden states, row ``b * K + k``)
+    or None, ``next_own [bs, K]`` (the next level's own slots) or None. Returns a `FrontierStep`: the level's
+    candidates (``cum [bs, K*K]``, the children's parents ``parents [bs, K*K]``), the new frontier
+    (``scores, tokens, cand [bs, K]``, ``cand = level_base + keep``), its paths ``path [bs, K, D (+1)]``
+    (each kept child's parent's path, then its own next slot) and parent states ``hidden [bs, K, H]``.
+    """
+    bs = frontier_scores.shape[0]
+    cum, keep, scores, tokens = expand_frontier(frontier_scores, child_p, child_ids, topk)
+    parents = frontier_cand[:, :, None].expand(bs, topk, topk).reshape(bs, topk * topk)
+    parent_k = keep // topk  # [bs, K]: the frontier node each kept child hangs under
+    path = path_slots.gather(1, parent_k[:, :, None].expand(-1, -1, path_slots.shape[2]))
+    if next_own is not None:
+        path = torch.cat([path, next_own[:, :, None]], dim=2)
+    new_hidden = None
+    if hidden is not None:
+        rows = hidden.view(bs, topk, -1)
+        new_hidden = rows.gather(1, parent_k[:, :, None].expand(-1, -1, rows.shape[-1]))
+    return FrontierStep(cum, parents, scores, tokens, level_base + keep, path, new_hidden)
 
 
 def rerank_tree(

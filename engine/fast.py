@@ -179,8 +179,14 @@ def eagle_rows_forward(
     hidden_in: torch.Tensor | None,
     *,
     from_target: bool,
+    draft_vocab: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`EagleDraft.extend` (``from_target``: ``hidden_in`` are target features) or `.step` over `RowInputs`."""
+    """`EagleDraft.extend` (``from_target``: ``hidden_in`` are target features) or `.step` over `RowInputs`.
+
+    ``draft_vocab``: a head with its own LM head returns its logits over the draft vocabulary (``[R, Vd]``,
+    column ``j`` the target token ``head.draft_to_target[j]``; `ModelOutput.vocab_map`) instead of scattering
+    them into a ``-inf`` row of the target vocabulary (two launches and a 16x wider top-K).
+    """
     head, target = draft.head, draft.target_model
     c = head.config
     eps = c.rms_norm_eps
@@ -195,6 +201,8 @@ def eagle_rows_forward(
                                     out_dtype=torch.float32)  # fmt: skip
         return logits, out
     _, small = ops.norm_linear(picked, None, head.norm.weight, eps, head.lm_head, out_dtype=torch.float32)  # [R, Vd]
+    if draft_vocab:
+        return small, out
     logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
     logits.index_copy_(1, head.draft_to_target, small)
     return logits, out
@@ -627,8 +635,15 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
         self.step_graphs = options.runner(step, pool, self.vocab_size, c.hidden_size, self.head.dtype)
         self._init_levels(pool, options, c.hidden_size)
 
-    def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool):
-        return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target)
+    def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool, draft_vocab: bool = False):
+        return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target,
+                                  draft_vocab=draft_vocab)  # fmt: skip
+
+    @property
+    def vocab_map(self) -> torch.Tensor | None:
+        """The draft-to-target id map of ``_compute(..., draft_vocab=True)``'s logits; None: the head's logits
+        cover the target vocabulary (EAGLE-1, or EAGLE-3 over the target's LM head)."""
+        return None if self.head.config.target_lm_head else self.head.draft_to_target
 
     def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | HiddenRows | None) -> ModelOutput:
         return self.extend_reduced(batch, target_hidden, None)[0]

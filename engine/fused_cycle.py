@@ -103,8 +103,11 @@ class _Levels:
         self._fast, self._bound, self.page_size = draft, kv_bound, page_size
 
     def step(self, batch, parent_hidden):
-        logits, hidden = self._fast._compute(batch_inputs(batch, self._bound), parent_hidden, from_target=False)
-        return ModelOutput(logits=logits, hidden=hidden)
+        # greedy levels pick their top-K over the head's own vocabulary and map the ids (`ModelOutput.vocab_map`)
+        logits, hidden = self._fast._compute(
+            batch_inputs(batch, self._bound), parent_hidden, from_target=False, draft_vocab=True
+        )
+        return ModelOutput(logits=logits, hidden=hidden, vocab_map=self._fast.vocab_map)
 
 
 class _State:
@@ -250,8 +253,11 @@ class FusedCycles:
             out_slots=ext["out_slots"], prefix_lens=ext["prefix_lens"], extra_slots=st.no_extra,
             page_table=table, page_size=P, kv_bound=kv_bound, logits_rows=ext["last"],
         )  # fmt: skip
-        logits, out = self.draft._compute(inputs, features.index_select(0, ext["feature_rows"]), from_target=True)
+        logits, out = self.draft._compute(inputs, features.index_select(0, ext["feature_rows"]), from_target=True,
+                                          draft_vocab=True)  # fmt: skip
         topk_p, topk_index = backend.select_topk(logits, K)
+        if self.draft.vocab_map is not None:  # the draft vocabulary's ids -> the target's
+            topk_index = self.draft.vocab_map[topk_index]
         nxt["topk_p"].copy_(topk_p)
         nxt["topk_index"].copy_(topk_index)
         nxt["dh"].copy_(out.index_select(0, ext["last"]))

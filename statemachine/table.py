@@ -87,7 +87,7 @@ TABLE: tuple[Transition, ...] = (
             "select_topk",
             "process_logits",
             "sample_without_replacement",
-            "expand_frontier",
+            "advance_frontier",
             "rerank_tree",
         ),
         doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "

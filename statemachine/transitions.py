@@ -452,25 +452,29 @@ def draft_levels(
         [torch.full_like(frontier_tokens, -1)],
     )
     frontier_cand = torch.arange(K, device=device).expand(bs, K)
-    path_slots = torch.empty((bs, K, 0), dtype=torch.long, device=device)
     positions_per_step = []
+    if K > 1 and S > 1:
+        # every frontier node's draft KV slots, root side first, its own last (`advance_frontier` extends them)
+        path_slots = draft_slots[:, 0, :, None]  # [bs, K, 1]
+        # every level's row positions at once, L + j + offset (row j contiguous: a port may read it flat)
+        level_positions = prefix_lens[None, :] + torch.arange(S - 1, device=device)[:, None]  # [S - 1, bs * K]
     for j in range(S - 1):
-        positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
-        positions_per_step.append(positions)
         if K == 1:  # a chain's path is every level's slot so far. Contiguous: a port's kernel may read
             # them as flat arrays (the fused KV write does), and these are column slices of draft_slots.
+            positions = draft_position(L, j + 1, offset)  # [bs]; computed, never advanced in place
+            positions_per_step.append(positions)
             own, extra = draft_slots[:, j, 0].contiguous(), draft_slots[:, : j + 1, 0].contiguous()
         else:
+            positions = level_positions[j]  # L + j + offset, K rows per request
             own = draft_slots[:, j, :]  # [bs, K]
-            path_slots = torch.cat([path_slots, own[:, :, None]], dim=2)  # [bs, K, j + 1]: ancestors' and own
-            extra = path_slots.reshape(bs * K, j + 1)
+            extra = path_slots.reshape(bs * K, j + 1)  # [bs * K, j + 1]: ancestors' and own
         # A sampled draft that ran out of mass left -1 (padding): any valid id feeds the forward.
         input_ids = frontier_tokens.reshape(-1) if rows is None else frontier_tokens.reshape(-1).clamp(min=0)
         batch = _batch(
             ports,
             ids,
             input_ids,
-            positions if K == 1 else prefix_lens + j,  # L + j + offset, K rows per request
+            positions,
             row_request,
             own.reshape(-1),
             prefix_lens,
@@ -479,6 +483,10 @@ def draft_levels(
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
         child_p, child_ids = backend.select_topk(out.logits, K)  # [bs*K, K]
+        if out.vocab_map is not None:  # logits over the draft's own vocabulary: its ids -> the target's
+            if rows is not None:
+                raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
+            child_ids = out.vocab_map[child_ids]
         if rows is not None:
             child_p, child_ids, q = sampling.draw_children(
                 rows, out.logits, K, child_p, child_ids, j + 1, backend, parent_tokens=frontier_tokens.reshape(-1)
@@ -491,22 +499,23 @@ def draft_levels(
                 parent_hidden = out.hidden.view(bs, 1, -1)
             continue
         child_p, child_ids = child_p.view(bs, K, K), child_ids.view(bs, K, K)
-        cum, keep, frontier_scores, frontier_tokens = backend.expand_frontier(frontier_scores, child_p, child_ids, K)
-        level_base = K + j * K * K
+        # EAGLE-2 rescoring and the next level's frontier, paths and parent states (`core.tree.advance_frontier`)
+        level = backend.advance_frontier(
+            frontier_scores, child_p, child_ids, frontier_cand, K + j * K * K, path_slots, out.hidden,
+            draft_slots[:, j + 1, :] if j + 2 < S else None, K,
+        )  # fmt: skip
         cand_tokens.append(child_ids.reshape(bs, K * K))
-        cand_scores.append(cum)
-        cand_parents.append(frontier_cand[:, :, None].expand(bs, K, K).reshape(bs, K * K))
-        parent_k = keep // K  # [bs, K]: which frontier node each new frontier node hangs under
-        frontier_cand = level_base + keep
-        if out.hidden is not None:
-            hidden = out.hidden.view(bs, K, -1)
-            parent_hidden = hidden.gather(1, parent_k[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        path_slots = path_slots.gather(1, parent_k[:, :, None].expand(-1, -1, path_slots.shape[2]))
-    draft_positions = (
-        torch.stack(positions_per_step, 1)
-        if positions_per_step
-        else torch.empty((bs, 0), dtype=torch.long, device=device)
-    )
+        cand_scores.append(level.cum)
+        cand_parents.append(level.parents)
+        frontier_scores, frontier_tokens, frontier_cand, path_slots = level.scores, level.tokens, level.cand, level.path
+        if level.hidden is not None:
+            parent_hidden = level.hidden
+    if positions_per_step:
+        draft_positions = torch.stack(positions_per_step, 1)
+    elif K > 1 and S > 1:
+        draft_positions = level_positions[:, ::K].t().contiguous()  # [bs, S - 1]: L + j + offset
+    else:
+        draft_positions = torch.empty((bs, 0), dtype=torch.long, device=device)
     if K == 1:
         return torch.cat(cand_tokens, 1), cand_scores[0], cand_parents[0], draft_positions
     return torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), draft_positions

@@ -9,6 +9,7 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits + online softmax denominator | softmax + topk |
 | `greedy_predict` | `argmax.vocab_argmax` | ``argmax`` |
 | `expand_frontier` | `tree.expand_frontier`: one program per request | mul, stable sort, gathers |
+| `advance_frontier` | `tree.advance_frontier`: the expand plus the level's bookkeeping, one launch | the expand, a copy, a division, an add, two gathers, a cat |
 | `rerank_tree` | `tree.rerank_tree`: rank, running count, parent rows | two sorts, scatter, gathers, cats |
 | `tree_mask`, `tree_mask_packed` | `tree.tree_mask`: ancestor walk in registers | ``N - 1`` rounds of gathers |
 | `verify_greedy` | `tree.verify_greedy`: the walk from the root | ``S`` rounds over ``[bs, N, N]`` |
@@ -79,6 +80,25 @@ class CudaBackend(SamplingKernels, TorchBackend):
         ):
             return super().expand_frontier(frontier_scores, child_p, child_ids, topk)
         return tree.expand_frontier(frontier_scores, child_p, child_ids, topk)
+
+    # benchmarks: False takes `TorchBackend.advance_frontier` (seven launches a level instead of one)
+    fused_frontier = True
+
+    def advance_frontier(self, frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots, hidden,
+                         next_own, topk):  # fmt: skip
+        """See `speccycle.core.tree.advance_frontier`: one launch (`tree.advance_frontier`)."""
+        tensors = [frontier_scores, child_p, child_ids, frontier_cand, path_slots]
+        if not (
+            self.fused_frontier
+            and frontier_scores.dtype == child_p.dtype == torch.float32
+            and child_ids.dtype == frontier_cand.dtype == path_slots.dtype == torch.long
+            and (next_own is None or next_own.dtype == torch.long)
+            and runs_triton(*tensors, *[t for t in (hidden, next_own) if t is not None])
+        ):
+            return super().advance_frontier(frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots,
+                                            hidden, next_own, topk)  # fmt: skip
+        return tree.advance_frontier(frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots,
+                                     hidden, next_own, topk)  # fmt: skip
 
     def rerank_tree(self, root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens):
         """See `speccycle.core.tree.rerank_tree`."""

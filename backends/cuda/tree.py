@@ -115,6 +115,111 @@ def expand_frontier(
 
 
 @triton.jit
+def _advance_frontier_kernel(
+    frontier_ptr,
+    child_p_ptr,
+    child_ids_ptr,
+    frontier_cand_ptr,
+    path_ptr,
+    next_own_ptr,
+    hidden_ptr,
+    cum_ptr,
+    parents_ptr,
+    scores_ptr,
+    tokens_ptr,
+    cand_ptr,
+    new_path_ptr,
+    new_hidden_ptr,
+    level_base,
+    depth,
+    stride_own,
+    width,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INNER: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_NEXT: tl.constexpr,
+    HAS_HIDDEN: tl.constexpr,
+):
+    """One program per request: `_expand_frontier_kernel`'s rank, then the level's bookkeeping in place of
+    six more launches (the children's parents, the kept candidates' indices, path and hidden-state gathers)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    inside = c < K * K
+    cum = tl.load(frontier_ptr + r * K + c // K, mask=inside, other=0.0) * tl.load(
+        child_p_ptr + r * K * K + c, mask=inside, other=0.0
+    )
+    tl.store(cum_ptr + r * K * K + c, cum, mask=inside)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, K * K, INNER):
+        o = start + tl.arange(0, INNER)
+        o_inside = o < K * K
+        other = tl.load(frontier_ptr + r * K + o // K, mask=o_inside, other=0.0) * tl.load(
+            child_p_ptr + r * K * K + o, mask=o_inside, other=0.0
+        )
+        before = _sorts_before(other[None, :], o[None, :], cum[:, None], c[:, None])
+        rank += tl.sum((before & o_inside[None, :]).to(tl.int32), axis=1)
+    kept = inside & (rank < K)
+    parent = c // K  # the frontier node a child hangs under
+    tl.store(parents_ptr + r * K * K + c, tl.load(frontier_cand_ptr + r * K + parent, mask=inside, other=0), mask=inside)
+    tl.store(scores_ptr + r * K + rank, cum, mask=kept)
+    tl.store(tokens_ptr + r * K + rank, tl.load(child_ids_ptr + r * K * K + c, mask=inside, other=0), mask=kept)
+    tl.store(cand_ptr + r * K + rank, level_base + c.to(tl.int64), mask=kept)
+    # the kept child's path: its parent's slots, then (HAS_NEXT) its own slot of the next level
+    d = tl.arange(0, BLOCK_D)
+    out_depth = depth + HAS_NEXT
+    src = tl.load(
+        path_ptr + (r * K + parent)[:, None] * depth + d[None, :], mask=kept[:, None] & (d[None, :] < depth), other=0
+    )
+    tl.store(new_path_ptr + (r * K + rank)[:, None] * out_depth + d[None, :], src, mask=kept[:, None] & (d[None, :] < depth))
+    if HAS_NEXT:
+        own = tl.load(next_own_ptr + r * stride_own + rank, mask=kept, other=0)
+        tl.store(new_path_ptr + (r * K + rank) * out_depth + depth, own, mask=kept)
+    if HAS_HIDDEN:  # the parent's draft hidden state, copied as is
+        for h0 in range(0, width, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            m = kept[:, None] & (h[None, :] < width)
+            row = tl.load(hidden_ptr + (r * K + parent)[:, None] * width + h[None, :], mask=m, other=0.0)
+            tl.store(new_hidden_ptr + (r * K + rank)[:, None] * width + h[None, :], row, mask=m)
+
+
+def advance_frontier(frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots, hidden, next_own, topk):
+    """Same contract as `speccycle.core.tree.advance_frontier` (float32 scores, int64 ids and slots), one launch."""
+    from ...core.tree import FrontierStep
+
+    bs, kk = frontier_scores.shape[0], topk * topk
+    device = frontier_scores.device
+    depth = path_slots.shape[2]
+    cum = torch.empty(bs, kk, dtype=torch.float32, device=device)
+    parents = torch.empty(bs, kk, dtype=torch.long, device=device)
+    scores = torch.empty(bs, topk, dtype=torch.float32, device=device)
+    tokens = torch.empty(bs, topk, dtype=child_ids.dtype, device=device)
+    cand = torch.empty(bs, topk, dtype=torch.long, device=device)
+    path = torch.empty(bs, topk, depth + (next_own is not None), dtype=torch.long, device=device)
+    new_hidden = None
+    width = 0
+    if hidden is not None:
+        hidden = hidden.reshape(bs * topk, -1).contiguous()
+        width = hidden.shape[1]
+        new_hidden = torch.empty(bs, topk, width, dtype=hidden.dtype, device=device)
+    if next_own is not None and next_own.stride(1) != 1:
+        next_own = next_own.contiguous()
+    if bs:
+        block = next_power_of_2(kk)
+        _advance_frontier_kernel[(bs,)](
+            frontier_scores.contiguous(), child_p.contiguous(), child_ids.contiguous(), frontier_cand.contiguous(),
+            path_slots.contiguous(), cum if next_own is None else next_own, cum if hidden is None else hidden,
+            cum, parents, scores, tokens, cand, path, cum if new_hidden is None else new_hidden,
+            level_base, depth, 0 if next_own is None else next_own.stride(0), width,
+            K=topk, BLOCK=block, INNER=block if interpreted() else min(block, max(1, 2048 // block)),
+            BLOCK_D=next_power_of_2(max(depth, 1)), BLOCK_H=min(256, next_power_of_2(max(width, 1))),
+            HAS_NEXT=next_own is not None, HAS_HIDDEN=hidden is not None,
+        )  # fmt: skip
+    return FrontierStep(cum, parents, scores, tokens, cand, path, new_hidden)
+
+
+@triton.jit
 def _rerank_kernel(
     root_ptr,
     cand_tokens_ptr,

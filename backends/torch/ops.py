@@ -40,6 +40,13 @@ class TorchBackend:
         """See `speccycle.core.tree.expand_frontier`."""
         return tree.expand_frontier(frontier_scores, child_p, child_ids, topk)
 
+    def advance_frontier(self, frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots, hidden,
+                         next_own, topk):  # fmt: skip
+        """See `speccycle.core.tree.advance_frontier`."""
+        return tree.advance_frontier(
+            frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots, hidden, next_own, topk
+        )
+
     def rerank_tree(self, root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens):
         """See `speccycle.core.tree.rerank_tree`."""
         return tree.rerank_tree(root_tokens, cand_tokens, cand_scores, cand_parents, num_draft_tokens)

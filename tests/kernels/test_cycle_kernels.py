@@ -118,6 +118,31 @@ def test_expand_frontier_equals_reference(seed):
             assert _equal(got, want)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_advance_frontier_equals_reference(seed):
+    """The level's expand plus its bookkeeping in one launch: every output equal to the torch composition,
+    ties included, with and without the next level's slots and the hidden states (bfloat16 rows copied as
+    is), from a strided next-own view (a column block of the cycle's draft slots) and an expanded frontier."""
+    gen = _gen(seed)
+    for bs, k, depth, width in [(1, 2, 1, 0), (3, 2, 2, 5), (2, 3, 1, 7), (2, 4, 3, 40)]:
+        frontier = torch.rand(bs, k, generator=gen)
+        child_p = (torch.rand(bs, k, k, generator=gen) * 4).round() / 4  # many exact ties
+        child_ids = torch.randint(0, 1000, (bs, k, k), generator=gen)
+        frontier_cand = (3 + torch.arange(k)).expand(bs, k)
+        path = torch.randint(0, 500, (bs, k, depth), generator=gen)
+        slots = torch.randint(0, 500, (bs, 2, k), generator=gen)
+        hidden = torch.randn(bs * k, width, generator=gen).to(torch.bfloat16) if width else None
+        for next_own in (slots[:, 1, :], None):
+            args = [frontier, child_p, child_ids, frontier_cand, 7, path, hidden, next_own, k]
+            on_device = [t.to(DEVICE) if torch.is_tensor(t) else t for t in args]
+            got, want = fast.advance_frontier(*on_device), ref.advance_frontier(*args)
+            for name, a, b in zip(got._fields, got, want):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert _equal(a, b), name
+            assert got.path.shape[2] == depth + (next_own is not None)
+
+
 def _candidates(rng: random.Random, gen, bs: int, steps: int, k: int, monotone: bool):
     """Level-ordered candidates like the draft's: K roots' children, then K * K per level."""
     sizes = [k] + [k * k] * (steps - 1)
