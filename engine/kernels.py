@@ -166,8 +166,9 @@ def eagle_input_torch(
     """An EAGLE-3 head's layer input and residual stream: ``(cat(rms_norm(embed[ids]) g_e, rms_norm(hidden) g_h),
     a copy of hidden)``. Shapes: ``input_ids [T]``, ``embed_weight [V, H]``, ``hidden [T, H]`` ->
     ``[T, 2H]``, ``[T, H]``. The copy is a fresh tensor the head's O and down GEMMs may add into in place
-    (`FoldedNormOps.linear_add`): ``hidden`` itself may be another forward's output."""
-    embed = F.embedding(input_ids, embed_weight)
+    (`FoldedNormOps.linear_add`): ``hidden`` itself may be another forward's output. Everything comes out in
+    ``hidden``'s dtype (the head's), the embedding rounded to it first where the target's dtype differs."""
+    embed = F.embedding(input_ids, embed_weight).to(hidden.dtype)
     normed = torch.cat([rms_norm_torch(embed, embed_gain, eps), rms_norm_torch(hidden, hidden_gain, eps)], -1)
     return normed, hidden.clone()
 

@@ -139,7 +139,7 @@ def test_advance_frontier_equals_reference(seed):
             for name, a, b in zip(got._fields, got, want):
                 assert (a is None) == (b is None), name
                 if a is not None:
-                    assert _equal(a, b), name
+                    assert _equal(a.cpu(), b), name
             assert got.path.shape[2] == depth + (next_own is not None)
 
 
