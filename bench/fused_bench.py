@@ -58,7 +58,7 @@ def main() -> None:
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), frontier-torch "
         "(`CudaBackend.advance_frontier` as torch ops), an op set "
-        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target, triton-cublas-folded-head-triton: `kernels.CUDA_OPS`); one engine each, every way run on each, "
+        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`); one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
     )
     args = ap.parse_args()
@@ -66,7 +66,7 @@ def main() -> None:
     from speccycle.engine import attention_triton, kernels
 
     op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.FoldedTargetOps,
-                                           kernels.FoldedTritonHeadOps, kernels.TritonOps)}  # fmt: skip
+                                           kernels.TritonOps)}  # fmt: skip
 
     def settings(variant):
         """``(warps or None, op set or None, fused frontier)`` of a variant string."""

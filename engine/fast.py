@@ -261,19 +261,12 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     attn_in, residual = ops.eagle_input(inputs.input_ids, target.embed_weight, x, head.embed_norm.weight,
                                         head.hidden_norm.weight, eps)  # fmt: skip
     k_cache, v_cache = draft.kv
-    if ops.head_gemm_epilogues:  # `FoldedTritonHeadOps`: the GEMM and the kernel after it as one
-        _, q = ops.norm_qkv_rope(attn_in, None, None, eps, head.qkv, None, inputs.positions, rope.cos, rope.sin,
-                                 inputs.out_slots, k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
-    else:
-        q = ops.rope_write_kv(ops.linear(attn_in, head.qkv), inputs.positions, rope.cos, rope.sin, inputs.out_slots,
-                              k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
+    q = ops.rope_write_kv(ops.linear(attn_in, head.qkv), inputs.positions, rope.cos, rope.sin, inputs.out_slots,
+                          k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
     attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                          inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
     residual = ops.linear_add(residual, attn.reshape(rows, c.num_heads * c.head_dim), head.o)
-    if ops.head_gemm_epilogues:  # the post-attention norm in the GEMM's prologue (the unfolded weight)
-        _, act = ops.norm_gate_up_silu(residual, None, head.post_norm.weight, eps, head.gate_up)
-    else:
-        act = ops.silu_mul(ops.linear(residual, folded), residual, eps)
+    act = ops.silu_mul(ops.linear(residual, folded), residual, eps)
     return ops.linear_add(residual, act, head.down)  # [T, H]
 
 

@@ -5,7 +5,7 @@ extend) take 1.0-1.5 ms, and the host plane (`engine.host_control`) spent anothe
 work between them: the records, the copies, three graph launches and two syncs per cycle, during
 which the GPU waits. Speculation lost to autoregressive decoding (0.57-0.68x, session 6). Here the
 cycle runs where its data is: one graph replay per cycle, the host only launches, and it checks
-whether every request has finished a few cycles behind the GPU, so the GPU never waits for it.
+whether every request has finished one cycle behind the GPU (`LOOKAHEAD`), so the GPU never waits for it.
 
 What a replay does is the chain cycle of the transition table, row by row, on static buffers
 (``B`` requests, ``S`` draft steps, ``N = S + 1`` verify rows, ``L`` committed tokens, the root at ``L``):

@@ -543,7 +543,6 @@ class TorchOps:
     needs_kv_bound = True  # the torch attention gathers keys up to a static bound
     fold_norms = False  # `FoldedNormOps`: the norms folded into the GEMMs and the kernels after them
     fold_head = False  # `FoldedNormOps`: an EAGLE-3 head's norms folded as well
-    head_gemm_epilogues = False  # `FoldedTritonHeadOps`: the folded head's GEMMs with their epilogues fused
 
 
 class TritonOps(TorchOps):
@@ -605,19 +604,6 @@ class FoldedNormOps(TritonCublasOps):
     fold_norms = True
     fold_head = True  # an EAGLE-3 head's layer too (`fast._folded_eagle3_layer`)
     linear_add = staticmethod(linear_add)
-
-
-class FoldedTritonHeadOps(FoldedNormOps):
-    """`FoldedNormOps` with an EAGLE-3 head's GEMMs as `engine.linear_triton`'s fused kernels (up to its
-    ``MAX_ROWS`` rows): QKV GEMM + RoPE + KV write, RMSNorm + gate-up GEMM + SiLU-mul, RMSNorm + LM-head
-    GEMM, one kernel each instead of two. The head's bits never matter for the output (it only proposes),
-    so it need not share the target's cuBLAS GEMMs; the target is `FoldedNormOps`' exactly."""
-
-    name = "triton-cublas-folded-head-triton"
-    head_gemm_epilogues = True
-    norm_linear = staticmethod(norm_linear_rows)
-    norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)
-    norm_qkv_rope = staticmethod(norm_qkv_rope_rows)
 
 
 class FoldedTargetOps(FoldedNormOps):

@@ -29,7 +29,7 @@ from speccycle.engine.fast import (
 )
 from speccycle.engine.graphs import bucket
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kernels import FoldedNormOps, FoldedTritonHeadOps, TorchOps, TritonOps, triton_available
+from speccycle.engine.kernels import FoldedNormOps, TorchOps, TritonOps, triton_available
 from speccycle.engine.kv_pool import PagedKVPool
 from speccycle.engine.llama import LlamaModel, random_llama_weights
 from speccycle.engine.target import LlamaTarget
@@ -55,8 +55,6 @@ ATOL, RTOL = 1e-4, 1e-4  # float32, values up to ~20: reduction orders and rsqrt
 OPS = [TorchOps]
 if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
     OPS += [TritonOps, FoldedNormOps]
-# the head's own op sets (`FoldedTritonHeadOps` differs from `FoldedNormOps` in the EAGLE-3 head only)
-DRAFT_OPS = OPS + ([FoldedTritonHeadOps] if FoldedNormOps in OPS else [])
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +162,7 @@ def test_static_buffers_leave_inputs_and_reset_padding(weights):
     assert torch.equal(g.packed, left) and torch.equal(g.table, table_left)
 
 
-@pytest.mark.parametrize("ops", DRAFT_OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("ops", OPS, ids=lambda o: o.name)
 def test_fast_drafts_equal_reference(weights, ops):
     pool_ref = PagedKVPool(num_pages=64, page_size=4)
     pool_fast = PagedKVPool(num_pages=64, page_size=4)
