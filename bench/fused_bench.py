@@ -58,7 +58,8 @@ def main() -> None:
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), frontier-torch "
         "(`CudaBackend.advance_frontier` as torch ops), an op set "
-        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`); one engine each, every way run on each, "
+        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`); "
+        "one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
     )
     args = ap.parse_args()
@@ -150,7 +151,9 @@ def main() -> None:
                 run(way, x, 2)
         for way in names:  # and one full-length run each, so that clocks are up before the first timed prompt
             run(way, ids[0], args.max_new_tokens)
-        per = {way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[], run_s=0.0) for way in names}
+        per = {
+            way: dict(tokens=0, seconds=0.0, tps=[], verifies=0, committed=0, outputs=[], run_s=0.0) for way in names
+        }
         cats = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         for i, x in enumerate(ids):
             for way in names:

@@ -118,21 +118,22 @@ def llama_rows_forward(
     return logits, features
 
 
+def _fold_gain(weight: torch.Tensor, gain: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight * gain`` per input column, in float32, rounded to ``dtype`` once: an RMSNorm's gain folded into
+    the GEMM after it."""
+    return (weight.float() * gain.float()[None, :]).to(dtype).contiguous()
+
+
 def fold_norm_weights(model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's QKV and gate-up weights with its norm's gain folded in (``W * g`` per input column, rounded
     to the model dtype once), kept on the model for `FoldedNormOps` (made on first use, outside any graph)."""
     folded = getattr(model, "folded_norm_weights", None)
     if folded is None:
-        folded = []
-        for layer in model.layers:
-            gain_in = layer.input_norm.weight.float()[None, :]
-            gain_post = layer.post_attention_norm.weight.float()[None, :]
-            folded.append(
-                (
-                    (layer.qkv_weight.float() * gain_in).to(model.dtype).contiguous(),
-                    (layer.gate_up_weight.float() * gain_post).to(model.dtype).contiguous(),
-                )
-            )
+        folded = [
+            (_fold_gain(layer.qkv_weight, layer.input_norm.weight, model.dtype),
+             _fold_gain(layer.gate_up_weight, layer.post_attention_norm.weight, model.dtype))
+            for layer in model.layers
+        ]  # fmt: skip
         model.folded_norm_weights = folded
     return folded
 
@@ -239,9 +240,7 @@ def fold_head_weights(head) -> torch.Tensor:
     rule), kept on the head for `FoldedNormOps` (made on first use, outside any graph)."""
     folded = getattr(head, "folded_gate_up", None)
     if folded is None:
-        gain = head.post_norm.weight.float()[None, :]
-        folded = (head.gate_up.float() * gain).to(head.dtype).contiguous()
-        head.folded_gate_up = folded
+        folded = head.folded_gate_up = _fold_gain(head.gate_up, head.post_norm.weight, head.dtype)
     return folded
 
 
@@ -255,7 +254,9 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     rows, eps = inputs.input_ids.shape[0], c.rms_norm_eps
     folded = getattr(head, "folded_gate_up", None)
     if folded is None:
-        raise RuntimeError("FoldedNormOps: call fast.fold_head_weights(head) before the first forward (outside a graph)")
+        raise RuntimeError(
+            "FoldedNormOps: call fast.fold_head_weights(head) before the first forward (outside a graph)"
+        )
     if from_target:
         x = ops.linear(x, head.fc)  # [T, 3H] -> [T, H]
     attn_in, residual = ops.eagle_input(inputs.input_ids, target.embed_weight, x, head.embed_norm.weight,

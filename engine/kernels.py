@@ -191,6 +191,16 @@ if triton is not None:
         return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True)).to(tl.bfloat16)
 
     @triton.jit
+    def _norm_row(x, w_ptr, cols, mask, hidden, eps, dtype: tl.constexpr):
+        """RMSNorm of one loaded row (`rms_norm_torch`'s roundings): normalized in float32, rounded to the
+        row's dtype, times the gain, rounded to ``dtype``."""
+        x32 = x.to(tl.float32)
+        mean_square = tl.sum(x32 * x32, axis=0) / hidden
+        normed = (x32 * (1.0 / tl.sqrt(mean_square + eps))).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        return (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         r_ptr,
@@ -217,12 +227,8 @@ if triton is not None:
             else:
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
-        x32 = x.to(tl.float32)
-        mean_square = tl.sum(x32 * x32, axis=0) / hidden
-        normed = (x32 * (1.0 / tl.sqrt(mean_square + eps))).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        y = (w.to(tl.float32) * normed.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * stride_y + cols, y, mask=mask)
+        tl.store(y_ptr + row * stride_y + cols, _norm_row(x, w_ptr, cols, mask, hidden, eps, y_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
     @triton.jit
     def _rms_scale(src_ptr, stride_src, row, hidden, eps, BLOCK_H: tl.constexpr):
@@ -341,16 +347,6 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
     @triton.jit
-    def _norm_row(x, w_ptr, cols, mask, hidden, eps, dtype: tl.constexpr):
-        """`_rms_norm_kernel`'s arithmetic on one loaded row: normalized in float32, rounded to the row's dtype,
-        times the gain, rounded to ``dtype``."""
-        x32 = x.to(tl.float32)
-        mean_square = tl.sum(x32 * x32, axis=0) / hidden
-        normed = (x32 * (1.0 / tl.sqrt(mean_square + eps))).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        return (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-
-    @triton.jit
     def _eagle_input_kernel(
         ids_ptr, embed_ptr, hidden_ptr, embed_gain_ptr, hidden_gain_ptr, out_ptr, res_ptr,
         stride_e, stride_h, stride_o, stride_r, hidden, eps, BLOCK: tl.constexpr,
@@ -365,7 +361,9 @@ if triton is not None:
         h = tl.load(hidden_ptr + row * stride_h + cols, mask=mask, other=0.0)
         tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
         dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptr + row * stride_o + cols, _norm_row(e, embed_gain_ptr, cols, mask, hidden, eps, dtype), mask=mask)
+        tl.store(
+            out_ptr + row * stride_o + cols, _norm_row(e, embed_gain_ptr, cols, mask, hidden, eps, dtype), mask=mask
+        )
         tl.store(
             out_ptr + row * stride_o + hidden + cols,
             _norm_row(h, hidden_gain_ptr, cols, mask, hidden, eps, dtype),

@@ -9,7 +9,7 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits + online softmax denominator | softmax + topk |
 | `greedy_predict` | `argmax.vocab_argmax` | ``argmax`` |
 | `expand_frontier` | `tree.expand_frontier`: one program per request | mul, stable sort, gathers |
-| `advance_frontier` | `tree.advance_frontier`: the expand plus the level's bookkeeping, one launch | the expand, a copy, a division, an add, two gathers, a cat |
+| `advance_frontier` | `tree.advance_frontier`: the expand plus the level's bookkeeping | expand, copy, div, gathers |
 | `rerank_tree` | `tree.rerank_tree`: rank, running count, parent rows | two sorts, scatter, gathers, cats |
 | `tree_mask`, `tree_mask_packed` | `tree.tree_mask`: ancestor walk in registers | ``N - 1`` rounds of gathers |
 | `verify_greedy` | `tree.verify_greedy`: the walk from the root | ``S`` rounds over ``[bs, N, N]`` |

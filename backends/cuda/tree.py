@@ -162,7 +162,8 @@ def _advance_frontier_kernel(
         rank += tl.sum((before & o_inside[None, :]).to(tl.int32), axis=1)
     kept = inside & (rank < K)
     parent = c // K  # the frontier node a child hangs under
-    tl.store(parents_ptr + r * K * K + c, tl.load(frontier_cand_ptr + r * K + parent, mask=inside, other=0), mask=inside)
+    parent_cand = tl.load(frontier_cand_ptr + r * K + parent, mask=inside, other=0)
+    tl.store(parents_ptr + r * K * K + c, parent_cand, mask=inside)
     tl.store(scores_ptr + r * K + rank, cum, mask=kept)
     tl.store(tokens_ptr + r * K + rank, tl.load(child_ids_ptr + r * K * K + c, mask=inside, other=0), mask=kept)
     tl.store(cand_ptr + r * K + rank, level_base + c.to(tl.int64), mask=kept)
@@ -172,7 +173,8 @@ def _advance_frontier_kernel(
     src = tl.load(
         path_ptr + (r * K + parent)[:, None] * depth + d[None, :], mask=kept[:, None] & (d[None, :] < depth), other=0
     )
-    tl.store(new_path_ptr + (r * K + rank)[:, None] * out_depth + d[None, :], src, mask=kept[:, None] & (d[None, :] < depth))
+    src_mask = kept[:, None] & (d[None, :] < depth)
+    tl.store(new_path_ptr + (r * K + rank)[:, None] * out_depth + d[None, :], src, mask=src_mask)
     if HAS_NEXT:
         own = tl.load(next_own_ptr + r * stride_own + rank, mask=kept, other=0)
         tl.store(new_path_ptr + (r * K + rank) * out_depth + depth, own, mask=kept)
@@ -184,7 +186,9 @@ def _advance_frontier_kernel(
             tl.store(new_hidden_ptr + (r * K + rank)[:, None] * width + h[None, :], row, mask=m)
 
 
-def advance_frontier(frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots, hidden, next_own, topk):
+def advance_frontier(
+    frontier_scores, child_p, child_ids, frontier_cand, level_base, path_slots, hidden, next_own, topk
+):
     """Same contract as `speccycle.core.tree.advance_frontier` (float32 scores, int64 ids and slots), one launch."""
     from ...core.tree import FrontierStep
 

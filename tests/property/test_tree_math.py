@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from speccycle.backends.torch import TorchBackend
 from speccycle.core import SpecConfig
 from speccycle.core.config import max_tree_nodes
+from speccycle.core.ports import ModelOutput
 from speccycle.core.tree import (
+    advance_frontier,
     ancestor_mask,
     expand_frontier,
     pack_mask,
@@ -18,6 +20,7 @@ from speccycle.core.tree import (
     tree_depths,
     unpack_mask,
 )
+from speccycle.statemachine.transitions import draft_levels
 
 backend = TorchBackend()
 
@@ -108,6 +111,86 @@ def test_invariant_4_eagle2_selection_keeps_parents_before_children(steps, topk,
     # A child's cumulative score never exceeds its parent's.
     assert (kept_scores[:, 1:] <= kept_scores.gather(1, parents[:, 1:].clamp(min=0)) + 1e-7).all()
     assert int(tree_depths(parents).max()) <= steps
+
+
+@given(
+    st.integers(1, 3), st.integers(1, 4), st.integers(1, 4), st.integers(0, 6), st.booleans(), st.integers(0, 10_000)
+)
+def test_invariant_4_advance_frontier_is_the_expand_and_its_bookkeeping(bs, topk, depth, width, has_next, seed):
+    """One level of the draft tree: the kept children are `expand_frontier`'s, each one's parent candidate
+    is its frontier node's, its path is its parent's path then its own next slot, its state its parent's."""
+    gen = torch.Generator().manual_seed(seed)
+    frontier = torch.rand(bs, topk, generator=gen)
+    child_p = (torch.rand(bs, topk, topk, generator=gen) * 4).round() / 4  # ties: the stable order decides
+    child_ids = torch.randint(0, 100, (bs, topk, topk), generator=gen)
+    frontier_cand = torch.randint(0, 50, (bs, topk), generator=gen)
+    path = torch.randint(0, 500, (bs, topk, depth), generator=gen)
+    hidden = torch.randn(bs * topk, width, generator=gen) if width else None
+    next_own = torch.randint(0, 500, (bs, topk), generator=gen) if has_next else None
+    step = advance_frontier(frontier, child_p, child_ids, frontier_cand, 9, path, hidden, next_own, topk)
+    cum, keep, scores, tokens = expand_frontier(frontier, child_p, child_ids, topk)
+    assert torch.equal(step.cum, cum) and torch.equal(step.scores, scores) and torch.equal(step.tokens, tokens)
+    assert torch.equal(step.cand, 9 + keep)
+    for b in range(bs):
+        for c in range(topk * topk):
+            assert int(step.parents[b, c]) == int(frontier_cand[b, c // topk])
+        for k in range(topk):
+            parent = int(keep[b, k]) // topk
+            assert step.path[b, k, :depth].tolist() == path[b, parent].tolist()
+            if has_next:
+                assert int(step.path[b, k, depth]) == int(next_own[b, k])
+            if width:
+                assert torch.equal(step.hidden[b, k], hidden[b * topk + parent])
+    assert step.path.shape == (bs, topk, depth + has_next)
+    assert (step.hidden is None) == (width == 0)
+
+
+class _ReducedVocabDraft:
+    """A forward draft whose logits are a fixed table of the fed token over a small vocabulary: returned as
+    they are with their `ModelOutput.vocab_map` (``reduced``), or scattered into a ``-inf`` target row."""
+
+    kind, pairing = "forward", "shifted"
+
+    def __init__(self, table: torch.Tensor, vocab_map: torch.Tensor, vocab: int, reduced: bool) -> None:
+        self.table, self.vocab_map, self.vocab, self.reduced = table, vocab_map, vocab, reduced
+        self.draft, self.kv_pool, self.page_size = self, self, 4
+
+    def step(self, batch, parent_hidden):
+        small = self.table[batch.input_ids]
+        hidden = parent_hidden * 0.5 + batch.input_ids[:, None]
+        if self.reduced:
+            return ModelOutput(logits=small, hidden=hidden, vocab_map=self.vocab_map)
+        full = torch.full((small.shape[0], self.vocab), float("-inf"))
+        full[:, self.vocab_map] = small
+        return ModelOutput(logits=full, hidden=hidden)
+
+
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(0, 10_000))
+def test_invariant_4_drafting_over_the_draft_vocabulary_equals_the_scattered_logits(steps, topk, seed):
+    """Greedy levels over a draft's own vocabulary (`ModelOutput.vocab_map`: top-K there, ids mapped after)
+    pick the candidates that the same logits scattered into the target vocabulary give; a sampled draft
+    refuses them (it needs the target vocabulary's distribution)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, small = 40, 12
+    vocab_map = torch.randperm(vocab, generator=gen)[:small]  # any order, not only increasing
+    table = torch.randn(vocab, small, generator=gen)
+    cfg = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=steps + 1 if topk == 1 else 1 + topk)
+    bs = 2
+    L = torch.tensor([5, 9])
+    draft_slots = torch.arange(bs * (steps - 1) * topk).view(bs, steps - 1, topk) + 100
+    topk_p = torch.softmax(torch.randn(bs, topk, generator=gen), -1)
+    topk_index = vocab_map[torch.randint(0, small, (bs, topk), generator=gen)]
+    hidden = torch.randn(bs, 3, generator=gen)
+    args = (cfg, (0, 1), L, torch.zeros(bs, 8, dtype=torch.long), draft_slots, topk_p, topk_index, hidden)
+    got = draft_levels(_ReducedVocabDraft(table, vocab_map, vocab, True), backend, *args)
+    want = draft_levels(_ReducedVocabDraft(table, vocab_map, vocab, False), backend, *args)
+    for name, a, b in zip(("tokens", "scores", "parents", "positions"), got, want):
+        if name == "scores":
+            torch.testing.assert_close(a, b)
+        else:
+            assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="target vocabulary"):
+        draft_levels(_ReducedVocabDraft(table, vocab_map, vocab, True), backend, *args, rows=object())
 
 
 # ---- invariant 5: accept ------------------------------------------------------------------------
