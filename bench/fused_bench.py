@@ -58,7 +58,8 @@ def main() -> None:
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), frontier-torch "
         "(`CudaBackend.advance_frontier` as torch ops), an op set "
-        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`); "
+        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`), "
+        "head=PATH (this EAGLE head instead of --eagle-head's); "
         "one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
     )
@@ -70,8 +71,8 @@ def main() -> None:
                                            kernels.TritonOps)}  # fmt: skip
 
     def settings(variant):
-        """``(warps or None, op set or None, fused frontier)`` of a variant string."""
-        warps, ops, frontier = None, None, True
+        """``(warps or None, op set or None, fused frontier, head path or None)`` of a variant string."""
+        warps, ops, frontier, head_file = None, None, True, None
         for part in [p for p in (variant or "").split("+") if p]:
             if part.startswith("w") and part[1:].isdigit():
                 warps = int(part[1:])
@@ -79,11 +80,14 @@ def main() -> None:
                 ops = op_sets[part]
             elif part == "frontier-torch":
                 frontier = False
+            elif part.startswith("head="):
+                head_file = eagle_head_path(part[len("head="):])
             else:
                 raise SystemExit(
-                    f"--variants: unknown setting {part!r} (w<n>, frontier-torch or one of {sorted(op_sets)})"
+                    f"--variants: unknown setting {part!r} (w<n>, frontier-torch, head=PATH or one of "
+                    f"{sorted(op_sets)})"
                 )
-        return warps, ops, frontier
+        return warps, ops, frontier, head_file
 
     prompts = [json.loads(line) for line in open(args.prompts)]
     for p in prompts:
@@ -108,7 +112,7 @@ def main() -> None:
     default_warps = attention_triton.NUM_WARPS
 
     def apply(variant):  # graphs capture the launches they first see: each engine keeps its own settings
-        warps, ops, frontier = settings(variant)
+        warps, ops, frontier, _ = settings(variant)
         attention_triton.NUM_WARPS = warps or default_warps
         kernels.CUDA_OPS = ops
         CudaBackend.fused_frontier = frontier
@@ -121,7 +125,7 @@ def main() -> None:
         for w in variants:
             apply(w)
             engine = Engine.load(draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, kv_tokens=4096,
-                                 fast=True, eagle_head=head)  # fmt: skip
+                                 fast=True, eagle_head=settings(w)[3] or head)  # fmt: skip
             fused = engine.fused_cycles
             # "fused-torch": the same fused cycles with the bookkeeping in torch ops (`FusedCycles.kernels`)
             fused_torch = copy.copy(fused)

@@ -333,8 +333,77 @@ def head_name(config: EagleConfig) -> str:
     return f"eagle{config.version}"
 
 
-def _resumed(head: TrainableEagleHead, wanted: EagleConfig, source: Path) -> TrainableEagleHead:
-    """``head`` if it is the head this run trains; a clear error where ``source`` holds another one."""
+def widen_draft_vocabulary(
+    head: TrainableEagleHead, size: int, data: SelfDistilledData, target: LlamaModel, ridge: float = 1e-2
+) -> TrainableEagleHead:
+    """The same EAGLE-3 head over a draft vocabulary of ``size`` ids: its own ids plus the most frequent
+    response tokens of ``data`` it lacks (sorted, as `draft_vocabulary` writes them).
+
+    The layer, the norms and the LM-head rows of the ids it had are kept as they are, so the logits of
+    those ids do not change. A new id's row starts as its row of the target's LM head mapped into the
+    head's space by the linear map that best sends the target's rows of the old ids to their trained
+    rows (ridge least squares, ``ridge`` times the mean squared row norm): on the shipped SmolLM2 head
+    such a map fitted on two thirds of the rows predicts the other third at cosine ~0.6, where the
+    target's rows as they are score ~0.
+    """
+    c = head.config
+    if c.version != 3 or c.target_lm_head:
+        raise ValueError(f"only an EAGLE-3 head with its own LM head has a draft vocabulary to widen, not {head_name(c)}")
+    old = head.draft_to_target.cpu()
+    if size < len(old):
+        raise ValueError(
+            f"the head's draft vocabulary has {len(old)} ids; --draft-vocab {size} would drop trained rows: pass "
+            f"--draft-vocab >= {len(old)} (or train a fresh head without --resume)"
+        )
+    vocab_size = target.config.vocab_size
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(len(data)):
+        np.add.at(counts, data.sequence(i)[int(data.prompt_lens[i]) :].astype(np.int64), 1)
+    counts[old.numpy()] = -1  # never picked again
+    extra = np.argsort(-counts, kind="stable")[: min(size, vocab_size) - len(old)]
+    ids = torch.cat([old, torch.from_numpy(extra).long()]).sort()
+    table = target.lm_head_weight.detach().float().cpu()  # [V, H]
+    trained = head.w("lm_head.weight").detach().float().cpu()  # [Vd, H]
+    x = table[old]
+    gram = x.T @ x
+    gram += ridge * gram.diagonal().mean() * torch.eye(gram.shape[0])
+    mapping = torch.linalg.solve(gram, x.T @ trained)  # [H, H]
+    rows = table[ids.values] @ mapping
+    kept = ids.indices < len(old)  # sort indices below len(old) are the old ids, in their old order
+    rows[kept] = trained[ids.indices[kept]]
+    weights = {name: value.cpu() for name, value in head.state().items()}
+    weights.update({"lm_head.weight": rows, "draft_to_target": ids.values})
+    return TrainableEagleHead(attrs.evolve(c, draft_vocab_size=len(ids.values)), weights)
+
+
+def _resumed(
+    head: TrainableEagleHead,
+    wanted: EagleConfig,
+    source: Path,
+    widen: Callable[[TrainableEagleHead], TrainableEagleHead] | None = None,
+    log: Callable[[str], None] = print,
+) -> TrainableEagleHead:
+    """``head`` if it is the head this run trains; a clear error where ``source`` holds another one.
+
+    A head that differs only in a smaller draft vocabulary is widened (``widen``, see
+    `widen_draft_vocabulary`) to the one asked for.
+    """
+    c = head.config
+    grows = (
+        widen is not None
+        and c.version == 3
+        and not c.target_lm_head
+        and not wanted.target_lm_head
+        and wanted.draft_vocab_size > c.draft_vocab_size
+        and attrs.evolve(c, draft_vocab_size=wanted.draft_vocab_size) == wanted
+    )
+    if grows:
+        widened = widen(head)
+        log(
+            f"[train] widened {source}'s draft vocabulary from {c.draft_vocab_size} to "
+            f"{widened.config.draft_vocab_size} ids (trained rows kept, new rows mapped from the target's LM head)"
+        )
+        head = widened
     if head.config != wanted:
         raise ValueError(
             f"--resume: {source} holds a {head_name(head.config)} head of config {attrs.asdict(head.config)}, not "
@@ -429,11 +498,18 @@ def train_head(
     d2t = draft_vocabulary(data, cfg.draft_vocab_size, target.config.vocab_size) if own_vocab else None
     head = TrainableEagleHead.init(hcfg, d2t, seed=cfg.seed)
     optim_state = None
+
+    def widen(narrow: TrainableEagleHead) -> TrainableEagleHead:
+        return widen_draft_vocabulary(narrow, hcfg.draft_vocab_size, data, target)
+
     begin = 0  # where the learning-rate schedule starts (a continued run's first step)
     if resume and checkpoint_path is not None and checkpoint_path.is_file():
         saved = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        head = _resumed(TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"]), hcfg, checkpoint_path)
+        loaded = TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"])
+        head = _resumed(loaded, hcfg, checkpoint_path, widen, log)
         optim_state, start_step, total_steps = saved["optimizer"], saved["step"], saved["total_steps"]
+        if head.config != loaded.config:  # widened: AdamW's moments were for the narrower LM head
+            optim_state = None
         begin = int(saved.get("schedule_begin", 0))
         log(f"[train] resumed from {checkpoint_path} at step {start_step}/{total_steps}")
     elif resume and out_path.is_file():
@@ -443,7 +519,7 @@ def train_head(
 
         with safe_open(str(out_path), framework="pt") as f:
             record = json.loads((f.metadata() or {}).get("speccycle.train", "{}"))
-        head = _resumed(TrainableEagleHead.from_eagle_head(EagleHead.load(out_path)), hcfg, out_path)
+        head = _resumed(TrainableEagleHead.from_eagle_head(EagleHead.load(out_path)), hcfg, out_path, widen, log)
         start_step, total_steps = int(record.get("step", 0)), int(record.get("total_steps", cfg.steps))
         begin = int(record.get("schedule_begin", 0))
         log(f"[train] resumed weights from {out_path} at step {start_step}/{total_steps} (fresh AdamW moments)")

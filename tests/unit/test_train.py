@@ -271,6 +271,41 @@ def test_a_finished_schedule_resumes_as_a_new_one_with_its_own_warmup(tmp_path, 
     assert int(prompt_lens[0]) == max(0, int(sequences.prompt_lens[0]) - (len(full) - 4))
 
 
+
+def test_resume_with_a_larger_draft_vocabulary_widens_the_head_keeping_its_trained_rows(tmp_path, weights, sequences):
+    """--resume --draft-vocab N of a head with fewer draft ids: its ids stay (logits of theirs unchanged), the
+    most frequent response tokens it lacked join, sorted; a smaller N is refused with what to pass."""
+    from speccycle.train import trainer
+
+    base = dict(version=3, intermediate_size=32, ttt_steps=2, steps=2, warmup_steps=1, batch_tokens=256,
+                save_every_s=1e9, log_every_s=1e9)  # fmt: skip
+    model = LlamaModel(TINY, weights)
+    out = tmp_path / "h.safetensors"
+    narrow, _ = trainer.train_head(TrainConfig(draft_vocab_size=8, **base), sequences, model, out, log=lambda _: None)
+    wide = trainer.widen_draft_vocabulary(narrow, 20, sequences, model)
+    old, new = narrow.draft_to_target.tolist(), wide.draft_to_target.tolist()
+    assert wide.config == attrs.evolve(narrow.config, draft_vocab_size=20) and new == sorted(new)
+    assert set(old) <= set(new) and len(set(new)) == 20
+    counts = np.bincount(
+        np.concatenate([sequences.sequence(i)[int(sequences.prompt_lens[i]) :] for i in range(len(sequences))]),
+        minlength=TINY.vocab_size,
+    )
+    added = sorted(set(new) - set(old))
+    others = [t for t in range(TINY.vocab_size) if t not in set(new)]
+    assert min(counts[added]) >= max(counts[others])  # the most frequent response tokens it lacked
+    x = torch.randn(5, TINY.hidden_size)
+    before, after = narrow.logits(model, x), wide.logits(model, x)
+    rows = [new.index(t) for t in old]
+    assert torch.equal(wide.w("lm_head.weight")[rows], narrow.w("lm_head.weight"))  # the trained rows, unchanged
+    torch.testing.assert_close(after[:, rows], before)
+    logs: list[str] = []
+    _, record = trainer.train_head(
+        TrainConfig(draft_vocab_size=20, **base), sequences, model, out, log=logs.append, resume=True
+    )
+    assert any("widened" in line for line in logs) and EagleHead.load(out).config.draft_vocab_size == 20
+    with pytest.raises(ValueError, match="--draft-vocab >= 20"):
+        trainer.widen_draft_vocabulary(wide, 8, sequences, model)
+
 def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model_path):
     from speccycle.engine.bench import SAMPLE_PROMPTS
     from speccycle.train import pipeline
