@@ -81,7 +81,7 @@ def main() -> None:
             elif part == "frontier-torch":
                 frontier = False
             elif part.startswith("head="):
-                head_file = eagle_head_path(part[len("head="):])
+                head_file = eagle_head_path(part[len("head=") :])
             else:
                 raise SystemExit(
                     f"--variants: unknown setting {part!r} (w<n>, frontier-torch, head=PATH or one of "

@@ -348,7 +348,9 @@ def widen_draft_vocabulary(
     """
     c = head.config
     if c.version != 3 or c.target_lm_head:
-        raise ValueError(f"only an EAGLE-3 head with its own LM head has a draft vocabulary to widen, not {head_name(c)}")
+        raise ValueError(
+            f"only an EAGLE-3 head with its own LM head has a draft vocabulary to widen, not {head_name(c)}"
+        )
     old = head.draft_to_target.cpu()
     if size < len(old):
         raise ValueError(

@@ -271,7 +271,6 @@ def test_a_finished_schedule_resumes_as_a_new_one_with_its_own_warmup(tmp_path, 
     assert int(prompt_lens[0]) == max(0, int(sequences.prompt_lens[0]) - (len(full) - 4))
 
 
-
 def test_resume_with_a_larger_draft_vocabulary_widens_the_head_keeping_its_trained_rows(tmp_path, weights, sequences):
     """--resume --draft-vocab N of a head with fewer draft ids: its ids stay (logits of theirs unchanged), the
     most frequent response tokens it lacked join, sorted; a smaller N is refused with what to pass."""
@@ -305,6 +304,7 @@ def test_resume_with_a_larger_draft_vocabulary_widens_the_head_keeping_its_train
     assert any("widened" in line for line in logs) and EagleHead.load(out).config.draft_vocab_size == 20
     with pytest.raises(ValueError, match="--draft-vocab >= 20"):
         trainer.widen_draft_vocabulary(wide, 8, sequences, model)
+
 
 def test_pipeline_end_to_end_and_the_heads_run_lossless(tmp_path, weights, model_path):
     from speccycle.engine.bench import SAMPLE_PROMPTS
