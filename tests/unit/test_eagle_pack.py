@@ -186,5 +186,6 @@ def test_the_shipped_heads_are_packed_documented_and_in_the_package_data():
             meta = f.metadata()
         assert meta.get(STORAGE_KEY) == INT8_ROWWISE, f"{path.name}: ship heads packed (eagle_pack --ship)"
         assert "speccycle.train" in meta and PACK_KEY in meta
-        # every GPU call carries the tracked files (~12 MB in all) beside a 50 MB model part in 64 MiB
-        assert path.stat().st_size < 7_000_000, f"{path.name} is too large for the repository"
+        # every GPU call carries the tracked files (~14 MB in all, this head 7.9 MB of them) beside a 48 MiB
+        # model part in 64 MiB
+        assert path.stat().st_size < 8_500_000, f"{path.name} is too large for the repository"
