@@ -66,7 +66,10 @@ EAGLE_CPU_SPEC = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=1
 # The EAGLE default on a GPU (batch 1, bf16, fused cycles; H100, 13 prompts x 256 tokens, session 8):
 # S5K4N16 1.71x (tau 2.84), S6K4N32 1.65-1.70x (2.99), S5 chain 1.57x (2.28); ngram S5 1.01-1.05x. Session 11
 # (bench/results/fused_bench-H100-session11/): S5K4N16 2.11-2.23x; S5K4N24 2-4% faster on those 13 prompts in four
-# runs but not on all 240 (1.688x against 1.706x, separate runs), so the default stays.
+# runs but not on all 240 (1.688x against 1.706x, separate runs), so the default stays. Session 12, with the head's
+# 8,192-token draft vocabulary: S6K4N24 beat S5K4N16 at batch 1 (2.48x vs 2.41x end to end; 1.85x vs 1.82x on all
+# 240, 240/240 each) but lost from batch 4 up (6,643 vs 6,967 tokens/s at 4, 11,210 vs 13,045 at 16;
+# gpu_bench-H100-batch-session12-*.json), so the default stays S5K4N16 for engines that batch.
 EAGLE_GPU_SPEC = SpecConfig(num_steps=5, topk=4, num_draft_tokens=16, page_size=16)
 
 
