@@ -24,21 +24,12 @@ import argparse
 import copy
 import json
 import statistics
-import time
 from collections import defaultdict
 
 import torch
 
 from .common import write_result
-from .gpu_bench import eagle_head_path, free, parse_config, pick, say, sync
-
-
-def _timed(fn):
-    sync()
-    start = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - start
+from .gpu_bench import eagle_head_path, free, parse_config, pick, say, timed
 
 
 def main() -> None:
@@ -164,7 +155,7 @@ def main() -> None:
                 _, plain, w = next(item for item in labels if item[0] == way)
                 cycles = engines[w][1] if plain == "fused" else None
                 before = cycles.run_s if cycles is not None else 0.0
-                (out, stats), seconds = _timed(lambda way=way, x=x: run(way, x, args.max_new_tokens))
+                (out, stats), seconds = timed(lambda way=way, x=x: run(way, x, args.max_new_tokens))
                 r = per[way]
                 if cycles is not None:  # the part of the call inside `FusedCycles.run`
                     r["run_s"] += cycles.run_s - before

@@ -59,6 +59,15 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
+def timed(fn):
+    """``(fn(), seconds)``, the GPU synced before and after."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
 def parse_config(text: str):
     """``draft:S4`` (chain) or ``draft:S4K4N16`` (tree) -> (draft, SpecConfig) with page size 16."""
     from speccycle.core import SpecConfig

@@ -15,20 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from .common import write_result
-from .gpu_bench import eagle_head_path, parse_config, pick, say, sync
-
-
-def _timed(fn):
-    sync()
-    start = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - start
+from .gpu_bench import eagle_head_path, parse_config, pick, say, sync, timed
 
 
 def main() -> None:
@@ -57,19 +48,30 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=engine.stop_token_ids)
     ids = [engine.chat_prompt(p["text"]) for p in prompts]
 
-    def spec_call(x, n, timings=None):
+    def until_ready(x, parts):
+        """Step the state machine from admission to `Ready`, each transition timed into ``parts``; the request
+        id and the record. The caller frees the request's pages (this frees them where a transition fails)."""
         rid = next(engine._ids)
         record = Admitted(config=engine.spec, requests=(Request(rid, tuple(x), params),))
-        parts = []
         try:
             while not isinstance(record, Ready):
                 name = type(record).__name__
-                record, seconds = _timed(lambda record=record: step(record, ports, engine.backend))
+                record, seconds = timed(lambda record=record: step(record, ports, engine.backend))
                 parts.append((f"{name}->{type(record).__name__}", seconds))
-            run, seconds = _timed(lambda: fused.run(record, n, engine.stop_token_ids))
+        except BaseException:
+            if engine.pool.pages_held(rid):
+                engine.pool.free(rid)
+            raise
+        return rid, record
+
+    def spec_call(x, n, timings=None):
+        parts, rid = [], None
+        try:
+            rid, record = until_ready(x, parts)
+            run, seconds = timed(lambda: fused.run(record, n, engine.stop_token_ids))
             parts.append(("cycles", seconds))
         finally:
-            if engine.pool.pages_held(rid):
+            if rid is not None and engine.pool.pages_held(rid):
                 engine.pool.free(rid)
         if timings is not None:
             for name, seconds in parts:
@@ -83,11 +85,11 @@ def main() -> None:
     ar_first, ar_full, spec_parts, spec_total = [], [], {}, []
     identical = 0
     for x in ids:
-        _, seconds = _timed(lambda x=x: engine.generate_autoregressive([x], 1))
+        _, seconds = timed(lambda x=x: engine.generate_autoregressive([x], 1))
         ar_first.append(seconds * 1e3)
-        ref, seconds = _timed(lambda x=x: engine.generate_autoregressive([x], args.max_new_tokens))
+        ref, seconds = timed(lambda x=x: engine.generate_autoregressive([x], args.max_new_tokens))
         ar_full.append(seconds * 1e3)
-        out, seconds = _timed(lambda x=x: spec_call(x, args.max_new_tokens, spec_parts))
+        out, seconds = timed(lambda x=x: spec_call(x, args.max_new_tokens, spec_parts))
         spec_total.append(seconds * 1e3)
         identical += out == ref[0]
     med = {name: round(statistics.median(v), 3) for name, v in spec_parts.items()}
@@ -108,19 +110,13 @@ def main() -> None:
     kernels = {}
     x = ids[len(ids) // 2]
 
-    def until_ready():
-        rid = next(engine._ids)
-        record = Admitted(config=engine.spec, requests=(Request(rid, tuple(x), params),))
-        try:
-            while not isinstance(record, Ready):
-                record = step(record, ports, engine.backend)
-        finally:
-            if engine.pool.pages_held(rid):
-                engine.pool.free(rid)
+    def spec_until_ready():
+        rid, _ = until_ready(x, [])
+        engine.pool.free(rid)
 
     for name, fn in (
         ("ar_prefill_plus_one_token", lambda: engine.generate_autoregressive([x], 1)),
-        ("spec_until_ready", until_ready),
+        ("spec_until_ready", spec_until_ready),
     ):
         sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -71,11 +71,16 @@ class TrainConfig:
     ce: str = attrs.field(default="fused", validator=attrs.validators.in_(("fused", "reference")))
 
 
-def draft_vocabulary(data: SelfDistilledData, size: int, vocab_size: int) -> torch.Tensor:
-    """The ``size`` most frequent response tokens (EAGLE-3's reduced vocabulary), sorted ids ``[size]``."""
+def draft_vocabulary(
+    data: SelfDistilledData, size: int, vocab_size: int, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``size`` most frequent response tokens (EAGLE-3's reduced vocabulary), sorted ids ``[size]``;
+    the ids in ``keep`` first, whatever their counts (``size >= len(keep)``)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for i in range(len(data)):
         np.add.at(counts, data.sequence(i)[int(data.prompt_lens[i]) :].astype(np.int64), 1)
+    if keep is not None:
+        counts[keep.numpy()] = np.iinfo(np.int64).max
     size = min(size, vocab_size)
     order = np.argsort(-counts, kind="stable")[:size]
     return torch.from_numpy(np.sort(order)).long()
@@ -358,24 +363,21 @@ def widen_draft_vocabulary(
             f"--draft-vocab >= {len(old)} (or train a fresh head without --resume)"
         )
     vocab_size = target.config.vocab_size
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for i in range(len(data)):
-        np.add.at(counts, data.sequence(i)[int(data.prompt_lens[i]) :].astype(np.int64), 1)
-    counts[old.numpy()] = -1  # never picked again
-    extra = np.argsort(-counts, kind="stable")[: min(size, vocab_size) - len(old)]
-    ids = torch.cat([old, torch.from_numpy(extra).long()]).sort()
+    ids = draft_vocabulary(data, size, vocab_size, keep=old)  # sorted
     table = target.lm_head_weight.detach().float().cpu()  # [V, H]
     trained = head.w("lm_head.weight").detach().float().cpu()  # [Vd, H]
     x = table[old]
     gram = x.T @ x
     gram += ridge * gram.diagonal().mean() * torch.eye(gram.shape[0])
     mapping = torch.linalg.solve(gram, x.T @ trained)  # [H, H]
-    rows = table[ids.values] @ mapping
-    kept = ids.indices < len(old)  # sort indices below len(old) are the old ids, in their old order
-    rows[kept] = trained[ids.indices[kept]]
+    rows = table[ids] @ mapping
+    row_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    row_of[old] = torch.arange(len(old))  # each old id's trained row
+    kept = row_of[ids] >= 0
+    rows[kept] = trained[row_of[ids[kept]]]
     weights = {name: value.cpu() for name, value in head.state().items()}
-    weights.update({"lm_head.weight": rows, "draft_to_target": ids.values})
-    return TrainableEagleHead(attrs.evolve(c, draft_vocab_size=len(ids.values)), weights)
+    weights.update({"lm_head.weight": rows, "draft_to_target": ids})
+    return TrainableEagleHead(attrs.evolve(c, draft_vocab_size=len(ids)), weights)
 
 
 def _resumed(
@@ -391,11 +393,10 @@ def _resumed(
     `widen_draft_vocabulary`) to the one asked for.
     """
     c = head.config
-    grows = (
+    grows = (  # an own-vocabulary head (EAGLE-3, draft_vocab_size > 0) that differs only in a larger one
         widen is not None
-        and c.version == 3
         and not c.target_lm_head
-        and not wanted.target_lm_head
+        and not wanted.target_lm_head  # (EAGLE-1's draft_vocab_size is None)
         and wanted.draft_vocab_size > c.draft_vocab_size
         and attrs.evolve(c, draft_vocab_size=wanted.draft_vocab_size) == wanted
     )
