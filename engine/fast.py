@@ -154,11 +154,11 @@ def _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps) -> torch.
         layer = model.layers[i]
         k_cache, v_cache = kv[i]
         qkv_weight, gate_up_weight = folded[i]
-        if i in views:
-            views[i].copy_(x)  # the residual stream entering layer i (EAGLE-3's features)
         qkv = ops.linear(x, qkv_weight)
+        # the RoPE kernel reads x for the folded norm's factor and, at a feature layer, copies it out: the
+        # residual stream entering layer i (EAGLE-3's features), no copy launch of its own
         q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
-                              c.num_heads, c.num_kv_heads, x, eps)  # fmt: skip
+                              c.num_heads, c.num_kv_heads, x, eps, views.get(i))  # fmt: skip
         attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                              inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
         x = ops.linear_add(x, attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)

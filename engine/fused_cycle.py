@@ -255,12 +255,10 @@ class FusedCycles:
         )  # fmt: skip
         logits, out = self.draft._compute(inputs, features.index_select(0, ext["feature_rows"]), from_target=True,
                                           draft_vocab=True)  # fmt: skip
-        topk_p, topk_index = backend.select_topk(logits, K)
-        if self.draft.vocab_map is not None:  # the draft vocabulary's ids -> the target's
-            topk_index = self.draft.vocab_map[topk_index]
-        nxt["topk_p"].copy_(topk_p)
-        nxt["topk_index"].copy_(topk_index)
-        nxt["dh"].copy_(out.index_select(0, ext["last"]))
+        # the next state's top-K (the draft vocabulary's ids mapped to the target's) and draft hidden state,
+        # written in place: no copy launches
+        backend.select_topk(logits, K, self.draft.vocab_map, out=(nxt["topk_p"], nxt["topk_index"]))
+        torch.index_select(out, 0, ext["last"], out=nxt["dh"])
         st.host_done.copy_(nxt["all_done"], non_blocking=True)
 
     def force_acceptance(self, tau: float | None) -> None:

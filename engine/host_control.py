@@ -52,6 +52,7 @@ import torch
 
 from ..backends.registry import get_backend
 from ..backends.torch import TorchBackend
+from ..backends.torch.ops import write_out
 from ..core.ports import ForwardBatch, ModelOutput, Ports
 from .graphs import HiddenRows, pack_rows, unpack_rows
 
@@ -90,15 +91,16 @@ class HostBackend(TorchBackend):
         with the logits on the device. Consumed by the next ``select_topk`` call."""
         self._handed = (logits, topk, probs, ids)
 
-    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_topk(self, logits, topk, vocab_map=None, out=None):
         handed, self._handed = self._handed, None
-        if handed is not None and handed[0] is logits and handed[1] == topk:
+        if handed is not None and handed[0] is logits and handed[1] == topk and vocab_map is None and out is None:
             self.handed_topk += 1
             return handed[2], handed[3]
         if logits.device.type != "cpu":  # logits on the device: its backend's selection, brought over
-            probs, ids = self.device_backend.select_topk(logits, topk)
-            return probs.cpu(), ids.cpu()
-        return super().select_topk(logits, topk)
+            device_map = None if vocab_map is None else vocab_map.to(logits.device)
+            probs, ids = self.device_backend.select_topk(logits, topk, device_map)
+            return write_out(out, probs.cpu(), ids.cpu())
+        return super().select_topk(logits, topk, vocab_map, out)
 
     def verify_greedy(
         self, tokens: torch.Tensor, parents: torch.Tensor, predict: torch.Tensor, accept_width: int

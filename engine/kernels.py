@@ -117,17 +117,23 @@ def rope_write_kv_torch(
     num_kv_heads: int,
     norm_src: torch.Tensor | None = None,
     eps: float = 0.0,
+    copy_src_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE on Q and K, K and V written at ``out_slots`` (slot -1: not written); returns Q ``[T, H, D]``.
 
     ``norm_src [T, hidden]``: first scale every row of ``qkv`` by ``norm_src``'s RMS factor
-    (`scale_rows_torch`: the folded input norm).
+    (`scale_rows_torch`: the folded input norm). ``copy_src_to [T, hidden]`` (a view, any row stride): also
+    receives ``norm_src`` as it is (the residual stream entering a layer: EAGLE-3's features), written by the
+    kernel that reads it anyway instead of by a copy launch.
 
     Shapes: ``qkv [T, (H + 2 Hkv) D]``, ``positions, out_slots [T]``, tables ``[max_position, D]`` in the
     model dtype, caches ``[num_slots, Hkv, D]``. Without host syncs: a row that writes nothing writes
     the value of the first writing row at that row's slot instead, the same bits at the same place;
     when no row writes, every row writes slot 0's own value back.
     """
+    _check_copy(norm_src, copy_src_to)
+    if copy_src_to is not None:
+        copy_src_to.copy_(norm_src)
     qkv = scale_rows_torch(qkv, norm_src, eps)
     rows = qkv.shape[0]
     head_dim = cos_table.shape[1]
@@ -269,15 +275,25 @@ if triton is not None:
         stride_src,
         hidden,
         eps,
+        copy_ptr,
+        stride_copy,
         NUM_HEADS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
         NORM: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        COPY: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: Q, H..H+Hkv-1: K, then V
+        if COPY:  # the norm source's row copied out (EAGLE-3's features) by the row's first program
+            if head == 0:
+                for start in range(0, hidden, BLOCK_H):
+                    cols = start + tl.arange(0, BLOCK_H)
+                    inside = cols < hidden
+                    value = tl.load(src_ptr + row * stride_src + cols, mask=inside, other=0.0)
+                    tl.store(copy_ptr + row * stride_copy + cols, value, mask=inside)
         i = tl.arange(0, BLOCK_HALF)
         mask = i < HALF
         base = qkv_ptr + row * stride_qkv + head * (2 * HALF)
@@ -419,8 +435,12 @@ def rope_write_kv_triton(
     num_kv_heads: int,
     norm_src: torch.Tensor | None = None,
     eps: float = 0.0,
+    copy_src_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _need_triton()
+    _check_copy(norm_src, copy_src_to)
+    if copy_src_to is not None and copy_src_to.stride(-1) != 1:
+        raise ValueError("copy_src_to needs a contiguous last dimension")
     rows = qkv.shape[0]
     head_dim = cos_table.shape[1]
     q = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -433,10 +453,23 @@ def rope_write_kv_triton(
             qkv.stride(0), cos_table.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             *_norm_args(qkv, norm_src, eps),
+            qkv if copy_src_to is None else copy_src_to, 0 if copy_src_to is None else copy_src_to.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-            NORM=norm_src is not None, BLOCK_H=_block_h(norm_src), enable_fp_fusion=False,
+            NORM=norm_src is not None, BLOCK_H=_block_h(norm_src), COPY=copy_src_to is not None,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return q
+
+
+def _check_copy(norm_src: torch.Tensor | None, copy_src_to: torch.Tensor | None) -> None:
+    if copy_src_to is None:
+        return
+    if norm_src is None or copy_src_to.shape != norm_src.shape or copy_src_to.dtype != norm_src.dtype:
+        raise ValueError(
+            "copy_src_to receives norm_src: pass norm_src and a tensor of its shape and dtype, got "
+            f"{None if norm_src is None else (tuple(norm_src.shape), norm_src.dtype)} and "
+            f"{(tuple(copy_src_to.shape), copy_src_to.dtype)}"
+        )
 
 
 def _norm_args(like: torch.Tensor, norm_src: torch.Tensor | None, eps: float) -> tuple:

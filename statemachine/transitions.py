@@ -355,9 +355,11 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
         last_rows,
     )
     out = ports.draft.extend(batch, ext.hidden)
-    topk_p, topk_index = backend.select_topk(out.logits, cfg.topk)
-    draft_probs = None
     rows = sampling.sampled_rows(rec.requests, out.logits.device)
+    if out.vocab_map is not None and rows is not None:
+        raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
+    topk_p, topk_index = backend.select_topk(out.logits, cfg.topk, out.vocab_map)
+    draft_probs = None
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, out.logits, 1, topk_p, topk_index, 0, backend)
     hidden = None if out.hidden is None else out.hidden.index_select(0, last_rows)
@@ -439,9 +441,11 @@ def draft_levels(
     offset = draft_offset(ports, cfg)
     row_request = torch.arange(bs, device=device)
     prefix_lens = L + offset
-    if K > 1:  # K rows per request (expand and flatten: the same as repeat_interleave, cheaper on a CPU)
-        row_request = row_request[:, None].expand(bs, K).reshape(-1)
-        prefix_lens = prefix_lens[:, None].expand(bs, K).reshape(-1)
+    if K > 1:  # K rows per request (expand and flatten: the same as repeat_interleave, cheaper on a CPU), made
+        # contiguous once here: kernels read them at `ptr + row`, and at batch 1 the flattened view has stride 0,
+        # which every level's attention copied again (two launches a level inside the fused cycle's graph)
+        row_request = row_request[:, None].expand(bs, K).reshape(-1).contiguous()
+        prefix_lens = prefix_lens[:, None].expand(bs, K).reshape(-1).contiguous()
     frontier_scores, frontier_tokens = topk_p, topk_index  # [bs, K]
     parent_hidden = None
     if draft_hidden is not None:
@@ -482,11 +486,10 @@ def draft_levels(
             page_table,
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
-        child_p, child_ids = backend.select_topk(out.logits, K)  # [bs*K, K]
-        if out.vocab_map is not None:  # logits over the draft's own vocabulary: its ids -> the target's
-            if rows is not None:
-                raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
-            child_ids = out.vocab_map[child_ids]
+        if out.vocab_map is not None and rows is not None:
+            raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
+        # [bs*K, K]; logits over the draft's own vocabulary (`vocab_map`) give the target's ids
+        child_p, child_ids = backend.select_topk(out.logits, K, out.vocab_map)
         if rows is not None:
             child_p, child_ids, q = sampling.draw_children(
                 rows, out.logits, K, child_p, child_ids, j + 1, backend, parent_tokens=frontier_tokens.reshape(-1)
@@ -513,7 +516,7 @@ def draft_levels(
     if positions_per_step:
         draft_positions = torch.stack(positions_per_step, 1)
     elif K > 1 and S > 1:
-        draft_positions = level_positions[:, ::K].t().contiguous()  # [bs, S - 1]: L + j + offset
+        draft_positions = level_positions[:, ::K].t()  # [bs, S - 1]: L + j + offset (a view: the fused cycle drops it)
     else:
         draft_positions = torch.empty((bs, 0), dtype=torch.long, device=device)
     if K == 1:
@@ -572,7 +575,7 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         tree=DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding),
         verify_slots=verify_slots,
         draft_slots=draft_slots,
-        draft_positions=draft_positions,
+        draft_positions=draft_positions.contiguous(),
         draft_probs=draft_probs,
     )
 

@@ -44,8 +44,8 @@ def _kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]]]]:
          [dict(K=4, BLOCK_R=1, BLOCK=2048, NONE=NONE)]),
         (topk._topk_merge_kernel,
          dict(max_ptr=f32, sum_ptr=f32, cand_value_ptr=f32, cand_index_ptr="*i32", probs_ptr=f32, ids_ptr=i64,
-              num_rows=i32, num_blocks=i32),
-         [dict(K=4, BLOCK_R=8, BLOCK_B=32, BLOCK_C=128, NONE=NONE)]),
+              map_ptr=i64, num_rows=i32, num_blocks=i32),
+         [dict(K=4, BLOCK_R=8, BLOCK_B=32, BLOCK_C=128, NONE=NONE, HAS_MAP=has_map) for has_map in (False, True)]),
         (tree._expand_frontier_kernel,
          dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, cum_ptr=f32, keep_ptr=i64, new_scores_ptr=f32,
               new_tokens_ptr=i64, bs=i32),
@@ -167,8 +167,11 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                     stride_src=i32,
                     hidden=i32,
                     eps="fp32",
+                    copy_ptr=p,
+                    stride_copy=i32,
                 ),
-                # plain, and with the folded input norm (`kernels.FoldedNormOps`) at SmolLM2's hidden size
+                # plain, with the folded input norm (`kernels.FoldedNormOps`) at SmolLM2's hidden size, and with
+                # the feature copy of an EAGLE-3 target's feature layers
                 [
                     dict(
                         NUM_HEADS=9,
@@ -177,11 +180,13 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         BLOCK_HALF=32,
                         NORM=norm,
                         BLOCK_H=block_h,
+                        COPY=copy,
                         enable_fp_fusion=False,
                     )
-                    for norm, block_h in ((False, 16), (True, 1024))
+                    for norm, block_h, copy in ((False, 16, False), (True, 1024, False), (True, 1024, True))
                 ],  # fmt: skip
-                ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", *rope_strides),
+                ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", "copy_ptr",
+                 "stride_copy", *rope_strides),  # fmt: skip
             )
         )
         out.append(

@@ -6,7 +6,7 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | op | kernel | replaces |
 | --- | --- | --- |
 | `select_topk`, ``K == 1`` | `argmax.vocab_argmax`: split-vocabulary argmax, two-stage reduce | ``argmax`` |
-| `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits + online softmax denominator | softmax + topk |
+| `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits + online softmax denominator, a draft vocabulary's ids mapped in the merge | softmax + topk (+ a gather) |
 | `greedy_predict` | `argmax.vocab_argmax` | ``argmax`` |
 | `expand_frontier` | `tree.expand_frontier`: one program per request | mul, stable sort, gathers |
 | `advance_frontier` | `tree.advance_frontier`: the expand plus the level's bookkeeping | expand, copy, div, gathers |
@@ -44,6 +44,7 @@ import torch
 
 from ..registry import register_backend
 from ..torch import TorchBackend
+from ..torch.ops import write_out
 from . import accept, argmax, dflash, kv, tree
 from . import topk as topk_ops
 from .launch import runs_triton
@@ -63,15 +64,20 @@ class CudaBackend(SamplingKernels, TorchBackend):
     name = "cuda"
 
     # ---- draft -------------------------------------------------------------------------------
-    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_topk(self, logits, topk, vocab_map=None, out=None):
         """Top-``K`` draft candidates: the vocabulary argmax for ``K == 1`` (no softmax), else fused
-        softmax top-K. Shapes: ``logits [R, V]`` -> ``probs [R, K]`` float32, ``ids [R, K]`` int64."""
+        softmax top-K, a ``vocab_map`` applied in its merge kernel. Shapes: ``logits [R, V]`` -> ``probs
+        [R, K]`` float32, ``ids [R, K]`` int64 (`TorchBackend.select_topk`, ``vocab_map`` and ``out`` too)."""
         if logits.dtype not in KERNEL_LOGITS or not runs_triton(logits):
-            return super().select_topk(logits, topk)
+            return super().select_topk(logits, topk, vocab_map, out)
         if topk == 1:
             ids = argmax.vocab_argmax(logits)[:, None]
-            return torch.ones(ids.shape, dtype=torch.float32, device=logits.device), ids
-        return topk_ops.softmax_topk(logits, topk)
+            if vocab_map is not None:
+                ids = vocab_map[ids]
+            return write_out(out, torch.ones(ids.shape, dtype=torch.float32, device=logits.device), ids)
+        if out is not None and not all(t.is_contiguous() for t in out):
+            return write_out(out, *topk_ops.softmax_topk(logits, topk, vocab_map))
+        return topk_ops.softmax_topk(logits, topk, vocab_map, out)
 
     def expand_frontier(self, frontier_scores, child_p, child_ids, topk):
         """See `speccycle.core.tree.expand_frontier`."""

@@ -75,6 +75,7 @@ def _topk_merge_kernel(
     cand_index_ptr,
     probs_ptr,
     ids_ptr,
+    map_ptr,
     num_rows,
     num_blocks,
     K: tl.constexpr,
@@ -82,6 +83,7 @@ def _topk_merge_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NONE: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_inside = rows < num_rows
@@ -107,12 +109,24 @@ def _topk_merge_kernel(
         chosen = tl.min(tl.where(free & (value == best[:, None]), index, NONE), axis=1)
         free = free & (index != chosen[:, None])
         prob = tl.where(denominator > 0.0, tl.exp(best - shift) / safe, float("nan"))
+        chosen = chosen.to(tl.int64)
+        if HAS_MAP:  # a draft vocabulary's column -> the target's id
+            chosen = tl.load(map_ptr + chosen, mask=row_inside, other=0)
         tl.store(probs_ptr + flat_rows * K + k, prob, mask=row_inside)
-        tl.store(ids_ptr + flat_rows * K + k, chosen.to(tl.int64), mask=row_inside)
+        tl.store(ids_ptr + flat_rows * K + k, chosen, mask=row_inside)
 
 
-def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(
+    logits: torch.Tensor,
+    topk: int,
+    vocab_map: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``K`` probabilities and ids of each row without materialising the softmax.
+
+    ``vocab_map [V]`` int64: each chosen column ``c`` is written as ``vocab_map[c]`` (a draft vocabulary's
+    ids mapped to the target's in the merge kernel, not by a gather launch after it). ``out``: contiguous
+    ``(probs, ids)`` tensors the merge kernel writes (a captured graph's static buffers) instead of new ones.
 
     Shapes: ``logits [R, V]`` (float16 / bfloat16 / float32; float8 is widened first) ->
     ``probs [R, K]`` float32 (descending), ``ids [R, K]`` int64.
@@ -129,8 +143,20 @@ def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.T
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     device = logits.device
-    probs = torch.empty(rows, topk, dtype=torch.float32, device=device)
-    ids = torch.empty(rows, topk, dtype=torch.long, device=device)
+    if vocab_map is not None:
+        if vocab_map.dtype != torch.long or vocab_map.shape != (vocab,):
+            raise ValueError(f"vocab_map must be int64 [{vocab}] (one id per logits column), got "
+                             f"{vocab_map.dtype} {tuple(vocab_map.shape)}")  # fmt: skip
+        vocab_map = vocab_map.contiguous()
+    if out is not None:
+        probs, ids = out
+        want = [(torch.float32, (rows, topk)), (torch.long, (rows, topk))]
+        if [(t.dtype, tuple(t.shape)) for t in out] != want or not all(t.is_contiguous() for t in out):
+            raise ValueError(f"out= needs contiguous float32 and int64 tensors of shape {(rows, topk)}, got "
+                             f"{[(t.dtype, tuple(t.shape)) for t in out]}")  # fmt: skip
+    else:
+        probs = torch.empty(rows, topk, dtype=torch.float32, device=device)
+        ids = torch.empty(rows, topk, dtype=torch.long, device=device)
     if rows == 0:
         return probs, ids
     block = min(_BLOCK, max(next_power_of_2(vocab), 16))
@@ -165,6 +191,7 @@ def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.T
         cand_index,
         probs,
         ids,
+        ids if vocab_map is None else vocab_map,
         rows,
         num_blocks,
         K=topk,
@@ -172,5 +199,6 @@ def softmax_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.T
         BLOCK_B=next_power_of_2(num_blocks),
         BLOCK_C=block_c,
         NONE=_NONE,
+        HAS_MAP=vocab_map is not None,
     )
     return probs, ids

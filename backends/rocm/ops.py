@@ -29,6 +29,7 @@ import torch
 
 from ..cuda.ops import FP8_DTYPES, CudaBackend
 from ..registry import register_backend
+from ..torch.ops import write_out
 
 
 class RocmBackend(CudaBackend):
@@ -40,14 +41,16 @@ class RocmBackend(CudaBackend):
         """How ``select_topk(logits, 1)`` picks: ``"softmax_max"`` for FP8 logits, ``"argmax"`` otherwise."""
         return "softmax_max" if dtype in FP8_DTYPES else "argmax"
 
-    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_topk(self, logits, topk, vocab_map=None, out=None):
         """Top-``K`` draft candidates; ``K == 1`` with FP8 logits is softmax + max (the probability is real).
 
-        Shapes: ``logits [R, V]`` -> ``probs [R, K]`` float32, ``ids [R, K]`` int64.
+        Shapes: ``logits [R, V]`` -> ``probs [R, K]`` float32, ``ids [R, K]`` int64 (``vocab_map`` and ``out``:
+        `TorchBackend.select_topk`).
         """
         if topk == 1 and self.k1_path(logits.dtype) == "softmax_max":
-            return softmax_max(logits)
-        return super().select_topk(logits, topk)
+            probs, ids = softmax_max(logits)
+            return write_out(out, probs, ids if vocab_map is None else vocab_map[ids])
+        return super().select_topk(logits, topk, vocab_map, out)
 
 
 def softmax_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,21 +20,33 @@ class TorchBackend:
     name = "torch"
 
     # ---- draft -------------------------------------------------------------------------------
-    def select_topk(self, logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_topk(
+        self,
+        logits: torch.Tensor,
+        topk: int,
+        vocab_map: torch.Tensor | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``K`` draft candidates of each row.
 
         ``K == 1`` takes ``argmax`` of the logits and skips the full-vocabulary softmax: the chain
         never uses the probability, and argmax is exact in any dtype, where softmax + max in low
         precision can round two logits to one probability and pick the lower index.
 
+        ``vocab_map [V]`` int64: the logits' columns are a draft vocabulary and the ids come back as
+        ``vocab_map[column]`` (`ModelOutput.vocab_map`). ``out``: ``(probs, ids)`` tensors to write and
+        return (a captured graph's static buffers) instead of new ones.
+
         Shapes: ``logits [R, V]`` -> ``probs [R, K]`` float32 (ones for ``K == 1``), ``ids [R, K]`` int64.
         """
         if topk == 1:
             ids = logits.argmax(dim=-1, keepdim=True)
-            return torch.ones(ids.shape, dtype=torch.float32, device=logits.device), ids
-        probs = torch.softmax(logits.float(), dim=-1)
-        top = probs.topk(topk, dim=-1)
-        return top.values, top.indices
+            probs = torch.ones(ids.shape, dtype=torch.float32, device=logits.device)
+        else:
+            probs, ids = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
+        if vocab_map is not None:
+            ids = vocab_map[ids]
+        return write_out(out, probs, ids)
 
     def expand_frontier(self, frontier_scores, child_p, child_ids, topk):
         """See `speccycle.core.tree.expand_frontier`."""
@@ -215,3 +227,17 @@ class TorchBackend:
         bs = accept_len.shape[0]
         last = accept_index.gather(1, (accept_len - 1)[:, None])
         return (last - shapes.block_starts(bs, n, last.device))[:, 0]
+
+
+def write_out(out: tuple[torch.Tensor, ...] | None, *results: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``results``, or each copied into the matching tensor of ``out`` and ``out`` returned."""
+    if out is None:
+        return results
+    if len(out) != len(results) or any(o.shape != r.shape for o, r in zip(out, results)):
+        raise ValueError(
+            f"out= needs {len(results)} tensors of shapes {[tuple(r.shape) for r in results]}, "
+            f"got {[tuple(o.shape) for o in out]}"
+        )
+    for o, r in zip(out, results):
+        o.copy_(r)
+    return tuple(out)

@@ -85,6 +85,34 @@ def test_topk_equals_softmax_topk(seed):
         torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_topk_over_a_draft_vocabulary_maps_ids_and_writes_out(k):
+    """``vocab_map`` (a draft vocabulary's column -> the target's id) is applied inside the merge kernel and
+    ``out=`` buffers are written in place: the same values as the reference's ``vocab_map[ids]``, into the
+    very tensors passed (strided ``out`` views take the copy fallback)."""
+    gen = _gen(11)
+    for rows, vocab in [(3, 37), (2, 2100)]:
+        logits = (torch.randn(rows, vocab, generator=gen) * 3).to(DEVICE)
+        vocab_map = torch.randperm(5 * vocab, generator=gen)[:vocab].to(DEVICE)  # any order, not increasing
+        want_probs, want_ids = ref.select_topk(logits, k, vocab_map)
+        assert _equal(want_ids, vocab_map[ref.select_topk(logits, k)[1]])
+        probs, ids = fast.select_topk(logits, k, vocab_map)
+        assert _equal(ids, want_ids)
+        torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+        for out in (
+            (torch.full((rows, k), -1.0, device=DEVICE), torch.full((rows, k), -1, dtype=torch.long, device=DEVICE)),
+            (torch.full((k, rows), -1.0, device=DEVICE).t(), torch.full((k, rows), -1, device=DEVICE).t()),
+        ):
+            got = fast.select_topk(logits, k, vocab_map, out=out)
+            assert got[0] is out[0] and got[1] is out[1]
+            assert _equal(out[1], want_ids)
+            torch.testing.assert_close(out[0], want_probs, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="vocab_map must be int64"):
+        topk.softmax_topk(logits, 3, vocab_map[:-1])
+    with pytest.raises(ValueError, match="out= needs"):
+        ref.select_topk(logits, 3, out=(torch.empty(1, 3), torch.empty(1, 3, dtype=torch.long)))
+
+
 def test_topk_low_precision_and_ties():
     # Distinct bfloat16 logits (multiples of 0.5 below 128 are exact): same ids as the reference.
     gen = _gen(3)

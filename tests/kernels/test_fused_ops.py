@@ -169,6 +169,35 @@ def test_folded_norm_prologues_equal_their_twins(dtype):
     torch.testing.assert_close(fast, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_copies_the_norm_source_into_a_strided_feature_view(dtype):
+    """``copy_src_to``: the folded RoPE kernel writes the residual rows it reads (EAGLE-3's features) into a
+    column block of a wider buffer, exactly, and leaves the rest of that buffer as it was; Q, K and V are
+    what they are without the copy."""
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, dim, hidden, rows = 4, 2, 16, 40, 5
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    h = torch.randn(rows, hidden, generator=gen).to(dtype)
+    cos, sin = rope_cos_sin(torch.arange(64), dim, 10000.0, dtype)
+    positions, slots = torch.tensor([3, 0, 17, 17, 40]), torch.tensor([4, -1, 9, 2, 11])
+    for fn, device in ((kernels.rope_write_kv_torch, "cpu"), (kernels.rope_write_kv_triton, DEVICE)):
+        args = [t.to(device) for t in (qkv, positions, cos, sin, slots)]
+        results = []
+        for copy in (False, True):
+            features = torch.full((rows, 3 * hidden), 7.0, dtype=dtype, device=device)
+            caches = [torch.zeros(16, kv_heads, dim, dtype=dtype, device=device) for _ in range(2)]
+            view = features[:, hidden : 2 * hidden] if copy else None
+            q = fn(*args, *caches, heads, kv_heads, h.to(device), 1e-5, view)
+            results.append([t.cpu() for t in (q, *caches)])
+            if copy:
+                assert torch.equal(features[:, hidden : 2 * hidden].cpu(), h)
+                assert bool((features[:, :hidden] == 7).all()) and bool((features[:, 2 * hidden :] == 7).all())
+        for got, want in zip(*results):
+            assert torch.equal(got, want)
+        with pytest.raises(ValueError, match="copy_src_to receives norm_src"):
+            fn(*args, *caches, heads, kv_heads, None, 0.0, features[:, :hidden])
+
+
 def test_linear_add_is_one_gemm_with_the_residual():
     gen = torch.Generator().manual_seed(6)
     x, a, w = torch.randn(4, 12, generator=gen), torch.randn(4, 20, generator=gen), torch.randn(12, 20, generator=gen)
