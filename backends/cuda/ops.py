@@ -6,7 +6,7 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | op | kernel | replaces |
 | --- | --- | --- |
 | `select_topk`, ``K == 1`` | `argmax.vocab_argmax`: split-vocabulary argmax, two-stage reduce | ``argmax`` |
-| `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits + online softmax denominator, a draft vocabulary's ids mapped in the merge | softmax + topk (+ a gather) |
+| `select_topk`, ``K > 1`` | `topk.softmax_topk`: top-K logits, online softmax, ids mapped in merge | softmax, topk |
 | `greedy_predict` | `argmax.vocab_argmax` | ``argmax`` |
 | `expand_frontier` | `tree.expand_frontier`: one program per request | mul, stable sort, gathers |
 | `advance_frontier` | `tree.advance_frontier`: the expand plus the level's bookkeeping | expand, copy, div, gathers |
