@@ -14,8 +14,9 @@
 #
 # runs the command old, new, old, new (2 rounds) on one warm GPU, each in its own tree with `speccycle`
 # importing from that tree; $AB is old or new, $AB_REP the round, $P the carried Spec-Bench prompts
-# (.gpu/p2/spec_bench_dev.jsonl), $SPECCYCLE_COMMIT the measured commit (the JSONs record it). Commit first:
-# uncommitted changes count as HEAD's and are labelled with HEAD's commit.
+# (.gpu/p2/spec_bench_dev.jsonl), $SPECCYCLE_COMMIT the measured commit (the JSONs record it); the old tree is
+# built once under $AB_DIR (default /tmp/ab). Commit first: uncommitted changes count as HEAD's and are labelled
+# with HEAD's commit.
 set -euo pipefail
 old=${1:?usage: bash scripts/gpu_ab_stage.sh OLD_COMMIT}
 cd "$(git rev-parse --show-toplevel)"
@@ -36,17 +37,18 @@ cat > .gpu/p2/ab.sh <<'SH'
 set -u
 rounds=${1:?usage: bash .gpu/p2/ab.sh ROUNDS 'COMMAND'}; shift
 root=$PWD
+dir=${AB_DIR:-/tmp/ab}  # the old tree and the two import roots; built once per machine
 export PYTHONUNBUFFERED=1 SPECCYCLE_DEFAULT_MODEL=${SMOLLM2_GGUF:-} P=$root/.gpu/p2/spec_bench_dev.jsonl
-if [ ! -d /tmp/ab-old/tree ]; then
-  mkdir -p /tmp/ab-old /tmp/ab-new && cp -r "$root" /tmp/ab-old/tree && cp -r .gpu/p2/old/. /tmp/ab-old/tree/
-  (cd /tmp/ab-old/tree && xargs -r rm -f < .gpu/p2/old.deleted)
-  ln -sfn /tmp/ab-old/tree /tmp/ab-old/speccycle && ln -sfn "$root" /tmp/ab-new/speccycle
+if [ ! -d "$dir/old/tree" ]; then
+  mkdir -p "$dir/old" "$dir/new" && cp -r "$root" "$dir/old/tree" && cp -r .gpu/p2/old/. "$dir/old/tree/"
+  (cd "$dir/old/tree" && xargs -r rm -f < .gpu/p2/old.deleted)
+  ln -sfn "$dir/old/tree" "$dir/old/speccycle" && ln -sfn "$root" "$dir/new/speccycle"
 fi
 for AB_REP in $(seq 1 "$rounds"); do
   for AB in old new; do
-    if [ "$AB" = old ]; then tree=/tmp/ab-old/tree commit=@OLD@; else tree=$root commit=@NEW@; fi
+    if [ "$AB" = old ]; then tree=$dir/old/tree commit=@OLD@; else tree=$root commit=@NEW@; fi
     echo "== $AB ($commit) round $AB_REP"
-    (cd "$tree" && AB=$AB AB_REP=$AB_REP SPECCYCLE_COMMIT=$commit PYTHONPATH=/tmp/ab-$AB:${PYTHONPATH:-} bash -c "$*")
+    (cd "$tree" && AB=$AB AB_REP=$AB_REP SPECCYCLE_COMMIT=$commit PYTHONPATH=$dir/$AB:${PYTHONPATH:-} bash -c "$*")
   done
 done
 SH
