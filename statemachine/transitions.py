@@ -356,8 +356,7 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     )
     out = ports.draft.extend(batch, ext.hidden)
     rows = sampling.sampled_rows(rec.requests, out.logits.device)
-    if out.vocab_map is not None and rows is not None:
-        raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
+    _refuse_draft_vocabulary_when_sampled(out, rows)
     topk_p, topk_index = backend.select_topk(out.logits, cfg.topk, out.vocab_map)
     draft_probs = None
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
@@ -412,6 +411,12 @@ def _reserve_cycle(
     positions = L[:, None] + _cycle_offsets(n, cfg.num_steps, cfg.topk, scratch, L.device)
     slots = backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size)
     return ids, page_table, slots[:, :n], slots[:, n:].view(L.shape[0], cfg.num_steps - 1, cfg.topk)
+
+
+def _refuse_draft_vocabulary_when_sampled(out: ModelOutput, rows) -> None:
+    """Sampling draws from ``q`` over the target vocabulary; logits over a draft's own (``vocab_map``) are not it."""
+    if out.vocab_map is not None and rows is not None:
+        raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
 
 
 def draft_levels(
@@ -486,8 +491,7 @@ def draft_levels(
             page_table,
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
-        if out.vocab_map is not None and rows is not None:
-            raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
+        _refuse_draft_vocabulary_when_sampled(out, rows)
         # [bs*K, K]; logits over the draft's own vocabulary (`vocab_map`) give the target's ids
         child_p, child_ids = backend.select_topk(out.logits, K, out.vocab_map)
         if rows is not None:
