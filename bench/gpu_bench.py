@@ -281,12 +281,15 @@ class ForcedAcceptance:
     def __getattr__(self, name):
         return getattr(self.base, name)
 
+    def _next_accept(self, accept_width: int) -> int:
+        self.cycles += 1
+        accept = math.floor(self.cycles * self.tau) - math.floor((self.cycles - 1) * self.tau)
+        return max(1, min(accept, accept_width))
+
     def verify_greedy(self, tokens, parents, predict, accept_width):
         from speccycle.core.tree import retrieve_links
 
-        self.cycles += 1
-        accept = math.floor(self.cycles * self.tau) - math.floor((self.cycles - 1) * self.tau)
-        accept = max(1, min(accept, accept_width))
+        accept = self._next_accept(accept_width)
         first_child, _ = retrieve_links(parents)
         forced = torch.full_like(predict, -1)
         row = torch.zeros((tokens.shape[0], 1), dtype=torch.long, device=tokens.device)
@@ -295,6 +298,14 @@ class ForcedAcceptance:
             forced.scatter_(1, row, tokens.gather(1, child))
             row = child
         return self.base.verify_greedy(tokens, parents, forced, accept_width)
+
+    def verify_greedy_chain(self, tokens, predict, accept_width):
+        # the chain's verify (K == 1; row i's parent is row i - 1): until session 14 it was not wrapped, so the
+        # host plane's chain of 4 ran unforced (measured tau 1.0 on random weights) in every scale record
+        accept = self._next_accept(accept_width)
+        forced = torch.full_like(predict, -1)
+        forced[:, : accept - 1] = tokens[:, 1:accept]
+        return self.base.verify_greedy_chain(tokens, forced, accept_width)
 
 
 def force_acceptance(engine, tau: float) -> list[str]:
