@@ -10,7 +10,7 @@
 #
 #   source .gpu/p2/unstash.sh && bash .gpu/p2/ab.sh 2 \
 #     'python3 -m bench.fused_bench --prompts $P --per-category 1 --configs S5K4N16 --ways ar,fused \
-#      --out $OUT --tag -$AB$AB_REP'
+#      --out $OUT --tag=-$AB$AB_REP'   # with '=': argparse takes a bare -old1 for an option
 #
 # runs the command old, new, old, new (2 rounds) on one warm GPU, each in its own tree with `speccycle`
 # importing from that tree; $AB is old or new, $AB_REP the round, $P the carried Spec-Bench prompts
