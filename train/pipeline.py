@@ -115,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help=f"EAGLE-3 MLP width (default {V3_INTERMEDIATE} with its own 3,072-token LM head, "
-        f"{V3FULL_INTERMEDIATE} for 3full: either keeps the bf16 head under 10 MB)",
+        f"{V3FULL_INTERMEDIATE} for 3full: either keeps the bf16 head under 10 MB); with --resume, a wider value "
+        "grows the trained head's MLP (new units start with zero output: the same head until trained)",
     )
     t.add_argument("--v1-intermediate", type=int, default=None, help="EAGLE-1 MLP width (default: the target's)")
     t.add_argument("--save-every", type=float, default=60.0, help="seconds between checkpoints")

@@ -380,33 +380,66 @@ def widen_draft_vocabulary(
     return TrainableEagleHead(attrs.evolve(c, draft_vocab_size=len(ids)), weights)
 
 
+def widen_mlp(head: TrainableEagleHead, size: int, seed: int = 0, std: float = 0.02) -> TrainableEagleHead:
+    """The same head with ``size`` MLP units: the trained units as they are, each new unit's gate and up rows
+    ``N(0, std)`` (as a fresh head's) and its down-projection column zero, so the head computes what it did
+    (the new units add exact zeros) until training moves them. The down columns get gradients at once (the
+    units' activations are not zero); the gate and up rows follow from the first step on.
+    """
+    c = head.config
+    if size < c.intermediate_size:
+        raise ValueError(
+            f"the head's MLP has {c.intermediate_size} units; --v{c.version}-intermediate {size} would drop trained "
+            f"units: pass >= {c.intermediate_size} (or train a fresh head without --resume)"
+        )
+    extra, h = size - c.intermediate_size, c.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: v.detach().cpu().float() if v.is_floating_point() else v.cpu() for k, v in head.state().items()}
+    for name in ("layer.gate_proj.weight", "layer.up_proj.weight"):
+        weights[name] = torch.cat([weights[name], torch.randn((extra, h), generator=gen) * std])
+    weights["layer.down_proj.weight"] = torch.cat([weights["layer.down_proj.weight"], torch.zeros((h, extra))], 1)
+    return TrainableEagleHead(attrs.evolve(c, intermediate_size=size), weights)
+
+
 def _resumed(
     head: TrainableEagleHead,
     wanted: EagleConfig,
     source: Path,
     widen: Callable[[TrainableEagleHead], TrainableEagleHead] | None = None,
     log: Callable[[str], None] = print,
+    seed: int = 0,
 ) -> TrainableEagleHead:
     """``head`` if it is the head this run trains; a clear error where ``source`` holds another one.
 
-    A head that differs only in a smaller draft vocabulary is widened (``widen``, see
-    `widen_draft_vocabulary`) to the one asked for.
+    A head that differs only in a smaller draft vocabulary (``widen``, see `widen_draft_vocabulary`), a
+    narrower MLP (`widen_mlp`), or both, is widened to the one asked for.
     """
     c = head.config
-    grows = (  # an own-vocabulary head (EAGLE-3, draft_vocab_size > 0) that differs only in a larger one
+    more_ids = (  # an own-vocabulary head (EAGLE-3, draft_vocab_size > 0) asked for a larger one
         widen is not None
         and not c.target_lm_head
         and not wanted.target_lm_head  # (EAGLE-1's draft_vocab_size is None)
         and wanted.draft_vocab_size > c.draft_vocab_size
-        and attrs.evolve(c, draft_vocab_size=wanted.draft_vocab_size) == wanted
     )
-    if grows:
-        widened = widen(head)
-        log(
-            f"[train] widened {source}'s draft vocabulary from {c.draft_vocab_size} to "
-            f"{widened.config.draft_vocab_size} ids (trained rows kept, new rows mapped from the target's LM head)"
-        )
-        head = widened
+    more_units = wanted.intermediate_size > c.intermediate_size
+    grown = attrs.evolve(
+        c,
+        draft_vocab_size=wanted.draft_vocab_size if more_ids else c.draft_vocab_size,
+        intermediate_size=wanted.intermediate_size if more_units else c.intermediate_size,
+    )
+    if (more_ids or more_units) and grown == wanted:
+        if more_ids:
+            head = widen(head)
+            log(
+                f"[train] widened {source}'s draft vocabulary from {c.draft_vocab_size} to "
+                f"{head.config.draft_vocab_size} ids (trained rows kept, new rows mapped from the target's LM head)"
+            )
+        if more_units:
+            head = widen_mlp(head, wanted.intermediate_size, seed=seed)
+            log(
+                f"[train] widened {source}'s MLP from {c.intermediate_size} to {wanted.intermediate_size} units "
+                "(trained units kept, new ones with zero down-projection columns: the same function to start)"
+            )
     if head.config != wanted:
         raise ValueError(
             f"--resume: {source} holds a {head_name(head.config)} head of config {attrs.asdict(head.config)}, not "
@@ -509,7 +542,7 @@ def train_head(
     if resume and checkpoint_path is not None and checkpoint_path.is_file():
         saved = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
         loaded = TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"])
-        head = _resumed(loaded, hcfg, checkpoint_path, widen, log)
+        head = _resumed(loaded, hcfg, checkpoint_path, widen, log, seed=cfg.seed)
         optim_state, start_step, total_steps = saved["optimizer"], saved["step"], saved["total_steps"]
         if head.config != loaded.config:  # widened: AdamW's moments were for the narrower LM head
             optim_state = None
@@ -522,7 +555,9 @@ def train_head(
 
         with safe_open(str(out_path), framework="pt") as f:
             record = json.loads((f.metadata() or {}).get("speccycle.train", "{}"))
-        head = _resumed(TrainableEagleHead.from_eagle_head(EagleHead.load(out_path)), hcfg, out_path, widen, log)
+        head = _resumed(
+            TrainableEagleHead.from_eagle_head(EagleHead.load(out_path)), hcfg, out_path, widen, log, seed=cfg.seed
+        )
         start_step, total_steps = int(record.get("step", 0)), int(record.get("total_steps", cfg.steps))
         begin = int(record.get("schedule_begin", 0))
         log(f"[train] resumed weights from {out_path} at step {start_step}/{total_steps} (fresh AdamW moments)")

@@ -481,3 +481,44 @@ def test_the_head_shipped_for_smollm2_loads_and_stays_lossless(model_path):
     results, stats = engine.generate(prompts, 16)
     assert list(results[0].output) == engine.generate_autoregressive(prompts, 16)[0]
     assert stats.tau > 1.0, "a trained head should get some drafts accepted"
+
+
+@pytest.mark.parametrize("name", ["1", "3"])
+def test_resume_with_a_wider_mlp_keeps_the_trained_units_and_the_heads_function(tmp_path, weights, sequences, name):
+    """--resume --v3-intermediate N (or --v1-) of a head with fewer MLP units: the trained units stay, the new
+    ones start with zero down-projection columns, so loss and accuracies are those of the narrow head; training
+    then moves them. A narrower N is refused with what to pass; with a wider draft vocabulary too, both grow."""
+    from speccycle.train import trainer
+
+    version, vocab = HEADS[name]
+    vocab = vocab and 8
+    base = dict(version=version, ttt_steps=2, steps=2, warmup_steps=1, batch_tokens=256, save_every_s=1e9,
+                log_every_s=1e9)  # fmt: skip
+    model = LlamaModel(TINY, weights)
+    out = tmp_path / "h.safetensors"
+    narrow_cfg = TrainConfig(draft_vocab_size=vocab, intermediate_size=16, **base)
+    narrow, _ = trainer.train_head(narrow_cfg, sequences, model, out, log=lambda _: None)
+    wide = trainer.widen_mlp(narrow, 40)
+    assert wide.config == attrs.evolve(narrow.config, intermediate_size=40)
+    for unit in ("gate_proj", "up_proj"):
+        assert torch.equal(wide.w(f"layer.{unit}.weight")[:16], narrow.w(f"layer.{unit}.weight"))
+    assert torch.equal(wide.w("layer.down_proj.weight")[:, :16], narrow.w("layer.down_proj.weight"))
+    assert not wide.w("layer.down_proj.weight")[:, 16:].any() and wide.w("layer.up_proj.weight")[16:].abs().sum() > 0
+    t2d = trainer.draft_ids(narrow, TINY.vocab_size)
+    ids, lengths, prompt_lens = collate(sequences, np.arange(len(sequences)), 640, "cpu")
+    with torch.no_grad():
+        loss_narrow, m_narrow = batch_loss(narrow, model, ids, lengths, prompt_lens, narrow_cfg, t2d)
+        loss_wide, m_wide = batch_loss(wide, model, ids, lengths, prompt_lens, narrow_cfg, t2d)
+    torch.testing.assert_close(loss_wide, loss_narrow)
+    assert m_wide["acc"] == pytest.approx(m_narrow["acc"], abs=1e-6)
+    logs: list[str] = []
+    wider_cfg = TrainConfig(draft_vocab_size=vocab and 20, intermediate_size=40, **base)
+    trained, record = trainer.train_head(wider_cfg, sequences, model, out, log=logs.append, resume=True)
+    assert any("widened" in line and "MLP from 16 to 40" in line for line in logs), logs
+    assert (name == "3") == any("draft vocabulary from 8 to 20" in line for line in logs)
+    loaded = EagleHead.load(out).config
+    assert loaded.intermediate_size == 40 and record["step"] == 4
+    assert loaded.draft_vocab_size == (20 if name == "3" else None)
+    assert trained.w("layer.down_proj.weight")[:, 16:].abs().sum() > 0  # the new units trained
+    with pytest.raises(ValueError, match=">= 40"):
+        trainer.widen_mlp(trained, 16)
