@@ -544,7 +544,7 @@ def train_head(
         loaded = TrainableEagleHead(EagleConfig(**saved["config"]), saved["weights"])
         head = _resumed(loaded, hcfg, checkpoint_path, widen, log, seed=cfg.seed)
         optim_state, start_step, total_steps = saved["optimizer"], saved["step"], saved["total_steps"]
-        if head.config != loaded.config:  # widened: AdamW's moments were for the narrower LM head
+        if head.config != loaded.config:  # widened: AdamW's moments were for the narrower head's tensors
             optim_state = None
         begin = int(saved.get("schedule_begin", 0))
         log(f"[train] resumed from {checkpoint_path} at step {start_step}/{total_steps}")
