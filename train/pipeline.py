@@ -476,15 +476,19 @@ def head_readme(result: dict, head_path: Path) -> str:
     """What ships beside a head: how it was trained (from its file's metadata) and what it measured."""
     from safetensors import safe_open
 
+    from ..engine.drafters.eagle_pack import STORAGE_KEY
+
     with safe_open(str(head_path), framework="pt") as f:
         meta = f.metadata() or {}
+        weight = next(k for k in f.keys() if k.endswith(".weight"))
+        storage = meta.get(STORAGE_KEY) or str(f.get_tensor(weight).dtype).removeprefix("torch.")  # int8 or as saved
     train = json.loads(meta.get("speccycle.train", "{}"))
     entry = next(e for e in result["heads"].values() if Path(e["head"]) == head_path)
     lines = [
         f"# EAGLE-{entry['version']} head for {train.get('target', 'the target')}"
         + (" (logits from the target's final norm and LM head)" if entry.get("lm_head") == "target" else ""),
         "",
-        f"File: `{head_path.name}` ({entry['file_mb']} MB, bfloat16; config in the safetensors metadata "
+        f"File: `{head_path.name}` ({entry['file_mb']} MiB, {storage}; config in the safetensors metadata "
         "`speccycle.eagle`, training record in `speccycle.train`).",
         "",
         "## How it was trained",

@@ -186,6 +186,19 @@ def test_the_shipped_heads_are_packed_documented_and_in_the_package_data():
             meta = f.metadata()
         assert meta.get(STORAGE_KEY) == INT8_ROWWISE, f"{path.name}: ship heads packed (eagle_pack --ship)"
         assert "speccycle.train" in meta and PACK_KEY in meta
-        # every GPU call carries the tracked files (~14 MB in all, this head 7.9 MB of them) beside a 48 MiB
-        # model part in 64 MiB
-        assert path.stat().st_size < 8_500_000, f"{path.name} is too large for the repository"
+        # every GPU call carries the tracked files (16.0 MB in all, this head 9.9 MB of them) beside a 48.5 MB
+        # model part in 64 MiB (67.1 MB): the issue's ~10 MB is also what still fits
+        assert path.stat().st_size < 10_000_000, f"{path.name} is too large for the repository"
+
+
+def test_the_generated_head_readme_names_the_files_storage(tmp_path):
+    from speccycle.train.pipeline import head_readme
+
+    raw = head_file(tmp_path / "head.safetensors")
+    packed = tmp_path / "head.int8.safetensors"
+    pack_file(raw, packed)
+    for path, storage in ((raw, "bfloat16"), (packed, INT8_ROWWISE)):
+        result = {"prompts": 1, "new_tokens": 4, "dtype": "float32", "heads": {
+            "h": {"head": str(path), "version": 3, "file_mb": 0.1, "configs": []}}}  # fmt: skip
+        readme = head_readme(result, path)
+        assert f"(0.1 MiB, {storage};" in readme and TRAIN["command"] in readme
