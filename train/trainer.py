@@ -394,7 +394,7 @@ def widen_mlp(head: TrainableEagleHead, size: int, seed: int = 0, std: float = 0
         )
     extra, h = size - c.intermediate_size, c.hidden_size
     gen = torch.Generator().manual_seed(seed)
-    weights = {k: v.detach().cpu().float() if v.is_floating_point() else v.cpu() for k, v in head.state().items()}
+    weights = {name: value.cpu() for name, value in head.state().items()}  # float32 parameters, detached
     for name in ("layer.gate_proj.weight", "layer.up_proj.weight"):
         weights[name] = torch.cat([weights[name], torch.randn((extra, h), generator=gen) * std])
     weights["layer.down_proj.weight"] = torch.cat([weights["layer.down_proj.weight"], torch.zeros((h, extra))], 1)
