@@ -5,7 +5,9 @@
 One engine per config (chain of 4, forced tau 3; 32-node tree, forced tau 4; as `gpu_bench --parts
 scale`): a warm-up, then one `generate` under torch.profiler; per cycle the kernel time and the top
 kernels, and the same for one autoregressive step at the same row padding. Writes
-``OUT/scale_profile.json`` and one text file of top kernels per config.
+``OUT/scale_profile.json``, one text file of top kernels per config and one timeline per config: every
+kernel of the profiled call in launch order (start, idle gap before it, duration, name), so a cycle's
+draft levels, verify, accept and extend can be read apart.
 """
 
 from __future__ import annotations
@@ -18,6 +20,22 @@ import torch
 
 from .decode_profile import kernel_times
 from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
+
+
+def timeline(prof) -> list[str]:
+    """The profiled GPU kernels in start order: ``start_us gap_us dur_us name`` (times from the first kernel)."""
+    events = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not events:
+        return []
+    t0, prev_end, lines = events[0][0], events[0][0], []
+    for start, end, name in events:
+        lines.append(f"{start - t0:10.1f} {max(0.0, start - prev_end):7.1f} {end - start:8.1f}  {name[:110]}")
+        prev_end = max(prev_end, end)
+    return lines
 
 
 def main() -> None:
@@ -64,6 +82,7 @@ def main() -> None:
             top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:40]
             lines = [f"{t / steps:9.1f} {n / steps:9.2f}  {name[:150]}" for name, (t, n) in top]
             (args.out / f"scale_profile-{label}-{way}.txt").write_text("\n".join(lines) + "\n")
+            (args.out / f"scale_profile-{label}-{way}-timeline.txt").write_text("\n".join(timeline(prof)) + "\n")
             row = {"config": label, "way": way, "steps": steps, "gpu_us_per_step": round(total / steps, 1),
                    "kernels_per_step": round(sum(n for _, n in per_name.values()) / steps, 1)}  # fmt: skip
             rows.append(row)
