@@ -52,6 +52,7 @@ ROWS = {
     "32": (32, 0),
     "verify16": (16, 0),
     "verify32": (32, 0),
+    "tree32": (32, 0),  # a 32-node tree verify: row i's extra slots are its ancestors in a binary heap, and itself
 }
 CONTEXTS = (128, 512, 2048, 8192)
 # name -> keyword options of paged_attention_rows_triton ({} = the defaults)
@@ -75,6 +76,29 @@ VARIANTS = {
     "tiles": dict(kernel="tiles"),
     "tiles-r2": dict(kernel="tiles", rows_per_tile=2),
     "tiles-p64": dict(kernel="tiles", programs=64),
+    # launch choices of the tile kernel (no bit changes): programs per (tile, KV head), pipelining stages, rows
+    "tiles-r1": dict(kernel="tiles", rows_per_tile=1),
+    "tiles-p2": dict(kernel="tiles", programs=2),
+    "tiles-p4": dict(kernel="tiles", programs=4),
+    "tiles-p8": dict(kernel="tiles", programs=8),
+    "tiles-s1": dict(kernel="tiles", num_stages=1),
+    "tiles-s2": dict(kernel="tiles", num_stages=2),
+    "tiles-s4": dict(kernel="tiles", num_stages=4),
+    "tiles-p4-s1": dict(kernel="tiles", programs=4, num_stages=1),
+    "tiles-s3": dict(kernel="tiles", num_stages=3),  # Triton's default stages (the tile kernel's before session 16)
+    "tiles-s3-p17": dict(kernel="tiles", num_stages=3, programs=17),  # the launch before session 16 at 32 rows
+    "tiles-p5": dict(kernel="tiles", programs=5),
+    "tiles-p17": dict(kernel="tiles", programs=17),
+    "tiles-r168": dict(kernel="tiles", maxnreg=168),  # 3 programs a multiprocessor
+    "tiles-r128": dict(kernel="tiles", maxnreg=128),  # 4
+    "tiles-p8-r168": dict(kernel="tiles", programs=8, maxnreg=168),
+    "tiles-p6-r168": dict(kernel="tiles", programs=6, maxnreg=168),
+    # constants of the tile kernel (bits change: decode and verify must share them)
+    "tiles-b64": dict(kernel="tiles", block_n=64, chunk=64),
+    "tiles-c128": dict(kernel="tiles", chunk=128),
+    "tiles-b64-c128": dict(kernel="tiles", block_n=64, chunk=128),
+    "tiles-w2": dict(kernel="tiles", num_warps=2),
+    "tiles-w8": dict(kernel="tiles", num_warps=8),
 }
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs
@@ -88,7 +112,7 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
     """Tensors of one call: decode rows (one request each) or a chain verify of one request (16 or 32 rows)."""
     heads, kv_heads, dim = MODELS[model]
     live, pad = ROWS[rows]
-    verify = rows.startswith("verify")
+    verify = rows.startswith(("verify", "tree"))
     requests = 1 if verify else live
     keys = ctx + (live if verify else 0)  # positions a request holds (a verify's rows write theirs after ctx)
     pages = -(-keys // PAGE)
@@ -108,7 +132,15 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
         extra = torch.full((total, live), -1, dtype=torch.long)
         own = [int(page_table[0, p // PAGE]) * PAGE + p % PAGE for p in range(ctx, ctx + live)]
         for i in range(live):
-            extra[i, : i + 1] = torch.tensor(own[: i + 1])
+            if rows.startswith("tree"):
+                path, node = [], i
+                while node > 0:
+                    path.append(node)
+                    node = (node - 1) // 2
+                path = sorted([0, *path])
+                extra[i, path] = torch.tensor([own[n] for n in path])
+            else:
+                extra[i, : i + 1] = torch.tensor(own[: i + 1])
     else:
         row_request[:live] = torch.arange(live)
         prefix[:live] = ctx
@@ -147,9 +179,13 @@ def time_part(models, variants, contexts, rows_cases, tables) -> list[dict]:
                     case = rows_case(model, rows, ctx, table, torch.bfloat16, gen)
                     reference = twin(case["args"], case["keys"])
                     row = {"model": model, "rows": rows, "ctx": ctx, "table": table, "us": {}, "max_err": {}}
+                    tiles = attend(case["args"], VARIANTS["tiles"])  # launch choices keep its bits, constants not
+                    row["same_bits_as_tiles"] = {}
                     for name in variants:
                         options = VARIANTS[name]
-                        got = attend(case["args"], options).float()
+                        got = attend(case["args"], options)
+                        row["same_bits_as_tiles"][name] = torch.equal(got, tiles)
+                        got = got.float()
                         err = (got - reference).abs().max().item()
                         row["max_err"][name] = err
                         if not err <= 2e-2:
@@ -162,6 +198,25 @@ def time_part(models, variants, contexts, rows_cases, tables) -> list[dict]:
                     out.append(row)
                     del case, reference
                     torch.cuda.empty_cache()
+    return out
+
+
+def compiled_kernels() -> list[dict]:
+    """Registers, spills and shared memory of every compiled attention kernel (occupancy: what limits it)."""
+    from speccycle.engine import attention_tiles, attention_triton
+
+    out = []
+    for module, name in ((attention_tiles, "_paged_attention_tile_kernel"),
+                         (attention_triton, "_paged_attention_kernel")):  # fmt: skip
+        kernel = getattr(module, name, None)
+        for caches in getattr(kernel, "device_caches", {}).values():
+            for compiled in caches[0].values():
+                meta = compiled.metadata
+                row = {"kernel": name, "num_warps": meta.num_warps, "num_stages": meta.num_stages,
+                       "n_regs": getattr(compiled, "n_regs", None), "n_spills": getattr(compiled, "n_spills", None),
+                       "shared": meta.shared}  # fmt: skip
+                out.append(row)
+                say("[compiled]", row)
     return out
 
 
@@ -250,6 +305,11 @@ def main() -> None:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
     parser.add_argument("--tables", default="tight,wide")
+    parser.add_argument(
+        "--bitwise-variants",
+        default=None,
+        help="variants the bitwise part checks (default: single, split and tiles among --variants)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_bench needs a CUDA GPU")
@@ -275,8 +335,11 @@ def main() -> None:
         totals = {name: round(sum(r["us"][name] for r in payload["time"]), 1) for name in variants}
         payload["total_us_by_variant"] = totals
         say("total us over all cases:", totals)
+        payload["compiled"] = compiled_kernels()
     if "bitwise" in parts:
         checked = [v for v in ("single", "split", "tiles") if v in variants] or variants[:1]
+        if args.bitwise_variants:
+            checked = args.bitwise_variants.split(",")
         payload["bitwise"] = bitwise_part(models, checked)
     payload["failures"] = FAILURES
     path = write_result("attention_bench", payload, device=DEVICE, directory=args.out)

@@ -67,6 +67,15 @@ if triton is not None:
 # launch, decode included: decode attention at the 8B shape went from 15.4 to 27.6 µs, bench/results/
 # attention_bench-H100-tiles64-*.json.)
 TILE_LINES = 16
+# Programs of this kernel resident on one multiprocessor (its ~235 registers a thread, 4 warps): the default
+# launch of a verify's tiles aims at one wave of them (`default_tile_programs`).
+RESIDENT_TILE_PROGRAMS = 2
+# Software-pipelining stages of the launch (speed only: the same bits). A chunk is 2 blocks of keys, too few
+# for prefetching to pay, while the stages' shared memory and registers cost residency. Measured on an H200 at
+# the 8B shape (`attention_bench`, 4 warps): 1 stage against Triton's default 3, decode rows 12.8 / 16.5 /
+# 21.0 against 14.6 / 19.2 / 24.8 µs at 512 / 1,024 / 2,048 keys, 32 tree-verify rows 35.1 / 45.4 / 63.1
+# against 39.5 / 53.6 / 72.2 (bench/results/attention_bench-H200-tile-launch-*.json).
+NUM_STAGES = 1
 
 
 if triton is not None:
@@ -215,6 +224,27 @@ if triton is not None:
                                       HEAD_DIM)  # fmt: skip
 
 
+def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_per_tile: int, items: int) -> int:
+    """Programs per (tile, KV head) of the default launch; speed only (any count gives the same bits).
+
+    Tiles of one row (decode rows, mostly padding in a decode graph's bucket): about `PROGRAMS_PER_SM` per
+    multiprocessor, as the rows kernel, so a lone real row still gets a program per chunk. Tiles of several
+    rows (a verify's, all real): `RESIDENT_TILE_PROGRAMS` per multiprocessor, one wave: the kernel holds
+    ~235 registers a thread (2 programs of 4 warps fit a multiprocessor), and a program's chunks are
+    latency-bound, so more programs run in rounds. Measured on an H200 at the 8B shape, 32 tree-verify rows
+    (8 tiles x 8 KV heads), one pipelining stage: 4 programs a (tile, KV head) took 29.7 / 40.5 / 59.4 µs at
+    512 / 1,024 / 2,048 keys against 35.1 / 45.4 / 63.1 with 17 (`PROGRAMS_PER_SM`), while a decode row with 4
+    took 15.5 / 24.3 / 47.0 against 12.8 / 16.5 / 21.0 (bench/results/attention_bench-H200-tile-launch-*.json).
+    The interpreter: every item its own program.
+    """
+    if device.type != "cuda":
+        return items
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    if rows_per_tile > 1:
+        return max(1, RESIDENT_TILE_PROGRAMS * sms // (tiles * kv_heads))
+    return -(-PROGRAMS_PER_SM * sms // (tiles * kv_heads))
+
+
 def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LINES) -> int:
     """Rows a tile takes when the caller does not say: rows with extra slots are a verify's (``N`` rows of
     a request, ``N`` extra columns), so the largest divisor of ``num_extra`` that fits keeps tiles inside
@@ -242,13 +272,18 @@ def paged_attention_tiles_triton(
     chunk: int = CHUNK,
     max_chunks: int = MAX_CHUNKS,
     block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int | None = NUM_STAGES,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
-    ``rows_per_tile`` (default `default_rows_per_tile`) and ``programs`` (per tile and KV head; default:
-    about `PROGRAMS_PER_SM` per multiprocessor) move work only. ``tile_lines``, ``chunk``, ``max_chunks``,
-    ``block_n`` set the bits: rows agree bitwise only between calls with the same four (and with the rows
-    kernel at its defaults only for the defaults here).
+    ``rows_per_tile`` (default `default_rows_per_tile`), ``programs`` (per tile and KV head; default
+    `default_tile_programs`), ``num_stages`` (Triton's software pipelining; None: Triton's default) and
+    ``maxnreg`` (a cap on registers per thread: more programs resident per multiprocessor) move work only.
+    ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n`` and ``num_warps`` (the tensor-core instruction
+    layout) set the bits: rows agree bitwise only between calls with the same five (and with the rows kernel
+    at its defaults only for the defaults here).
     """
     if triton is None:
         raise RuntimeError("paged_attention_tiles_triton needs triton: pip install triton, or use the torch path")
@@ -271,6 +306,9 @@ def paged_attention_tiles_triton(
                          f"({tile_lines} lines of {group} heads)")  # fmt: skip
     if programs is not None and programs < 1:
         raise ValueError(f"paged_attention_tiles_triton: programs={programs} must be at least 1")
+    if num_warps < 1 or num_warps & (num_warps - 1) or (num_stages is not None and num_stages < 1):
+        raise ValueError(f"paged_attention_tiles_triton: num_warps={num_warps} must be a power of two and "
+                         f"num_stages={num_stages} at least 1")  # fmt: skip
     if q.is_cuda and head_dim < MIN_TRITON_HEAD_DIM:
         bound = page_table.shape[1] * page_size if kv_bound is None else kv_bound
         return paged_attention_rows_torch(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
@@ -301,11 +339,7 @@ def paged_attention_tiles_triton(
     tail = min(chunk_bound, 1 + -(-(rows - 1 + num_extra) // chunk))
     items = chunk_bound + rows * tail
     if programs is None:
-        if q.device.type == "cuda":
-            sms = _multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
-            programs = -(-PROGRAMS_PER_SM * sms // (tiles * num_kv_heads))
-        else:
-            programs = items  # the interpreter: every item its own program
+        programs = default_tile_programs(q.device, tiles, num_kv_heads, rows, items)
     programs = max(1, min(programs, items))
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
     stride_et = extra_slots.stride(0) if num_extra else 0
@@ -317,7 +351,8 @@ def paged_attention_tiles_triton(
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=4,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
         _paged_attention_combine_kernel[(num_rows, num_heads)](
