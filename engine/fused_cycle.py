@@ -53,7 +53,7 @@ from ..backends.registry import get_backend
 from ..core.config import SpecConfig
 from ..core.ports import ModelOutput
 from ..core.records import Ready
-from ..core.tree import draft_scratch_offsets, retrieve_links
+from ..core.tree import draft_scratch_offsets
 from ..statemachine.transitions import draft_levels
 from .cycle_kernels import (
     EXTEND_FIELDS,
@@ -71,6 +71,36 @@ from .graphs import GraphPool, RowInputs, batch_inputs, bucket
 # runs once more after the last request finished: 2 cost a second idle cycle per generate call.
 LOOKAHEAD = 1
 MAX_STOPS = 8
+
+
+def forced_walk(tokens: torch.Tensor, parents: torch.Tensor | None, accept: torch.Tensor, steps: int) -> torch.Tensor:
+    """Target predictions that make the greedy walk accept exactly ``accept`` rows (benchmarks: forced tau).
+
+    ``tokens [B, N]`` the verify's rows, ``parents [B, N]`` a tree's (None: a chain, row ``i``'s parent is
+    ``i - 1``), ``accept [1]`` the rows to accept (the bonus row included), ``steps`` the walk's longest run
+    (``accept_width - 1``). The path is each tree's first-child path from the root: row ``r`` on it predicts
+    its first child's token while fewer than ``accept`` rows are taken, every other row predicts -1 (no
+    token), so the walk stops there or at a leaf. A few whole-tensor ops (about 4 + ``steps`` kernels for a
+    tree, 3 for a chain) instead of a loop of 7 small ops a step: inside the fused graph the loop's kernels
+    cost a 32-node tree ~150 µs a cycle at the 8B shape (bench/results/scale_profile-*/), a cost the real
+    verify's walk does not have.
+    """
+    B, N = tokens.shape
+    offs = torch.arange(N, device=tokens.device)
+    if parents is None:  # the first-child path is rows 0, 1, ..., N - 1: row i predicts row i + 1's token
+        return torch.where(offs + 1 < accept, tokens.roll(-1, 1), -1)
+    # first child of each row (N: a leaf), and a sentinel column N whose child is itself and whose token is -1
+    first = torch.where(parents[:, None, :] == offs[None, :, None], offs, N).amin(-1)
+    first = torch.nn.functional.pad(first, (0, 1), value=N)
+    tok = torch.nn.functional.pad(tokens, (0, 1), value=-1)
+    path = [torch.zeros((B, 1), dtype=torch.long, device=tokens.device)]
+    for _ in range(steps):
+        path.append(first.gather(1, path[-1]))  # past a leaf: the sentinel
+    path = torch.cat(path, 1)  # [B, steps + 1]
+    take = offs[:steps] + 1 < accept
+    walk = torch.full_like(tok, -1)
+    walk.scatter_(1, path[:, :-1], torch.where(take, tok.gather(1, path[:, 1:]), -1))  # the sentinel: only -1s
+    return walk[:, :N]
 
 
 def serves(draft, spec: SpecConfig, sampling, device: torch.device) -> bool:
@@ -274,20 +304,8 @@ class FusedCycles:
 
     def _forced_walk(self, st: _State, cur: dict, tokens: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
         """Predictions that make the greedy walk take ``st.forced[cycle]`` rows of the first-child path."""
-        B, N = tokens.shape
         accept = st.forced.index_select(0, cur["cycle"])  # [1]
-        if parents is None:
-            first_child = (st.offs + 1).expand(B, N)
-        else:
-            first_child = retrieve_links(parents)[0]
-        walk = torch.full_like(tokens, -1)
-        row = torch.zeros((B, 1), dtype=torch.long, device=tokens.device)
-        for i in range(self.spec.accept_width - 1):
-            child = first_child.gather(1, row)  # -1: a leaf, the path ends there
-            take = (i + 1 < accept) & (child >= 0)
-            walk.scatter_(1, row, torch.where(take, tokens.gather(1, child.clamp(min=0)), walk.gather(1, row)))
-            row = torch.where(child >= 0, child, row)
-        return walk
+        return forced_walk(tokens, parents, accept, self.spec.accept_width - 1)
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy target KV slot ``src[m]`` to ``dst[m]``, negatives skipped, all reads before any write."""
