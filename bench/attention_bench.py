@@ -93,6 +93,10 @@ VARIANTS = {
     "tiles-r128": dict(kernel="tiles", maxnreg=128),  # 4
     "tiles-p8-r168": dict(kernel="tiles", programs=8, maxnreg=168),
     "tiles-p6-r168": dict(kernel="tiles", programs=6, maxnreg=168),
+    "tiles-p8-r128": dict(kernel="tiles", programs=8, maxnreg=128),
+    "tiles-p12-r128": dict(kernel="tiles", programs=12, maxnreg=128),
+    "tiles-r96": dict(kernel="tiles", maxnreg=96),  # 5
+    "tiles-p10-r96": dict(kernel="tiles", programs=10, maxnreg=96),
     # constants of the tile kernel (bits change: decode and verify must share them)
     "tiles-b64": dict(kernel="tiles", block_n=64, chunk=64),
     "tiles-c128": dict(kernel="tiles", chunk=128),
