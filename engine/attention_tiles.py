@@ -67,14 +67,15 @@ if triton is not None:
 # launch, decode included: decode attention at the 8B shape went from 15.4 to 27.6 µs, bench/results/
 # attention_bench-H100-tiles64-*.json.)
 TILE_LINES = 16
-# Programs of this kernel resident on one multiprocessor (its ~235 registers a thread, 4 warps): the default
-# launch of a verify's tiles aims at one wave of them (`default_tile_programs`).
-RESIDENT_TILE_PROGRAMS = 2
-# Software-pipelining stages of the launch (speed only: the same bits). A chunk is 2 blocks of keys, too few
-# for prefetching to pay, while the stages' shared memory and registers cost residency. Measured on an H200 at
-# the 8B shape (`attention_bench`, 4 warps): 1 stage against Triton's default 3, decode rows 12.8 / 16.5 /
-# 21.0 against 14.6 / 19.2 / 24.8 µs at 512 / 1,024 / 2,048 keys, 32 tree-verify rows 35.1 / 45.4 / 63.1
-# against 39.5 / 53.6 / 72.2 (bench/results/attention_bench-H200-tile-launch-*.json).
+# Registers a thread of the default launch may hold (speed only: the same bits). Uncapped the kernel takes
+# ~231, so 2 programs of 4 warps fit a multiprocessor; at 128 (a few spills) 4 fit, and a program's chunks are
+# latency-bound (2 key blocks each), so residency pays more than the spills cost.
+MAXNREG = 128
+# Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
+# aims at one wave of them (`default_tile_programs`).
+RESIDENT_TILE_PROGRAMS = 4
+# Software-pipelining stages of the launch (speed only). A chunk is 2 blocks of keys, too few for
+# prefetching to pay, while the stages' shared memory and registers cost residency.
 NUM_STAGES = 1
 
 
@@ -229,13 +230,21 @@ def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_
 
     Tiles of one row (decode rows, mostly padding in a decode graph's bucket): about `PROGRAMS_PER_SM` per
     multiprocessor, as the rows kernel, so a lone real row still gets a program per chunk. Tiles of several
-    rows (a verify's, all real): `RESIDENT_TILE_PROGRAMS` per multiprocessor, one wave: the kernel holds
-    ~235 registers a thread (2 programs of 4 warps fit a multiprocessor), and a program's chunks are
-    latency-bound, so more programs run in rounds. Measured on an H200 at the 8B shape, 32 tree-verify rows
-    (8 tiles x 8 KV heads), one pipelining stage: 4 programs a (tile, KV head) took 29.7 / 40.5 / 59.4 µs at
-    512 / 1,024 / 2,048 keys against 35.1 / 45.4 / 63.1 with 17 (`PROGRAMS_PER_SM`), while a decode row with 4
-    took 15.5 / 24.3 / 47.0 against 12.8 / 16.5 / 21.0 (bench/results/attention_bench-H200-tile-launch-*.json).
-    The interpreter: every item its own program.
+    rows (a verify's, all real): `RESIDENT_TILE_PROGRAMS` per multiprocessor, one wave, since a program's
+    chunks are latency-bound and more programs than fit run in rounds. The interpreter: every item its own
+    program.
+
+    Measured on an H200 at the 8B shape (`attention_bench`, µs per call at 512 / 1,024 / 2,048 keys; every
+    launch gave the tile kernel's bits, `same_bits_as_tiles`):
+
+    | launch (stages, registers, verify programs) | 32 tree-verify rows | 1 decode row + 7 padding | 6 decode rows |
+    | --- | --- | --- | --- |
+    | before: 3, uncapped, 17 | 39.5 / 53.6 / 72.0 | 14.7 / 19.3 / 25.1 | 20.4 / 30.4 / 54.4 |
+    | 1, uncapped, 4 (2 resident) | 29.7 / 40.6 / 59.4 | 12.5 / 16.5 / 21.1 | 17.7 / 26.4 / 52.7 |
+    | 1, 128, 8 (4 resident): the default | 27.8 / 36.9 / 50.1 | 12.5 / 15.3 / 21.6 | 14.1 / 24.3 / 39.4 |
+
+    (bench/results/attention_bench-H200-tile-launch-*.json, the second run; decode rows take the one-row
+    count in every launch.)
     """
     if device.type != "cuda":
         return items
@@ -274,13 +283,14 @@ def paged_attention_tiles_triton(
     block_n: int = BLOCK_N,
     num_warps: int = 4,
     num_stages: int | None = NUM_STAGES,
-    maxnreg: int | None = None,
+    maxnreg: int | None = MAXNREG,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
     ``rows_per_tile`` (default `default_rows_per_tile`), ``programs`` (per tile and KV head; default
     `default_tile_programs`), ``num_stages`` (Triton's software pipelining; None: Triton's default) and
-    ``maxnreg`` (a cap on registers per thread: more programs resident per multiprocessor) move work only.
+    ``maxnreg`` (a cap on registers per thread, None: none; more programs resident per multiprocessor) move
+    work only.
     ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n`` and ``num_warps`` (the tensor-core instruction
     layout) set the bits: rows agree bitwise only between calls with the same five (and with the rows kernel
     at its defaults only for the defaults here).
