@@ -96,6 +96,8 @@ VARIANTS = {
     "tiles-p8-r128": dict(kernel="tiles", programs=8, maxnreg=128),
     "tiles-p12-r128": dict(kernel="tiles", programs=12, maxnreg=128),
     "tiles-r96": dict(kernel="tiles", maxnreg=96),  # 5
+    "tiles-r0": dict(kernel="tiles", maxnreg=0),  # uncapped
+    "tiles-r0-s3": dict(kernel="tiles", maxnreg=0, num_stages=3),
     "tiles-p10-r96": dict(kernel="tiles", programs=10, maxnreg=96),
     # constants of the tile kernel (bits change: decode and verify must share them)
     "tiles-b64": dict(kernel="tiles", block_n=64, chunk=64),

@@ -67,9 +67,11 @@ if triton is not None:
 # launch, decode included: decode attention at the 8B shape went from 15.4 to 27.6 µs, bench/results/
 # attention_bench-H100-tiles64-*.json.)
 TILE_LINES = 16
-# Registers a thread of the default launch may hold (speed only: the same bits). Uncapped the kernel takes
-# ~231, so 2 programs of 4 warps fit a multiprocessor; at 128 (a few spills) 4 fit, and a program's chunks are
-# latency-bound (2 key blocks each), so residency pays more than the spills cost.
+# Registers a thread may hold in the default launch of tiles of several rows (speed only: the same bits).
+# Uncapped the kernel takes ~231, so 2 programs of 4 warps fit a multiprocessor; at 128 (a few spills) 4 fit,
+# and a program's chunks are latency-bound (2 key blocks each), so residency pays more than the spills cost.
+# One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
+# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-*.json).
 MAXNREG = 128
 # Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
 # aims at one wave of them (`default_tile_programs`).
@@ -241,10 +243,11 @@ def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_
     | --- | --- | --- | --- |
     | before: 3, uncapped, 17 | 39.5 / 53.6 / 72.0 | 14.7 / 19.3 / 25.1 | 20.4 / 30.4 / 54.4 |
     | 1, uncapped, 4 (2 resident) | 29.7 / 40.6 / 59.4 | 12.5 / 16.5 / 21.1 | 17.7 / 26.4 / 52.7 |
-    | 1, 128, 8 (4 resident): the default | 27.8 / 36.9 / 50.1 | 12.5 / 15.3 / 21.6 | 14.1 / 24.3 / 39.4 |
+    | 1, 128, 8 (4 resident) | 27.8 / 36.9 / 50.1 | 12.5 / 15.3 / 21.6 | 14.1 / 24.3 / 39.4 |
 
     (bench/results/attention_bench-H200-tile-launch-*.json, the second run; decode rows take the one-row
-    count in every launch.)
+    count in every launch.) The default is the last row for a verify's tiles and the second for one-row
+    tiles (`MAXNREG`).
     """
     if device.type != "cuda":
         return items
@@ -283,14 +286,14 @@ def paged_attention_tiles_triton(
     block_n: int = BLOCK_N,
     num_warps: int = 4,
     num_stages: int | None = NUM_STAGES,
-    maxnreg: int | None = MAXNREG,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
     ``rows_per_tile`` (default `default_rows_per_tile`), ``programs`` (per tile and KV head; default
     `default_tile_programs`), ``num_stages`` (Triton's software pipelining; None: Triton's default) and
-    ``maxnreg`` (a cap on registers per thread, None: none; more programs resident per multiprocessor) move
-    work only.
+    ``maxnreg`` (a cap on registers per thread, for more programs resident per multiprocessor; None: `MAXNREG`
+    for tiles of several rows, none for one-row tiles; 0: none) move work only.
     ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n`` and ``num_warps`` (the tensor-core instruction
     layout) set the bits: rows agree bitwise only between calls with the same five (and with the rows kernel
     at its defaults only for the defaults here).
@@ -319,6 +322,9 @@ def paged_attention_tiles_triton(
     if num_warps < 1 or num_warps & (num_warps - 1) or (num_stages is not None and num_stages < 1):
         raise ValueError(f"paged_attention_tiles_triton: num_warps={num_warps} must be a power of two and "
                          f"num_stages={num_stages} at least 1")  # fmt: skip
+    if maxnreg is not None and maxnreg < 0:
+        raise ValueError(f"paged_attention_tiles_triton: maxnreg={maxnreg} must be None (the default), 0 (none) "
+                         "or a register count")  # fmt: skip
     if q.is_cuda and head_dim < MIN_TRITON_HEAD_DIM:
         bound = page_table.shape[1] * page_size if kv_bound is None else kv_bound
         return paged_attention_rows_torch(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
@@ -351,6 +357,8 @@ def paged_attention_tiles_triton(
     if programs is None:
         programs = default_tile_programs(q.device, tiles, num_kv_heads, rows, items)
     programs = max(1, min(programs, items))
+    if maxnreg is None:  # a verify's tiles: residency pays; a lone decode row's few programs only lose to spills
+        maxnreg = MAXNREG if rows > 1 else 0
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
     stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
@@ -362,7 +370,7 @@ def paged_attention_tiles_triton(
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
         _paged_attention_combine_kernel[(num_rows, num_heads)](
