@@ -5,15 +5,17 @@
 One engine per config (chain of 4, forced tau 3; 32-node tree, forced tau 4; as `gpu_bench --parts
 scale`): a warm-up, then one `generate` under torch.profiler; per cycle the kernel time and the top
 kernels, and the same for one autoregressive step at the same row padding. Writes
-``OUT/scale_profile.json``, one text file of top kernels per config and one timeline per config: every
-kernel of the profiled call in launch order (start, idle gap before it, duration, name), so a cycle's
-draft levels, verify, accept and extend can be read apart.
+``OUT/scale_profile.json`` (with one fused cycle's time by phase and kernel kind, `cycle_breakdown`), one
+text file of top kernels per config and one timeline per config: every kernel of the profiled call in
+launch order (start, idle gap before it, duration, name), so a cycle's draft levels, verify, accept and
+extend can be read apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -22,13 +24,17 @@ from .decode_profile import kernel_times
 from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
 
 
-def timeline(prof) -> list[str]:
-    """The profiled GPU kernels in start order: ``start_us gap_us dur_us name`` (times from the first kernel)."""
-    events = sorted(
+def kernel_events(prof) -> list[tuple[float, float, str]]:
+    """The profiled GPU kernels and copies as ``(start_us, end_us, name)``, in start order."""
+    return sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     )
+
+
+def timeline(events: list[tuple[float, float, str]]) -> list[str]:
+    """``start_us gap_us dur_us name`` per kernel of `kernel_events` (times from the first kernel)."""
     if not events:
         return []
     t0, prev_end, lines = events[0][0], events[0][0], []
@@ -36,6 +42,51 @@ def timeline(prof) -> list[str]:
         lines.append(f"{start - t0:10.1f} {max(0.0, start - prev_end):7.1f} {end - start:8.1f}  {name[:110]}")
         prev_end = max(prev_end, end)
     return lines
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's kind in a cycle breakdown: attention, GEMM (cuBLAS), other Triton kernels, small torch ops."""
+    if "attention" in name:
+        return "attention"
+    if name.startswith(("nvjet", "sm90_", "ampere_", "cutlass")) or "gemm" in name.lower() or "splitKreduce" in name:
+        return "gemm"
+    if name.startswith(("void", "Memcpy", "Memset")):
+        return "torch"
+    return "triton"
+
+
+def cycle_breakdown(events: list[tuple[float, float, str]]) -> dict:
+    """One fused cycle's GPU time by phase and kind: the median over the profiled cycles but the first and last.
+
+    Phases, cut at kernels every cycle runs once: ``accept+extend`` from `_accept_commit_kernel` (the walk's
+    commit, a tree's KV move, the draft extend and its top-K), ``draft levels`` from `_cycle_slots_kernel`
+    (the draft steps, a tree's rerank), ``verify`` from `_verify_rows_kernel` (the target forward, its argmax
+    and, forced, the walk's predictions) up to the next cycle's `_accept_commit_kernel`. Wall time per phase
+    (first kernel's start to the next phase's), with the kernels' own time by kind.
+    """
+    marks = {"_accept_commit_kernel": "accept+extend", "_cycle_slots_kernel": "draft levels",
+             "_verify_rows_kernel": "verify"}  # fmt: skip
+    starts = [i for i, e in enumerate(events) if e[2] == "_accept_commit_kernel"]
+    cycles = []
+    for a, b in zip(starts[1:-2], starts[2:-1]):
+        phase, out = None, {}
+        for i in range(a, b):
+            start, end, name = events[i]
+            phase = marks.get(name, phase)
+            row = out.setdefault(phase, {"wall_us": 0.0, "kernels": 0})
+            row["wall_us"] += events[i + 1][0] - start
+            row["kernels"] += 1
+            row[kernel_kind(name)] = row.get(kernel_kind(name), 0.0) + end - start
+        out["cycle"] = {"wall_us": events[b][0] - events[a][0], "kernels": b - a}
+        cycles.append(out)
+    if not cycles:
+        return {}
+    median = {}
+    for phase in cycles[len(cycles) // 2]:
+        keys = {k for c in cycles for k in c.get(phase, {})}
+        median[phase] = {k: round(statistics.median(c.get(phase, {}).get(k, 0.0) for c in cycles), 1) for k in keys}
+    median["cycles"] = len(cycles)
+    return median
 
 
 def main() -> None:
@@ -82,9 +133,12 @@ def main() -> None:
             top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:40]
             lines = [f"{t / steps:9.1f} {n / steps:9.2f}  {name[:150]}" for name, (t, n) in top]
             (args.out / f"scale_profile-{label}-{way}.txt").write_text("\n".join(lines) + "\n")
-            (args.out / f"scale_profile-{label}-{way}-timeline.txt").write_text("\n".join(timeline(prof)) + "\n")
+            events = kernel_events(prof)
+            (args.out / f"scale_profile-{label}-{way}-timeline.txt").write_text("\n".join(timeline(events)) + "\n")
             row = {"config": label, "way": way, "steps": steps, "gpu_us_per_step": round(total / steps, 1),
                    "kernels_per_step": round(sum(n for _, n in per_name.values()) / steps, 1)}  # fmt: skip
+            if way == "fused":
+                row["cycle"] = cycle_breakdown(events)
             rows.append(row)
             print(json.dumps(row), flush=True)
             print("\n".join(lines[:12]), flush=True)

@@ -1,0 +1,39 @@
+"""`bench.scale_profile.cycle_breakdown`: a fused cycle's GPU time cut into its phases at the kernels every cycle
+runs once, on a synthetic kernel timeline (the GPU run's timelines are in bench/results/scale_profile-*)."""
+
+from __future__ import annotations
+
+from bench.scale_profile import cycle_breakdown, kernel_kind, timeline
+
+
+def cycles(n: int) -> list[tuple[float, float, str]]:
+    """``n`` cycles of 100 µs: accept+extend 20 µs (a GEMM of 10), draft levels 30 (attention 5, a GEMM of 20),
+    verify 50 (a GEMM of 40, a torch op of 2); each phase's kernels back to back from its start."""
+    phases = ((0, (("_accept_commit_kernel", 4), ("nvjet_tst_64x8", 10))),
+              (20, (("_cycle_slots_kernel", 4), ("_paged_attention_tile_kernel", 5), ("nvjet_tst_128x8", 20))),
+              (50, (("_verify_rows_kernel", 2), ("nvjet_tst_512x32", 40), ("void at::native::argmax", 2))))  # fmt: skip
+    events = []
+    for c in range(n):
+        for offset, kernels in phases:
+            t = 100.0 * c + offset
+            for name, dur in kernels:
+                events.append((t, t + dur, name))
+                t += dur
+    return events
+
+
+def test_a_cycle_is_cut_into_its_phases_and_kinds():
+    got = cycle_breakdown(cycles(6))
+    assert got["cycles"] == 3  # the first and the last two cut off: partial or warm-up
+    assert got["cycle"] == {"wall_us": 100.0, "kernels": 8}
+    assert got["accept+extend"]["wall_us"] == 20.0 and got["accept+extend"]["gemm"] == 10.0
+    assert got["draft levels"] == {"wall_us": 30.0, "kernels": 3, "triton": 4.0, "attention": 5.0, "gemm": 20.0}
+    assert got["verify"]["wall_us"] == 50.0 and got["verify"]["gemm"] == 40.0 and got["verify"]["torch"] == 2.0
+
+
+def test_too_short_a_profile_has_no_cycle_and_the_timeline_keeps_gaps():
+    assert cycle_breakdown(cycles(2)) == {}
+    lines = timeline([(10.0, 12.0, "a"), (15.0, 16.5, "b")])
+    assert [line.split()[:3] for line in lines] == [["0.0", "0.0", "2.0"], ["5.0", "3.0", "1.5"]]
+    assert [kernel_kind(n) for n in ("nvjet_x", "_paged_attention_combine_kernel", "void at::x", "_topk")] == [
+        "gemm", "attention", "torch", "triton"]  # fmt: skip
