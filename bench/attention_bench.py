@@ -51,6 +51,7 @@ ROWS = {
     "6": (6, 0),
     "32": (32, 0),
     "verify16": (16, 0),
+    "verify24": (24, 0),
     "verify32": (32, 0),
     "tree32": (32, 0),  # a 32-node tree verify: row i's extra slots are its ancestors in a binary heap, and itself
 }
@@ -72,6 +73,12 @@ VARIANTS = {
     "split-w4": dict(num_warps=4),
     "split-w8": dict(num_warps=8),
     "b64-c64-m32-w2": dict(block_n=64, chunk=64, max_chunks=32, num_warps=2),
+    # launch choices of the rows kernel (no bit changes): pipelining stages, a register cap
+    "split-s1": dict(num_stages=1),
+    "split-s2": dict(num_stages=2),
+    "split-s4": dict(num_stages=4),
+    "split-r96": dict(maxnreg=96),
+    "split-s1-r96": dict(num_stages=1, maxnreg=96),
     # the tile kernel (engine/attention_tiles.py): a verify's rows share their request's prefix blocks
     "tiles": dict(kernel="tiles"),
     "tiles-r2": dict(kernel="tiles", rows_per_tile=2),
@@ -185,12 +192,14 @@ def time_part(models, variants, contexts, rows_cases, tables) -> list[dict]:
                     case = rows_case(model, rows, ctx, table, torch.bfloat16, gen)
                     reference = twin(case["args"], case["keys"])
                     row = {"model": model, "rows": rows, "ctx": ctx, "table": table, "us": {}, "max_err": {}}
-                    tiles = attend(case["args"], VARIANTS["tiles"])  # launch choices keep its bits, constants not
-                    row["same_bits_as_tiles"] = {}
+                    # launch choices keep a kernel's bits, constants not
+                    tiles, split = attend(case["args"], VARIANTS["tiles"]), attend(case["args"], VARIANTS["split"])
+                    row["same_bits_as_tiles"], row["same_bits_as_split"] = {}, {}
                     for name in variants:
                         options = VARIANTS[name]
                         got = attend(case["args"], options)
                         row["same_bits_as_tiles"][name] = torch.equal(got, tiles)
+                        row["same_bits_as_split"][name] = torch.equal(got, split)
                         got = got.float()
                         err = (got - reference).abs().max().item()
                         row["max_err"][name] = err

@@ -457,6 +457,8 @@ def paged_attention_rows_triton(
     programs_per_row: int | None = None,
     fused_combine: bool = True,
     num_warps: int | None = None,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
 
@@ -472,7 +474,8 @@ def paged_attention_rows_triton(
     the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
     benchmarks compare them). Either way a row's output is a function of its own chunks only.
     ``num_warps``: warps per program (default `default_num_warps`), for benchmarks; rows agree bitwise
-    only between calls with the same count.
+    only between calls with the same count. ``num_stages`` (Triton's software pipelining; None: Triton's
+    default) and ``maxnreg`` (a cap on registers per thread; None: none) change the launch only.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
@@ -584,6 +587,8 @@ def paged_attention_rows_triton(
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
         num_warps=warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
