@@ -390,6 +390,14 @@ PROGRAMS_PER_SM = 8
 # (bench/results/fused_bench-H100-warps-*.json). Larger head dims (128: Llama-3-8B) keep 4, unmeasured with 1.
 # ``NUM_WARPS`` (None: by head dim) overrides it for benchmarks.
 NUM_WARPS: int | None = None
+# Software-pipelining stages of the rows kernel's launch (speed only: every launch gives the same bits,
+# `attention_bench`'s ``same_bits_as_split``). A chunk is 2 key blocks, too few for prefetching to pay, and
+# the stages' shared memory (18.7 KB at 3, 6.2 KB at 1) and registers (255 -> 166 a thread at SmolLM2's
+# shape, 1 warp) cost residency. H100, SmolLM2, bfloat16, µs per call at 256 / 512 / 1,024 keys, against
+# Triton's default 3: a decode row 8.66 / 8.88 / 8.87 against 9.73 / 9.78 / 9.62, a 16-row verify 9.46 /
+# 9.58 / 11.02 against 10.15 / 10.37 / 11.90, a 24-row verify 8.93 / 9.86 / 13.56 against 9.58 / 10.80 /
+# 17.38 (bench/results/attention_bench-H100-rows-launch-*.json; 2 and 4 stages in between and worse).
+NUM_STAGES = 1
 
 
 def default_num_warps(head_dim: int) -> int:
@@ -457,7 +465,7 @@ def paged_attention_rows_triton(
     programs_per_row: int | None = None,
     fused_combine: bool = True,
     num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = NUM_STAGES,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
@@ -474,8 +482,9 @@ def paged_attention_rows_triton(
     the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
     benchmarks compare them). Either way a row's output is a function of its own chunks only.
     ``num_warps``: warps per program (default `default_num_warps`), for benchmarks; rows agree bitwise
-    only between calls with the same count. ``num_stages`` (Triton's software pipelining; None: Triton's
-    default) and ``maxnreg`` (a cap on registers per thread; None: none) change the launch only.
+    only between calls with the same count. ``num_stages`` (Triton's software pipelining, default
+    `NUM_STAGES`; None: Triton's default) and ``maxnreg`` (a cap on registers per thread; None: none) change
+    the launch only.
     """
     if triton is None:
         raise RuntimeError("paged_attention_rows_triton needs triton: pip install triton, or use the torch path")
