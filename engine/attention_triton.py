@@ -390,14 +390,15 @@ PROGRAMS_PER_SM = 8
 # (bench/results/fused_bench-H100-warps-*.json). Larger head dims (128: Llama-3-8B) keep 4, unmeasured with 1.
 # ``NUM_WARPS`` (None: by head dim) overrides it for benchmarks.
 NUM_WARPS: int | None = None
-# Software-pipelining stages of the rows kernel's launch (speed only: every launch gives the same bits,
-# `attention_bench`'s ``same_bits_as_split``). A chunk is 2 key blocks, too few for prefetching to pay, and
-# the stages' shared memory (18.7 KB at 3, 6.2 KB at 1) and registers (255 -> 166 a thread at SmolLM2's
-# shape, 1 warp) cost residency. H100, SmolLM2, bfloat16, µs per call at 256 / 512 / 1,024 keys, against
-# Triton's default 3: a decode row 8.66 / 8.88 / 8.87 against 9.73 / 9.78 / 9.62, a 16-row verify 9.46 /
-# 9.58 / 11.02 against 10.15 / 10.37 / 11.90, a 24-row verify 8.93 / 9.86 / 13.56 against 9.58 / 10.80 /
-# 17.38 (bench/results/attention_bench-H100-rows-launch-*.json; 2 and 4 stages in between and worse).
-NUM_STAGES = 1
+# Software-pipelining stages of the rows kernel's launch (None: Triton's default, 3; speed only: every launch
+# gives the same bits, `attention_bench`'s ``same_bits_as_split``). One stage was faster alone (H100, SmolLM2,
+# bfloat16, 20 calls in a graph with the keys warm in L2: a decode row 8.7-8.9 against 9.6-9.8 µs at 256-1,024
+# keys, a 24-row verify 13.6 against 17.4 at 1,024; bench/results/attention_bench-H100-rows-launch-*.json)
+# but not in the engine: old and new alternated twice on one H100 (13 prompts x 256, `fused_bench`), the
+# autoregressive decode went 982.0 / 969.3 / 981.6 / 982.9 -> 959.1 / 960.6 / 972.8 / 971.4 tokens/s and the
+# fused S6 K4 N24 cycles 2,641 / 2,652 -> 2,579 / 2,703 (bench/results/fused_bench-H100-session16-rows-s1/).
+# The tile kernel keeps its own (`attention_tiles.NUM_STAGES`), which paid end to end at the 8B shape.
+NUM_STAGES: int | None = None
 
 
 def default_num_warps(head_dim: int) -> int:
