@@ -71,7 +71,7 @@ TILE_LINES = 16
 # Uncapped the kernel takes ~231, so 2 programs of 4 warps fit a multiprocessor; at 128 (a few spills) 4 fit,
 # and a program's chunks are latency-bound (2 key blocks each), so residency pays more than the spills cost.
 # One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
-# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-*.json).
+# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*).
 MAXNREG = 128
 # Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
 # aims at one wave of them (`default_tile_programs`).

@@ -81,9 +81,9 @@ def forced_walk(tokens: torch.Tensor, parents: torch.Tensor | None, accept: torc
     (``accept_width - 1``). The path is each tree's first-child path from the root: row ``r`` on it predicts
     its first child's token while fewer than ``accept`` rows are taken, every other row predicts -1 (no
     token), so the walk stops there or at a leaf. A few whole-tensor ops (about 4 + ``steps`` kernels for a
-    tree, 3 for a chain) instead of a loop of 7 small ops a step: inside the fused graph the loop's kernels
-    cost a 32-node tree ~150 µs a cycle at the 8B shape (bench/results/scale_profile-*/), a cost the real
-    verify's walk does not have.
+    tree, 3 for a chain) instead of a loop of 7 small ops a step, whose ~70 kernels the real verify's walk
+    does not have: at the 8B shape on an H100 the verify phase's small torch kernels went from 117 to 46 µs
+    a 32-node tree cycle (`bench.scale_profile`, bench/results/scale_profile-H100-session16/).
     """
     B, N = tokens.shape
     offs = torch.arange(N, device=tokens.device)
