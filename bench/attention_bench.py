@@ -104,6 +104,13 @@ VARIANTS = {
     "tiles-p12-r128": dict(kernel="tiles", programs=12, maxnreg=128),
     "tiles-r96": dict(kernel="tiles", maxnreg=96),  # 5
     "tiles-r0": dict(kernel="tiles", maxnreg=0),  # uncapped
+    # wider tiles (bits change: decode and verify must share them)
+    "tiles-l32": dict(kernel="tiles", tile_lines=32),
+    "tiles-l32-r0": dict(kernel="tiles", tile_lines=32, maxnreg=0),
+    "tiles-l32-r168": dict(kernel="tiles", tile_lines=32, maxnreg=168),
+    "tiles-l32-p4": dict(kernel="tiles", tile_lines=32, programs=4),
+    "tiles-l64": dict(kernel="tiles", tile_lines=64),
+    "tiles-l64-r0": dict(kernel="tiles", tile_lines=64, maxnreg=0),
     "tiles-r0-s3": dict(kernel="tiles", maxnreg=0, num_stages=3),
     "tiles-p10-r96": dict(kernel="tiles", programs=10, maxnreg=96),
     # constants of the tile kernel (bits change: decode and verify must share them)
