@@ -104,7 +104,6 @@ VARIANTS = {
     "tiles-p12-r128": dict(kernel="tiles", programs=12, maxnreg=128),
     "tiles-r96": dict(kernel="tiles", maxnreg=96),  # 5
     "tiles-r0": dict(kernel="tiles", maxnreg=0),  # uncapped
-    "tiles-2k": dict(kernel="tiles", fused_combine=False),  # the merge in a second kernel (before session 16)
     # wider tiles (bits change: decode and verify must share them)
     "tiles-l32": dict(kernel="tiles", tile_lines=32),
     "tiles-l32-r0": dict(kernel="tiles", tile_lines=32, maxnreg=0),

@@ -31,9 +31,8 @@ to 6,000 keys (`attention_bench-H100-tiles16-bitwise-*.json`). Tested on the int
 **Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items (row
 ``r``'s item ``t`` takes its chunks ``n_shared + t, n_shared + t + tail, ...``); ``P`` programs take every
 ``P``-th item. A row of one chunk stores its output; a row of several stores each chunk's ``(max, sum,
-accumulator)``, and the program that stores its last chunk merges them (an arrival count per row and KV
-head, as `attention_triton`'s rows kernel does; before session 16 its combine kernel did, a second launch).
-``rows_per_tile`` (``R``) and ``P`` are launch choices: they move work, never bits.
+accumulator)`` and `attention_triton`'s combine kernel merges them (a second launch). ``rows_per_tile``
+(``R``) and ``P`` are launch choices: they move work, never bits.
 
 `paged_attention_tiles_triton` has `attention_triton.paged_attention_rows_triton`'s contract; its
 torch twin is `attention_triton.paged_attention_rows_torch`.
@@ -52,7 +51,6 @@ from .attention_triton import (
     MAX_CHUNKS,
     MIN_TRITON_HEAD_DIM,
     PROGRAMS_PER_SM,
-    _arrival_counters,
     _multiprocessors,
     paged_attention_rows_torch,
     triton,
@@ -61,7 +59,7 @@ from .attention_triton import (
 if triton is not None:
     import triton.language as tl
 
-    from .attention_triton import _merge_chunks, _paged_attention_combine_kernel, _row_chunks, _row_keys
+    from .attention_triton import _paged_attention_combine_kernel, _row_chunks, _row_keys
 
 # Lines of a tile's query block: the rows kernel's query block (`attention_triton`: 16 lines, the heads of
 # one KV head of one row), so that a line's products and reductions have that kernel's shapes and layout:
@@ -130,39 +128,14 @@ if triton is not None:
         tl.store(part_sum_ptr + part, l_i, mask=split)
 
     @triton.jit
-    def _arrive_and_merge(counter_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, lines, line, row, row_chunks,
-                          kv_head, num_heads, chunk_bound, stride_ot, stride_oh, GROUP: tl.constexpr,
-                          BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_C: tl.constexpr):  # fmt: skip
-        """After a chunk of the lines in ``lines`` was stored: count it for each of their rows of several chunks
-        (``counter_ptr[row, kv_head]``, an atomic after a barrier, so the states are visible first); the
-        program that brings a row's count to its chunk count merges the row's heads of this KV head
-        (`attention_triton._merge_chunks`, as the combine kernel does) and puts the counter back to 0."""
-        first = lines & (row_chunks > 1) & (line % GROUP == 0)  # one line per row counts it
-        tl.debug_barrier()
-        counter = counter_ptr + row * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, mask=first, sem="acq_rel", scope="gpu")
-        last = first & (arrived == row_chunks - 1)
-        for r in tl.static_range(BLOCK_Q // GROUP):
-            here = line == r * GROUP
-            if tl.max(tl.where(here & last, 1, 0), axis=0) > 0:
-                the_row = tl.max(tl.where(here, row, -1), axis=0)
-                chunks = tl.max(tl.where(here, row_chunks, 0), axis=0)
-                tl.store(counter_ptr + the_row * tl.num_programs(1) + kv_head, 0)
-                for h in tl.static_range(GROUP):
-                    _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, the_row, kv_head * GROUP + h,
-                                  chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_C,
-                                  ".cg")  # fmt: skip
-
-    @triton.jit
     def _paged_attention_tile_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         row_request_ptr, prefix_ptr, extra_ptr, table_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_et, stride_pt,
         num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_C: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
         tile = tl.program_id(0)
@@ -214,10 +187,6 @@ if triton is not None:
                                                   UPCAST)  # fmt: skip
                 _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, active, row, head, item, row_chunks,
                               m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM)  # fmt: skip
-                if FUSED_COMBINE:
-                    _arrive_and_merge(counter_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, active, lines,
-                                      row, row_chunks, kv_head, num_heads, chunk_bound, stride_ot, stride_oh, GROUP,
-                                      BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_C)  # fmt: skip
             else:  # a row's own chunks: its keys (prefix positions, then its extra slots by rank)
                 r = (item - n_shared) // tail
                 t = (item - n_shared) % tail
@@ -256,10 +225,6 @@ if triton is not None:
                         _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, own, row, head, chunk,
                                       row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
                                       HEAD_DIM)  # fmt: skip
-                        if FUSED_COMBINE:
-                            _arrive_and_merge(counter_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, own,
-                                              lines, row, row_chunks, kv_head, num_heads, chunk_bound, stride_ot,
-                                              stride_oh, GROUP, BLOCK_Q, HEAD_DIM, BLOCK_D, BLOCK_C)  # fmt: skip
 
 
 def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_per_tile: int, items: int) -> int:
@@ -322,7 +287,6 @@ def paged_attention_tiles_triton(
     num_warps: int = 4,
     num_stages: int | None = NUM_STAGES,
     maxnreg: int | None = None,
-    fused_combine: bool = True,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
@@ -332,10 +296,7 @@ def paged_attention_tiles_triton(
     for tiles of several rows, none for one-row tiles; 0: none) move work only.
     ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n`` and ``num_warps`` (the tensor-core instruction
     layout) set the bits: rows agree bitwise only between calls with the same five (and with the rows kernel
-    at its defaults only for the defaults here). ``fused_combine``: a row of several chunks is merged by the
-    program that stores its last chunk (default), or by `attention_triton`'s combine kernel, a second launch
-    (the design before session 16; where the arrival counters would have to be allocated inside a graph
-    capture, the launch falls back to it). The two merges run the same `_merge_chunks`.
+    at its defaults only for the defaults here).
     """
     if triton is None:
         raise RuntimeError("paged_attention_tiles_triton needs triton: pip install triton, or use the torch path")
@@ -400,22 +361,18 @@ def paged_attention_tiles_triton(
         maxnreg = MAXNREG if rows > 1 else 0
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
     stride_et = extra_slots.stride(0) if num_extra else 0
-    counters = _arrival_counters(q.device, num_rows * num_kv_heads) if chunk_bound > 1 and fused_combine else None
-    fused = counters is not None
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, part_max if counters is None else counters,
-        row_request, prefix_lens, extra_slots,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,
         page_table, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), stride_et, page_table.stride(0), num_extra, page_size,
         table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail,
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        FUSED_COMBINE=fused, BLOCK_C=triton.next_power_of_2(max_chunks),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
-    if chunk_bound > 1 and not fused:  # rows of several chunks: `attention_triton`'s merge kernel
+    if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
         _paged_attention_combine_kernel[(num_rows, num_heads)](
             out, part_acc, part_max, part_sum, prefix_lens, extra_slots, out.stride(0), out.stride(1), stride_et,
             num_extra, page_size, table_width, num_heads, chunk_bound, HEAD_DIM=head_dim,

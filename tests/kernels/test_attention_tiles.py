@@ -144,26 +144,6 @@ def test_tile_size_and_programs_change_no_bit(dtype):
         assert torch.equal(alone[0], base[r])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", ["split", "grown"])
-def test_the_fused_merge_gives_the_merge_kernels_output_and_leaves_the_counters_at_zero(dtype, split):
-    """A row of several chunks is merged by the program that stores its last chunk (the default) or by the
-    combine kernel (``fused_combine=False``): the same `_merge_chunks`, within rounding (the rows kernel's
-    test says the same of its fused merge), for every tiling and program count; the arrival counters are
-    back at zero after every launch (a graph replay counts from zero)."""
-    from speccycle.engine.attention_triton import _COUNTERS
-
-    q, k, v, args, _ = _batch(17, 4, 8, 2, 16, 70, TREE)
-    options = SPLITS[split]
-    two_kernels = _run(q, k, v, args, 4, dtype, fused_combine=False, **options)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows, programs in ((None, None), (1, None), (3, 1), (4, 2)):
-        fused = _run(q, k, v, args, 4, dtype, rows_per_tile=rows, programs=programs, **options)
-        torch.testing.assert_close(fused.float(), two_kernels.float(), atol=tol, rtol=tol)
-        for buffer in _COUNTERS.get(torch.device(DEVICE), []):
-            assert torch.count_nonzero(buffer) == 0
-
-
 def test_default_rows_per_tile_and_bad_arguments():
     assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile (the rows kernel takes them)
     assert default_rows_per_tile(32, 4) == 4  # a 32-row verify of Llama-3-8B: 8 tiles of 4 rows a request
