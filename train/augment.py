@@ -7,6 +7,11 @@ as new tasks of each kind (`augment_kinds`), balanced across kinds:
 
     summarization, rag, qa, extraction, translation, writing, roleplay, coding, stem, humanities, reasoning
 
+and, asked for by name (``--kinds``), two long-context kinds that stitch several passages into one prompt of
+~500-1,400 tokens, as Spec-Bench's summarization and rag prompts are (`augment_kinds.LONG_KINDS`):
+
+    longsummary, longrag
+
 Rows are ``{"source": "aug:<kind>:<origin source>", "prompt": ...}`` (``origin`` ``builtin`` where the
 material came from `augment_lists` or `augment_puzzles`). The output is deterministic for a seed, a
 prompts file and a tokenizer. A prompt is refused when it repeats another (or a training prompt),
@@ -32,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 
-from .augment_kinds import KINDS
+from .augment_kinds import KINDS, LONG_KINDS
 from .augment_sources import parse_material
 from .data import load_train_prompts
 
@@ -119,9 +124,10 @@ def augment(
     fewer prompts than their share: their material ran out) and ``material`` (pieces parsed).
     """
     kinds = list(kinds or KINDS)
-    unknown = [k for k in kinds if k not in KINDS]
+    builders = {**KINDS, **LONG_KINDS}
+    unknown = [k for k in kinds if k not in builders]
     if unknown:
-        raise ValueError(f"unknown kinds {unknown}: choose from {', '.join(KINDS)}")
+        raise ValueError(f"unknown kinds {unknown}: choose from {', '.join(builders)}")
     token_count = token_count or estimate_tokens
     material = parse_material(prompts)
     seen = {_key(p["prompt"]): None for p in prompts}  # never repeat a training prompt either
@@ -135,7 +141,7 @@ def augment(
         for _ in range(target * ATTEMPTS_PER_PROMPT):
             if made >= target:
                 break
-            built = KINDS[kind](rng, material)
+            built = builders[kind](rng, material)
             if built is None:
                 refused["no_material"] += 1
                 continue
@@ -216,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="chat-templated tokens per prompt, at most")
     parser.add_argument("--tokenizer", default=None, help="GGUF whose tokenizer counts tokens (default: SmolLM2's)")
     parser.add_argument("--estimate-tokens", action="store_true", help="estimate token counts (no tokenizer)")
-    parser.add_argument("--kinds", default=None, help=f"comma-separated subset of: {', '.join(KINDS)}")
+    parser.add_argument("--kinds", default=None, help=f"comma-separated subset of: {', '.join(KINDS)} (the default), "
+                        f"and the long-context kinds {', '.join(LONG_KINDS)} (prompts of ~500-1,400 tokens: raise "
+                        "--max-tokens, and the generate stage's --max-prompt-tokens)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.count < 1:

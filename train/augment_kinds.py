@@ -492,6 +492,57 @@ def reasoning(rng: random.Random, m: Material) -> Built:
     return prompt, "builtin"
 
 
+# ---- long contexts (opt-in: `LONG_KINDS`) ------------------------------------------------------------------------
+# Spec-Bench's summarization and rag prompts are long (median ~740-750 tokens, up to ~1,480), every default kind's
+# are short (augment's MAX_TOKENS 300). The training prompts hold no long documents (1,293 prose passages, median
+# 94 words), so a long context is stitched from several passages: as one multi-part text to summarize, or as
+# numbered documents of which one holds the answer to the question.
+LONG_PASSAGES = (4, 9)  # passages a long context stitches, at least and at most
+_LONG_SUMMARY_ASKS = [
+    "Summarize the following text in one paragraph.\n\n{text}",
+    "{text}\n\nSummarize the text above in {n} bullet points.",
+    "Read the collection of articles below and write a short summary of each, one paragraph each.\n\n{text}",
+    "Write a concise overview of the documents below: what each is about, in a sentence or two.\n\n{text}",
+    "{text}\n\nWhat are the main points of these texts? Answer in no more than {words} words.",
+    "Here are several news items and reviews:\n\n{text}\n\nGive me a TL;DR of each.",
+    "Summarize the documents below for a busy reader, keeping every number and name that matters.\n\n{text}",
+]
+
+
+def _long_documents(rng: random.Random, pieces: list[str]) -> str:
+    style = rng.random()
+    if style < 0.5:
+        return "\n\n".join(f"Document {i + 1}:\n{text}" for i, text in enumerate(pieces))
+    if style < 0.75:
+        return "\n\n".join(f"[{i + 1}] {text}" for i, text in enumerate(pieces))
+    return "\n\n".join(f"Article {i + 1}:\n{text}" for i, text in enumerate(pieces))
+
+
+def long_summarization(rng: random.Random, m: Material) -> Built:
+    if len(m.passages) < LONG_PASSAGES[0]:
+        return None
+    chosen = rng.sample(m.passages, min(len(m.passages), rng.randint(*LONG_PASSAGES)))
+    text = _long_documents(rng, [_passage(rng, piece) for piece in chosen])
+    ask = rng.choice(_LONG_SUMMARY_ASKS)
+    return ask.format(text=text, n=rng.choice([4, 5, 6]), words=rng.choice([80, 120, 150])), chosen[0].source
+
+
+def long_rag(rng: random.Random, m: Material) -> Built:
+    pair = _pick(rng, m.qa)
+    if pair is None or len(m.passages) < LONG_PASSAGES[0] - 1:
+        return None
+    others = [p for p in m.passages if p.text != pair.passage]
+    distractors = rng.sample(others, min(len(others), rng.randint(LONG_PASSAGES[0] - 1, LONG_PASSAGES[1] - 1)))
+    documents = [_passage(rng, piece) for piece in distractors]
+    documents.insert(rng.randrange(len(documents) + 1), trim_words(pair.passage, rng.choice([150, 200, 250])))
+    question = pair.question
+    if rng.random() < 0.08 and len(m.qa) > 1:  # unanswerable from these documents: the model should say so
+        question = rng.choice(m.qa).question
+    ask = rng.choice(_RAG_ASKS)
+    context = _long_documents(rng, documents)
+    return ask.format(context=context, question=question, question_lower=_lower_first(question)), pair.source
+
+
 KINDS: dict[str, Callable[[random.Random, Material], Built]] = {
     "summarization": summarization,
     "rag": rag,
@@ -504,4 +555,11 @@ KINDS: dict[str, Callable[[random.Random, Material], Built]] = {
     "stem": stem,
     "humanities": humanities,
     "reasoning": reasoning,
+}
+
+# Opt-in kinds (`augment --kinds longsummary,longrag --max-tokens 1400`): prompts of ~500-1,400 tokens, longer than
+# the default ``--max-tokens`` and the generate stage's default ``--max-prompt-tokens`` (384).
+LONG_KINDS: dict[str, Callable[[random.Random, Material], Built]] = {
+    "longsummary": long_summarization,
+    "longrag": long_rag,
 }

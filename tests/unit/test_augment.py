@@ -115,6 +115,46 @@ def test_augment_is_deterministic_balanced_and_covers_every_kind():
     assert "Eastwick" in text and "Anna:" in text and "pencils" in text
 
 
+ORCHARD = (
+    "The orchard on the hill has grown apples for four generations of the Moreno family. This year a late frost "
+    "damaged half of the blossoms, and the harvest fell to its lowest level in a decade. The family sold cider "
+    "and jam at the weekend market to make up the difference, and neighbours helped pick what fruit remained."
+)
+ROBOT = (
+    "Engineers at a small university lab built a robot that sorts recycling by touch rather than by sight. Its "
+    "gripper measures how much each item bends, which tells paper from plastic and metal. In a month of tests "
+    "it sorted household waste with fewer mistakes than a camera system, though it worked more slowly."
+)
+LIBRARY = (
+    "The city library reopened its reading room after a year of repairs to the roof and windows. Visitors found "
+    "new lamps, wider desks and a corner for children with picture books in six languages. The librarians also "
+    "started evening hours on Thursdays so that people who work during the day can borrow books."
+)
+
+
+def test_long_context_kinds_stitch_passages_and_are_only_made_when_asked_for():
+    from speccycle.train.augment import estimate_tokens
+    from speccycle.train.augment_kinds import LONG_KINDS
+
+    prompts = PROMPTS + [{"source": "t0:xsum_DOC_tldr", "prompt": f"{text}\n\nTL;DR:"} for text in
+                         (ORCHARD, ROBOT, LIBRARY)]  # fmt: skip
+    rows, report = augment(prompts, count=40, seed=1, max_tokens=2000, kinds=list(LONG_KINDS))
+    assert report["kinds"] == {"longsummary": 20, "longrag": 20} and not report["short"]
+    assert augment(prompts, count=40, seed=1, max_tokens=2000, kinds=list(LONG_KINDS))[0] == rows
+    names = ("Eastwick", "Glaciers", "cinnamon", "Moreno", "gripper", "reading room")
+    for row in rows:
+        kind = row["source"].split(":")[1]
+        stitched = sum(name in row["prompt"] for name in names)
+        assert stitched >= (4 if kind == "longsummary" else 3), row["prompt"]
+        assert 150 < estimate_tokens(row["prompt"]) <= 2000
+    # the default kinds are unchanged, and a cap below their length refuses them
+    assert set(augment(prompts, count=22, seed=1)[1]["kinds"]) == set(KINDS)
+    _, capped = augment(prompts, count=10, seed=1, max_tokens=120, kinds=["longsummary"])
+    assert capped["kinds"] == {"longsummary": 0} and capped["refused"]["too_long"] > 0
+    with pytest.raises(ValueError, match="longrag"):
+        augment(prompts, count=2, kinds=["longer"])
+
+
 def test_augment_refuses_prompts_sharing_eight_words_with_spec_bench(tmp_path):
     leak = "Mayor Linda Osei said the terminal would cut travel times to the islands by half."
     bench = _write_jsonl(tmp_path / "bench.jsonl", [{"question_id": 2, "category": "summarization", "turns": [leak]}])
