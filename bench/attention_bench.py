@@ -104,6 +104,8 @@ VARIANTS = {
     "tiles-p12-r128": dict(kernel="tiles", programs=12, maxnreg=128),
     "tiles-r96": dict(kernel="tiles", maxnreg=96),  # 5
     "tiles-r0": dict(kernel="tiles", maxnreg=0),  # uncapped
+    "tiles-cw4": dict(kernel="tiles", combine_warps=4),  # the merge kernel's warps before session 16 (bits change)
+    "tiles-cw2": dict(kernel="tiles", combine_warps=2),
     # wider tiles (bits change: decode and verify must share them)
     "tiles-l32": dict(kernel="tiles", tile_lines=32),
     "tiles-l32-r0": dict(kernel="tiles", tile_lines=32, maxnreg=0),

@@ -79,6 +79,9 @@ RESIDENT_TILE_PROGRAMS = 4
 # Software-pipelining stages of the launch (speed only). A chunk is 2 blocks of keys, too few for
 # prefetching to pay, while the stages' shared memory and registers cost residency.
 NUM_STAGES = 1
+# Warps of each program of the merge kernel (one program per row and query head, merging up to `MAX_CHUNKS`
+# chunk states of a head's width). Part of the bits (the reductions' layout), decode and verify alike.
+COMBINE_WARPS = 1
 
 
 if triton is not None:
@@ -287,6 +290,7 @@ def paged_attention_tiles_triton(
     num_warps: int = 4,
     num_stages: int | None = NUM_STAGES,
     maxnreg: int | None = None,
+    combine_warps: int = COMBINE_WARPS,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
@@ -294,9 +298,10 @@ def paged_attention_tiles_triton(
     `default_tile_programs`), ``num_stages`` (Triton's software pipelining; None: Triton's default) and
     ``maxnreg`` (a cap on registers per thread, for more programs resident per multiprocessor; None: `MAXNREG`
     for tiles of several rows, none for one-row tiles; 0: none) move work only.
-    ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n`` and ``num_warps`` (the tensor-core instruction
-    layout) set the bits: rows agree bitwise only between calls with the same five (and with the rows kernel
-    at its defaults only for the defaults here).
+    ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n``, ``num_warps`` (the tensor-core instruction
+    layout) and ``combine_warps`` (the warps of the merge of a row's chunks: the layout of its reductions) set
+    the bits: rows agree bitwise only between calls with the same six (and with the rows kernel at its
+    defaults only for the defaults here).
     """
     if triton is None:
         raise RuntimeError("paged_attention_tiles_triton needs triton: pip install triton, or use the torch path")
@@ -319,6 +324,8 @@ def paged_attention_tiles_triton(
                          f"({tile_lines} lines of {group} heads)")  # fmt: skip
     if programs is not None and programs < 1:
         raise ValueError(f"paged_attention_tiles_triton: programs={programs} must be at least 1")
+    if combine_warps < 1 or combine_warps & (combine_warps - 1):
+        raise ValueError(f"paged_attention_tiles_triton: combine_warps={combine_warps} must be a power of two")
     if num_warps < 1 or num_warps & (num_warps - 1) or (num_stages is not None and num_stages < 1):
         raise ValueError(f"paged_attention_tiles_triton: num_warps={num_warps} must be a power of two and "
                          f"num_stages={num_stages} at least 1")  # fmt: skip
@@ -377,6 +384,6 @@ def paged_attention_tiles_triton(
             out, part_acc, part_max, part_sum, prefix_lens, extra_slots, out.stride(0), out.stride(1), stride_et,
             num_extra, page_size, table_width, num_heads, chunk_bound, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), CHUNK=chunk, MAX_CHUNKS=max_chunks,
-            BLOCK_C=triton.next_power_of_2(max_chunks), BLOCK_M=block_m, num_warps=4,
+            BLOCK_C=triton.next_power_of_2(max_chunks), BLOCK_M=block_m, num_warps=combine_warps,
         )  # fmt: skip
     return out
