@@ -134,7 +134,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated head files (default: OUT/eagle{v}.safetensors for each of --versions)",
     )
     e.add_argument("--chains", default="3,4,5,6", help="chain depths S")
-    e.add_argument("--trees", default="4x2x8,5x4x16,6x4x32,6x8x64", help="trees SxKxN ('' for none)")
+    e.add_argument(
+        "--trees",
+        default="4x2x8,5x4x16,6x4x32,7x6x32,6x8x64",
+        help="trees SxKxN ('' for none); 7x6x32: the best 32-node shape for the shipped head (session 16)",
+    )
     e.add_argument("--no-lossless-check", action="store_true", help="skip the autoregressive reference run")
     e.add_argument("--eval-json", default=None, help="for --stage plot: the eval.json to draw")
     e.add_argument(
