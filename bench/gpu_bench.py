@@ -40,7 +40,6 @@ Parts (``--parts``, comma separated; each fits a few minutes, progress printed a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import re
@@ -469,7 +468,7 @@ def part_scale(args) -> None:
             sync()
             seconds = time.perf_counter() - start
             tps = len(results[0].output) / seconds
-            first = first_token_s(functools.partial(lambda e, n: e.generate([prompt], n), engine))
+            first = first_token_s(lambda n, engine=engine: engine.generate([prompt], n))
             decode_tps = (len(results[0].output) - 1) / (seconds - first)
             # against the plain decode (1 row a step: the fastest autoregressive decode, what a user compares
             # with); the padded decode (the verify's row count, bitwise the verify's numerics) flatters the

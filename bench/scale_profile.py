@@ -76,7 +76,8 @@ def cycle_breakdown(events: list[tuple[float, float, str]]) -> dict:
             row = out.setdefault(phase, {"wall_us": 0.0, "kernels": 0})
             row["wall_us"] += events[i + 1][0] - start
             row["kernels"] += 1
-            row[kernel_kind(name)] = row.get(kernel_kind(name), 0.0) + end - start
+            kind = kernel_kind(name)
+            row[kind] = row.get(kind, 0.0) + end - start
         out["cycle"] = {"wall_us": events[b][0] - events[a][0], "kernels": b - a}
         cycles.append(out)
     if not cycles:

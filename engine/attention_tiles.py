@@ -52,6 +52,7 @@ from .attention_triton import (
     MIN_TRITON_HEAD_DIM,
     PROGRAMS_PER_SM,
     _multiprocessors,
+    launch_options,
     paged_attention_rows_torch,
     triton,
 )
@@ -324,11 +325,11 @@ def paged_attention_tiles_triton(
                          f"({tile_lines} lines of {group} heads)")  # fmt: skip
     if programs is not None and programs < 1:
         raise ValueError(f"paged_attention_tiles_triton: programs={programs} must be at least 1")
-    if combine_warps < 1 or combine_warps & (combine_warps - 1):
-        raise ValueError(f"paged_attention_tiles_triton: combine_warps={combine_warps} must be a power of two")
-    if num_warps < 1 or num_warps & (num_warps - 1) or (num_stages is not None and num_stages < 1):
-        raise ValueError(f"paged_attention_tiles_triton: num_warps={num_warps} must be a power of two and "
-                         f"num_stages={num_stages} at least 1")  # fmt: skip
+    for name, warps in (("num_warps", num_warps), ("combine_warps", combine_warps)):
+        if warps < 1 or warps & (warps - 1):
+            raise ValueError(f"paged_attention_tiles_triton: {name}={warps} must be a power of two")
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"paged_attention_tiles_triton: num_stages={num_stages} must be at least 1")
     if maxnreg is not None and maxnreg < 0:
         raise ValueError(f"paged_attention_tiles_triton: maxnreg={maxnreg} must be None (the default), 0 (none) "
                          "or a register count")  # fmt: skip
@@ -376,8 +377,7 @@ def paged_attention_tiles_triton(
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=num_warps, **launch_options(num_stages, maxnreg),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
         _paged_attention_combine_kernel[(num_rows, num_heads)](

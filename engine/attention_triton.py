@@ -401,6 +401,12 @@ NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
 
 
+def launch_options(num_stages: int | None, maxnreg: int | None) -> dict:
+    """The optional Triton launch keywords of the attention kernels: pipelining stages (None: Triton's default)
+    and a register cap (None or 0: none). Both move work only, never a bit of the output."""
+    return {**({} if num_stages is None else {"num_stages": num_stages}), **({"maxnreg": maxnreg} if maxnreg else {})}
+
+
 def default_num_warps(head_dim: int) -> int:
     """The rows kernel's warps per program for a head dim (see `NUM_WARPS`): 1 up to 64, else 4."""
     if NUM_WARPS is not None:
@@ -597,8 +603,7 @@ def paged_attention_rows_triton(
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
         num_warps=warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        **launch_options(num_stages, maxnreg),
     )
     if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
