@@ -154,6 +154,14 @@ def test_default_rows_per_tile_and_bad_arguments():
         _run(q, k, v, args, 4, torch.float32, rows_per_tile=9)
     with pytest.raises(ValueError, match="programs"):
         _run(q, k, v, args, 4, torch.float32, programs=0)
+    for bad, match in ((dict(num_warps=3), "num_warps"), (dict(combine_warps=0), "combine_warps"),
+                       (dict(num_stages=0), "num_stages"), (dict(maxnreg=-1), "maxnreg")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            _run(q, k, v, args, 4, torch.float32, **bad)
+    # launch choices (stages, a register cap) keep every bit
+    base = _run(q, k, v, args, 4, torch.float32)
+    for launch in (dict(num_stages=None, maxnreg=0), dict(num_stages=2, maxnreg=128)):
+        assert torch.equal(_run(q, k, v, args, 4, torch.float32, **launch), base), launch
 
 
 def test_auto_takes_tiles_for_large_heads_and_rows_below(monkeypatch):
