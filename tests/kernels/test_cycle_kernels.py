@@ -152,7 +152,8 @@ def test_advance_frontier_equals_reference(seed):
     ties included, with and without the next level's slots and the hidden states (bfloat16 rows copied as
     is), from a strided next-own view (a column block of the cycle's draft slots) and an expanded frontier."""
     gen = _gen(seed)
-    for bs, k, depth, width in [(1, 2, 1, 0), (3, 2, 2, 5), (2, 3, 1, 7), (2, 4, 3, 40)]:
+    # 600 columns: three copying programs a request (`HIDDEN_COLUMNS` 256), the last one partly masked
+    for bs, k, depth, width in [(1, 2, 1, 0), (3, 2, 2, 5), (2, 3, 1, 7), (2, 4, 3, 40), (2, 3, 2, 600)]:
         frontier = torch.rand(bs, k, generator=gen)
         child_p = (torch.rand(bs, k, k, generator=gen) * 4).round() / 4  # many exact ties
         child_ids = torch.randint(0, 1000, (bs, k, k), generator=gen)
