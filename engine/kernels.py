@@ -51,6 +51,10 @@ try:
 except ImportError:  # pragma: no cover - installs without triton use TorchOps
     triton = None
 
+# Heads one program of the RoPE/KV-write kernel takes at most (`rope_heads_per_program`). One head a program
+# recomputed the folded norm's RMS of the row (4,096 values at the Llama-3-8B shape) 48 times a row.
+ROPE_HEADS = 8
+
 
 # ---- torch references ---------------------------------------------------------------------------
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,39 +288,45 @@ if triton is not None:
         NORM: tl.constexpr,
         BLOCK_H: tl.constexpr,
         COPY: tl.constexpr,
+        HEADS: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
     ):
         row = tl.program_id(0)
-        head = tl.program_id(1)  # 0..H-1: Q, H..H+Hkv-1: K, then V
+        # heads head0 .. head0 + HEADS - 1, all of one kind (HEADS divides H and Hkv): 0..H-1 Q, H..H+Hkv-1 K,
+        # then V. Elementwise but for the folded norm's RMS, computed once a program (it was once a head).
+        head0 = tl.program_id(1) * HEADS
         if COPY:  # the norm source's row copied out (EAGLE-3's features) by the row's first program
-            if head == 0:
+            if head0 == 0:
                 for start in range(0, hidden, BLOCK_H):
                     cols = start + tl.arange(0, BLOCK_H)
                     inside = cols < hidden
                     value = tl.load(src_ptr + row * stride_src + cols, mask=inside, other=0.0)
                     tl.store(copy_ptr + row * stride_copy + cols, value, mask=inside)
         i = tl.arange(0, BLOCK_HALF)
-        mask = i < HALF
-        base = qkv_ptr + row * stride_qkv + head * (2 * HALF)
-        x1 = tl.load(base + i, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + i, mask=mask, other=0.0)
+        j = tl.arange(0, BLOCK_HEADS)
+        mask = (j[:, None] < HEADS) & (i[None, :] < HALF)
+        base = qkv_ptr + row * stride_qkv + (head0 + j)[:, None] * (2 * HALF) + i[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0)
         dtype = qkv_ptr.dtype.element_ty
         if NORM:  # the folded input norm: the row's RMS factor of the residual stream, then the dtype
             scale = _rms_scale(src_ptr, stride_src, row, hidden, eps, BLOCK_H)
             x1 = _scaled(x1, scale, dtype)
             x2 = _scaled(x2, scale, dtype)
         slot = tl.load(slot_ptr + row)
-        if head >= NUM_HEADS + NUM_KV_HEADS:  # V: copied as is
-            kv = head - NUM_HEADS - NUM_KV_HEADS
+        if head0 >= NUM_HEADS + NUM_KV_HEADS:  # V: copied as is
+            kv = head0 - NUM_HEADS - NUM_KV_HEADS + j
             if slot >= 0:
-                dst = v_ptr + slot * stride_vs + kv * stride_vh
-                tl.store(dst + i, x1.to(v_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF + i, x2.to(v_ptr.dtype.element_ty), mask=mask)
+                dst = v_ptr + slot * stride_vs + kv[:, None] * stride_vh + i[None, :]
+                tl.store(dst, x1.to(v_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=mask)
         else:
             pos = tl.load(pos_ptr + row)
-            c1 = tl.load(cos_ptr + pos * stride_table + i, mask=mask, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + pos * stride_table + HALF + i, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + pos * stride_table + i, mask=mask, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + pos * stride_table + HALF + i, mask=mask, other=0.0).to(tl.float32)
+            half = i < HALF
+            c1 = tl.load(cos_ptr + pos * stride_table + i, mask=half, other=0.0).to(tl.float32)[None, :]
+            c2 = tl.load(cos_ptr + pos * stride_table + HALF + i, mask=half, other=0.0).to(tl.float32)[None, :]
+            s1 = tl.load(sin_ptr + pos * stride_table + i, mask=half, other=0.0).to(tl.float32)[None, :]
+            s2 = tl.load(sin_ptr + pos * stride_table + HALF + i, mask=half, other=0.0).to(tl.float32)[None, :]
             a1 = x1.to(tl.float32)
             a2 = x2.to(tl.float32)
             # x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
@@ -334,15 +344,15 @@ if triton is not None:
                 p4 = (a1 * s2).to(dtype).to(tl.float32)
                 out1 = (p1 + p2).to(dtype)
                 out2 = (p3 + p4).to(dtype)
-            if head < NUM_HEADS:
-                dst = q_out_ptr + row * stride_qt + head * stride_qh
-                tl.store(dst + i, out1, mask=mask)
-                tl.store(dst + HALF + i, out2, mask=mask)
+            if head0 < NUM_HEADS:
+                dst = q_out_ptr + row * stride_qt + (head0 + j)[:, None] * stride_qh + i[None, :]
+                tl.store(dst, out1, mask=mask)
+                tl.store(dst + HALF, out2, mask=mask)
             elif slot >= 0:
-                kv = head - NUM_HEADS
-                dst = k_ptr + slot * stride_ks + kv * stride_kh
-                tl.store(dst + i, out1.to(k_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF + i, out2.to(k_ptr.dtype.element_ty), mask=mask)
+                kv = head0 - NUM_HEADS + j
+                dst = k_ptr + slot * stride_ks + kv[:, None] * stride_kh + i[None, :]
+                tl.store(dst, out1.to(k_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF, out2.to(k_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(
@@ -423,6 +433,14 @@ def add_rms_norm_triton(
     return h, y
 
 
+def rope_heads_per_program(num_heads: int, num_kv_heads: int) -> int:
+    """Heads one program of `rope_write_kv_triton` takes: the largest divisor of both head counts up to
+    `ROPE_HEADS`, so a program's heads are all Q, all K or all V. Speed only (a head's values are
+    elementwise; the folded norm's RMS is the same per-row reduction in every program)."""
+    return max(d for d in range(1, min(ROPE_HEADS, num_heads, num_kv_heads) + 1)
+               if num_heads % d == 0 and num_kv_heads % d == 0)  # fmt: skip
+
+
 def rope_write_kv_triton(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -448,7 +466,8 @@ def rope_write_kv_triton(
         half = head_dim // 2
         # read at `ptr + row`: views of other strides (an expanded or sliced index tensor) made contiguous
         positions, out_slots = positions.contiguous(), out_slots.contiguous()
-        _rope_write_kv_kernel[(rows, num_heads + 2 * num_kv_heads)](
+        heads = rope_heads_per_program(num_heads, num_kv_heads)
+        _rope_write_kv_kernel[(rows, (num_heads + 2 * num_kv_heads) // heads)](
             qkv, positions, cos_table, sin_table, out_slots, q, k_cache, v_cache,
             qkv.stride(0), cos_table.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -456,7 +475,7 @@ def rope_write_kv_triton(
             qkv if copy_src_to is None else copy_src_to, 0 if copy_src_to is None else copy_src_to.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
             NORM=norm_src is not None, BLOCK_H=_block_h(norm_src), COPY=copy_src_to is not None,
-            enable_fp_fusion=False,
+            HEADS=heads, BLOCK_HEADS=triton.next_power_of_2(heads), enable_fp_fusion=False,
         )  # fmt: skip
     return q
 

@@ -58,10 +58,12 @@ def test_rms_norm_and_add_rms_norm(dtype):
     torch.testing.assert_close(y.cpu(), y_ref, **_tol(dtype))
 
 
+# heads and KV heads: 2 heads a program; SmolLM2's 9 / 3 (3 a program, a masked fourth lane); 1 a program
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (3, 2)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_write_kv(dtype):
+def test_rope_write_kv(dtype, heads, kv_heads):
     gen = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, rows, slots = 4, 2, 16, 6, 20
+    dim, rows, slots = 16, 6, 20
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 3, 9, 9, 31, 2])
     out_slots = torch.tensor([4, 7, -1, 11, 0, -1])  # -1: padding rows write nothing
