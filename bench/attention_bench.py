@@ -121,12 +121,6 @@ VARIANTS = {
     "tiles-b64-c128": dict(kernel="tiles", block_n=64, chunk=128),
     "tiles-w2": dict(kernel="tiles", num_warps=2),
     "tiles-w8": dict(kernel="tiles", num_warps=8),
-    # the next key block's loads issued before the current block's products (session 17; the same bits)
-    "tiles-pf": dict(kernel="tiles", prefetch=True),
-    "tiles-nopf": dict(kernel="tiles", prefetch=False),
-    "tiles-pf-r0": dict(kernel="tiles", prefetch=True, maxnreg=0),
-    "tiles-pf-r168": dict(kernel="tiles", prefetch=True, maxnreg=168),
-    "tiles-pf-p16": dict(kernel="tiles", prefetch=True, programs=16),
 }
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs

@@ -83,10 +83,6 @@ NUM_STAGES = 1
 # Warps of each program of the merge kernel (one program per row and query head, merging up to `MAX_CHUNKS`
 # chunk states of a head's width). Part of the bits (the reductions' layout), decode and verify alike.
 COMBINE_WARPS = 1
-# Issue the next key block's loads (page ids, K, V) before the current block's products, in registers
-# (speed only: every block's arithmetic is unchanged). A chunk's 2 blocks otherwise wait for their loads
-# one after the other.
-PREFETCH = False
 
 
 if triton is not None:
@@ -136,41 +132,6 @@ if triton is not None:
         tl.store(part_sum_ptr + part, l_i, mask=split)
 
     @triton.jit
-    def _shared_kv(k_ptr, v_ptr, table_ptr, request, stride_pt, n, inside, page_size, kv_head, d, d_ok, stride_ks,
-                   stride_kh, stride_vs, stride_vh):  # fmt: skip
-        """Keys ``n`` of a shared chunk (inside every row's prefix): their K and V blocks and validity;
-        ``inside`` false loads nothing (a prefetch past the chunk's end)."""
-        page = tl.load(table_ptr + request * stride_pt + n // page_size, mask=inside, other=-1)
-        valid = page >= 0
-        safe = tl.where(valid, page * page_size + n % page_size, 0).to(tl.int64)
-        k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
-        v = tl.load(v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
-        return k, v, valid
-
-    @triton.jit
-    def _own_kv(k_ptr, v_ptr, table_ptr, request, stride_pt, n, inside, r_prefix, r_extra, r_has, r_rank, page_size,
-                table_width, kv_head, d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh):  # fmt: skip
-        """Keys ``n`` of a row's own chunk (prefix positions, then its extra slots by rank): K, V, validity;
-        ``inside`` false loads nothing."""
-        in_prefix = (n < r_prefix) & inside
-        column = tl.minimum(n // page_size, table_width - 1)
-        page = tl.load(table_ptr + request * stride_pt + column, mask=in_prefix, other=-1)
-        prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
-        e = n - r_prefix  # index among the row's valid extra slots
-        pick = (r_rank[None, :] == e[:, None]) & r_has[None, :]
-        extra_slot = tl.sum(tl.where(pick, r_extra[None, :] + 1, 0), axis=1) - 1
-        slot = tl.where(in_prefix, prefix_slot, tl.where(inside, extra_slot, -1))
-        valid = slot >= 0
-        safe = tl.maximum(slot, 0).to(tl.int64)
-        k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
-        v = tl.load(v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
-        return k, v, valid
-
-    @triton.jit
     def _paged_attention_tile_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         row_request_ptr, prefix_ptr, extra_ptr, table_ptr,
@@ -178,7 +139,7 @@ if triton is not None:
         num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
         tile = tl.program_id(0)
@@ -217,27 +178,17 @@ if triton is not None:
             acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
             if item < n_shared:  # a shared chunk: each key block loaded once for the whole tile
                 lo = item * chunk_lo
-                hi = lo + chunk_lo  # keys inside every active row's prefix, hence inside its page table
-                if PREFETCH:  # the next block's loads issued before this block's products
-                    k, v, valid = _shared_kv(k_ptr, v_ptr, table_ptr, shared_request, stride_pt, lo + offs,
-                                             lo + offs < hi, page_size, kv_head, d, d_ok, stride_ks, stride_kh,
-                                             stride_vs, stride_vh)  # fmt: skip
-                    for start in range(lo, hi, BLOCK_N):
-                        n = start + BLOCK_N + offs
-                        k_next, v_next, valid_next = _shared_kv(k_ptr, v_ptr, table_ptr, shared_request, stride_pt,
-                                                                n, n < hi, page_size, kv_head, d, d_ok, stride_ks,
-                                                                stride_kh, stride_vs, stride_vh)  # fmt: skip
-                        m_i, l_i, acc = _block_update(q, k, v, valid, active, m_i, l_i, acc, scale, LOW_PRECISION,
-                                                      UPCAST)  # fmt: skip
-                        k, v, valid = k_next, v_next, valid_next
-                else:
-                    for start in range(lo, hi, BLOCK_N):
-                        n = start + offs
-                        k, v, valid = _shared_kv(k_ptr, v_ptr, table_ptr, shared_request, stride_pt, n, n < hi,
-                                                 page_size, kv_head, d, d_ok, stride_ks, stride_kh, stride_vs,
-                                                 stride_vh)  # fmt: skip
-                        m_i, l_i, acc = _block_update(q, k, v, valid, active, m_i, l_i, acc, scale, LOW_PRECISION,
-                                                      UPCAST)  # fmt: skip
+                for start in range(lo, lo + chunk_lo, BLOCK_N):
+                    n = start + offs  # inside every active row's prefix, hence inside its page table
+                    page = tl.load(table_ptr + shared_request * stride_pt + n // page_size)
+                    valid = page >= 0
+                    safe = tl.where(valid, page * page_size + n % page_size, 0).to(tl.int64)
+                    k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                                mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                    v = tl.load(v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                                mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                    m_i, l_i, acc = _block_update(q, k, v, valid, active, m_i, l_i, acc, scale, LOW_PRECISION,
+                                                  UPCAST)  # fmt: skip
                 _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, active, row, head, item, row_chunks,
                               m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM)  # fmt: skip
             else:  # a row's own chunks: its keys (prefix positions, then its extra slots by rank)
@@ -257,31 +208,24 @@ if triton is not None:
                         l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
                         acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
                         lo = chunk * r_keys
-                        hi = tl.minimum(r_total, lo + r_keys)
-                        if PREFETCH:
-                            k, v, valid = _own_kv(k_ptr, v_ptr, table_ptr, r_request, stride_pt, lo + offs,
-                                                  lo + offs < hi, r_prefix, r_extra, r_has, r_rank, page_size,
-                                                  table_width, kv_head, d, d_ok, stride_ks, stride_kh, stride_vs,
-                                                  stride_vh)  # fmt: skip
-                            for start in range(lo, hi, BLOCK_N):
-                                n = start + BLOCK_N + offs
-                                k_next, v_next, valid_next = _own_kv(
-                                    k_ptr, v_ptr, table_ptr, r_request, stride_pt, n, n < hi, r_prefix, r_extra,
-                                    r_has, r_rank, page_size, table_width, kv_head, d, d_ok, stride_ks, stride_kh,
-                                    stride_vs, stride_vh,
-                                )  # fmt: skip
-                                m_i, l_i, acc = _block_update(q, k, v, valid, own, m_i, l_i, acc, scale,
-                                                              LOW_PRECISION, UPCAST)  # fmt: skip
-                                k, v, valid = k_next, v_next, valid_next
-                        else:
-                            for start in range(lo, hi, BLOCK_N):
-                                n = start + offs
-                                k, v, valid = _own_kv(k_ptr, v_ptr, table_ptr, r_request, stride_pt, n, n < hi,
-                                                      r_prefix, r_extra, r_has, r_rank, page_size, table_width,
-                                                      kv_head, d, d_ok, stride_ks, stride_kh, stride_vs,
-                                                      stride_vh)  # fmt: skip
-                                m_i, l_i, acc = _block_update(q, k, v, valid, own, m_i, l_i, acc, scale,
-                                                              LOW_PRECISION, UPCAST)  # fmt: skip
+                        for start in range(lo, tl.minimum(r_total, lo + r_keys), BLOCK_N):
+                            n = start + offs
+                            in_prefix = n < r_prefix
+                            column = tl.minimum(n // page_size, table_width - 1)
+                            page = tl.load(table_ptr + r_request * stride_pt + column, mask=in_prefix, other=-1)
+                            prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
+                            e = n - r_prefix  # index among the row's valid extra slots
+                            pick = (r_rank[None, :] == e[:, None]) & r_has[None, :]
+                            extra_slot = tl.sum(tl.where(pick, r_extra[None, :] + 1, 0), axis=1) - 1
+                            slot = tl.where(in_prefix, prefix_slot, extra_slot)
+                            valid = slot >= 0
+                            safe = tl.maximum(slot, 0).to(tl.int64)
+                            k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                                        mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                            v = tl.load(v_ptr + safe[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                                        mask=valid[:, None] & d_ok, other=0.0)  # fmt: skip
+                            m_i, l_i, acc = _block_update(q, k, v, valid, own, m_i, l_i, acc, scale, LOW_PRECISION,
+                                                          UPCAST)  # fmt: skip
                         _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, own, row, head, chunk,
                                       row_chunks, m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh,
                                       HEAD_DIM)  # fmt: skip
@@ -348,7 +292,6 @@ def paged_attention_tiles_triton(
     num_stages: int | None = NUM_STAGES,
     maxnreg: int | None = None,
     combine_warps: int = COMBINE_WARPS,
-    prefetch: bool = PREFETCH,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
@@ -434,7 +377,7 @@ def paged_attention_tiles_triton(
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        PREFETCH=prefetch, num_warps=num_warps, **launch_options(num_stages, maxnreg),
+        num_warps=num_warps, **launch_options(num_stages, maxnreg),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
         _paged_attention_combine_kernel[(num_rows, num_heads)](

@@ -137,12 +137,6 @@ def test_tile_size_and_programs_change_no_bit(dtype):
     for rows, programs in ((2, None), (3, 1), (4, 2), (None, 3), (5, None)):
         got = _run(q, k, v, args, 4, dtype, rows_per_tile=rows, programs=programs, **options)
         assert torch.equal(got, base), (rows, programs)
-    # the next block's loads issued early: every split (a chunk of one block, of several, grown chunks)
-    for split in ("split", "grown", "default", "single"):
-        want = _run(q, k, v, args, 4, dtype, rows_per_tile=1, **SPLITS[split])
-        for rows, programs in ((1, None), (4, 2), (None, 1)):
-            got = _run(q, k, v, args, 4, dtype, rows_per_tile=rows, programs=programs, prefetch=True, **SPLITS[split])
-            assert torch.equal(got, want), (split, rows, programs)
     # a row alone in its own launch, and the launch without the padding rows
     for r in (0, 4, 8):
         alone = _run(q[r : r + 1], k, v, [a[r : r + 1] if i < 3 else a for i, a in enumerate(args)], 4, dtype,
