@@ -50,6 +50,13 @@ def _kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]]]]:
          dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, cum_ptr=f32, keep_ptr=i64, new_scores_ptr=f32,
               new_tokens_ptr=i64, bs=i32),
          [dict(K=8, BLOCK_B=1, BLOCK=64, INNER=32)]),
+        (tree._advance_frontier_kernel,
+         dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, frontier_cand_ptr=i64, path_ptr=i64,
+              next_own_ptr=i64, hidden_ptr="*bf16", cum_ptr=f32, parents_ptr=i64, scores_ptr=f32, tokens_ptr=i64,
+              cand_ptr=i64, new_path_ptr=i64, new_hidden_ptr="*bf16", level_base=i32, depth=i32, stride_own=i32,
+              width=i32),
+         [dict(K=4, BLOCK=16, INNER=16, BLOCK_D=8, BLOCK_H=256, HAS_NEXT=True),
+          dict(K=8, BLOCK=64, INNER=32, BLOCK_D=8, BLOCK_H=256, HAS_NEXT=False)]),
         (tree._rerank_kernel,
          dict(root_ptr=i64, cand_tokens_ptr=i64, cand_scores_ptr=f32, cand_parents_ptr=i64, row_of_ptr="*i32",
               tokens_ptr=i64, parents_ptr=i64, scores_ptr=f32, bs=i32, num_cands=i32, num_rows=i32),
@@ -172,17 +179,21 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                 ),
                 # plain, with the folded input norm (`kernels.FoldedNormOps`) at SmolLM2's hidden size, and with
                 # the feature copy of an EAGLE-3 target's feature layers
+                # (SmolLM2: 3 heads a program, a masked fourth lane; Llama-3-8B: 8 heads of 128)
                 [
                     dict(
-                        NUM_HEADS=9,
-                        NUM_KV_HEADS=3,
-                        HALF=32,
-                        BLOCK_HALF=32,
+                        NUM_HEADS=heads,
+                        NUM_KV_HEADS=kv_heads,
+                        HALF=half,
+                        BLOCK_HALF=half,
                         NORM=norm,
                         BLOCK_H=block_h,
                         COPY=copy,
+                        HEADS=fused.rope_heads_per_program(heads, kv_heads),
+                        BLOCK_HEADS=triton.next_power_of_2(fused.rope_heads_per_program(heads, kv_heads)),
                         enable_fp_fusion=False,
                     )
+                    for heads, kv_heads, half in ((9, 3, 32), (32, 8, 64))
                     for norm, block_h, copy in ((False, 16, False), (True, 1024, False), (True, 1024, True))
                 ],  # fmt: skip
                 ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", "copy_ptr",
