@@ -69,10 +69,13 @@ if triton is not None:
 # attention_bench-H100-tiles64-*.json.)
 TILE_LINES = 16
 # Registers a thread may hold in the default launch of tiles of several rows (speed only: the same bits).
-# Uncapped the kernel takes ~231, so 2 programs of 4 warps fit a multiprocessor; at 128 (a few spills) 4 fit,
-# and a program's chunks are latency-bound (2 key blocks each), so residency pays more than the spills cost.
+# Uncapped the kernel took ~231 (session 16), so 2 programs of 4 warps fit a multiprocessor; at 128 4 fit, and a
+# program's chunks are latency-bound (2 key blocks each), so residency pays more than the spills cost. Since the
+# int32 preamble (session 17) it takes 165 uncapped and spills 20 bytes at 128 instead of 232 (ptxas for sm_90):
+# 32 tree-verify rows 26.0 -> 17.8 µs at 512 keys on an H100 (bench/results/attention_bench-H100-int32-*).
 # One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
-# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*).
+# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*),
+# and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys).
 MAXNREG = 128
 # Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
 # aims at one wave of them (`default_tile_programs`).
