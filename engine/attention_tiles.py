@@ -71,7 +71,7 @@ TILE_LINES = 16
 # Registers a thread may hold in the default launch of tiles of several rows (speed only: the same bits).
 # Uncapped the kernel took ~231 (session 16), so 2 programs of 4 warps fit a multiprocessor; at 128 4 fit, and a
 # program's chunks are latency-bound (2 key blocks each), so residency pays more than the spills cost. Since the
-# int32 preamble (session 17) it takes 165 uncapped and spills 20 bytes at 128 instead of 232 (ptxas for sm_90):
+# int32 preamble (session 17) it takes 165 uncapped and spills 56 bytes at 128 instead of 296 (bench/kernel_registers):
 # 32 tree-verify rows 26.0 -> 17.8 µs at 512 keys on an H100 (bench/results/attention_bench-H100-int32-*).
 # One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
 # shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*),
@@ -158,8 +158,9 @@ if triton is not None:
                     mask=ok[:, None] & d_ok, other=0.0)  # fmt: skip
         # every line's key count and chunks (functions of its row's prefix and valid extra slots)
         # int32 requests, key counts and chunk indices (a cache of < 2**31 slots, as `_row_keys`): in int64 they
-        # held ~45 more registers a thread through the whole kernel (sm_90: 210 -> 165 uncapped; at the 128 cap
-        # 232 -> 20 bytes of spills), registers being what limits this kernel's residency
+        # held ~45 more registers a thread through the whole kernel (sm_90, a 32-node verify's tiles: 210 -> 165
+        # uncapped, 296 -> 56 bytes of spill stores at the 128 cap; bench/kernel_registers.py), registers being what
+        # limits this kernel's residency
         request = tl.load(row_request_ptr + row, mask=ok, other=-1).to(tl.int32)
         prefix_len = tl.minimum(tl.load(prefix_ptr + row, mask=ok, other=0), table_width * page_size).to(tl.int32)
         cols = tl.arange(0, BLOCK_M)

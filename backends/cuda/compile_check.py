@@ -120,8 +120,10 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
         split = dict(CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)
         combine_sets = []
         for heads, group, dim, block_m, page_one in (
-            # SmolLM2-135M at page sizes 16 and 1, with 0-16 and 64 extra slots; Llama-3-8B at page size 16
+            # SmolLM2-135M at page sizes 16 and 1, with 0-16 and 64 extra slots; Llama-3-8B at page size 16, with
+            # 0-16 and 32 extra slots (a 32-node tree's verify)
             (9, 3, 64, 16, False), (9, 3, 64, 16, True), (9, 3, 64, 64, False), (32, 4, 128, 16, False),
+            (32, 4, 128, 32, False),
         ):  # fmt: skip
             # the merge fused into the kernel (the default) and by the combine kernel (fused_combine=False)
             ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
@@ -266,14 +268,15 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     return out
 
 
-def _compile(kernel, signature, constexprs, aligned, target) -> None:
-    """Compile one specialization; ``enable_fp_fusion`` in ``constexprs`` is the launch option of that name."""
+def _compile(kernel, signature, constexprs, aligned, target, **launch):
+    """Compile one specialization and return Triton's compiled kernel; ``enable_fp_fusion`` in ``constexprs`` is
+    the launch option of that name, ``launch`` more launch options (``num_warps``, ``num_stages``, ``maxnreg``)."""
     options = {k: constexprs[k] for k in ("enable_fp_fusion",) if k in constexprs}
     constexprs = {k: v for k, v in constexprs.items() if k not in options}
     full = {**signature, **{key: "constexpr" for key in constexprs}}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in constexprs}
     source = ASTSource(kernel, signature=full, constexprs=constexprs, attrs=attrs)
-    triton.compile(source, target=target, options=options)
+    return triton.compile(source, target=target, options={**options, **launch})
 
 
 def compile_all(target_names: list[str]) -> list[str]:
