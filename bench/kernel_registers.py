@@ -71,12 +71,10 @@ def measure(names: list[str] | None, caps: list[int], num_warps: int = 4, num_st
     os.environ.pop("TRITON_INTERPRET", None)  # the JIT must compile, not interpret
     rows = []
     for kernel, signature, sets, aligned in compile_check._engine_kernels():
-        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+        name = kernel.__name__
         if names and name not in names:
             continue
-        if type(kernel).__name__ == "InterpretedFunction":
-            raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1 and are interpreted: measure in a "
-                               "fresh process without it (python -m speccycle.bench.kernel_registers)")  # fmt: skip
+        compile_check.require_compiled(kernel)
         for constexprs in sets:
             if where and any(constexprs.get(k, _MISSING) != v for k, v in where.items()):
                 continue

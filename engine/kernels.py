@@ -433,6 +433,7 @@ def add_rms_norm_triton(
     return h, y
 
 
+@functools.cache
 def rope_heads_per_program(num_heads: int, num_kv_heads: int) -> int:
     """Heads one program of `rope_write_kv_triton` takes: the largest divisor of both head counts up to
     `ROPE_HEADS`, so a program's heads are all Q, all K or all V. Speed only (a head's values are

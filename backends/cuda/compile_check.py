@@ -191,11 +191,12 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         NORM=norm,
                         BLOCK_H=block_h,
                         COPY=copy,
-                        HEADS=fused.rope_heads_per_program(heads, kv_heads),
-                        BLOCK_HEADS=triton.next_power_of_2(fused.rope_heads_per_program(heads, kv_heads)),
+                        HEADS=per,
+                        BLOCK_HEADS=triton.next_power_of_2(per),
                         enable_fp_fusion=False,
                     )
                     for heads, kv_heads, half in ((9, 3, 32), (32, 8, 64))
+                    for per in (fused.rope_heads_per_program(heads, kv_heads),)
                     for norm, block_h, copy in ((False, 16, False), (True, 1024, False), (True, 1024, True))
                 ],  # fmt: skip
                 ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", "copy_ptr",
@@ -268,6 +269,13 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     return out
 
 
+def require_compiled(kernel) -> None:
+    """Refuse a kernel imported under ``TRITON_INTERPRET=1`` (the interpreter's, which never compiles)."""
+    if type(kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported: they are interpreted, there is "
+                           "nothing to compile; run in a fresh process without it")  # fmt: skip
+
+
 def _compile(kernel, signature, constexprs, aligned, target, **launch):
     """Compile one specialization and return Triton's compiled kernel; ``enable_fp_fusion`` in ``constexprs`` is
     the launch option of that name, ``launch`` more launch options (``num_warps``, ``num_stages``, ``maxnreg``)."""
@@ -291,10 +299,7 @@ def compile_all(target_names: list[str]) -> list[str]:
         if name == "cuda":
             entries += _engine_kernels()
         for kernel, signature, constexpr_sets, aligned in entries:
-            if type(kernel).__name__ == "InterpretedFunction":
-                raise RuntimeError(
-                    "TRITON_INTERPRET=1 is set: the kernels are interpreted, there is nothing to compile"
-                )
+            require_compiled(kernel)
             for constexprs in constexpr_sets:
                 try:
                     _compile(kernel, signature, constexprs, aligned, target)
