@@ -115,6 +115,10 @@ VARIANTS = {
     "tiles-l64-r0": dict(kernel="tiles", tile_lines=64, maxnreg=0),
     "tiles-r0-s3": dict(kernel="tiles", maxnreg=0, num_stages=3),
     "tiles-p10-r96": dict(kernel="tiles", programs=10, maxnreg=96),
+    # after the int32 preamble (165 registers uncapped, session 17): uncapped at 3 resident, 5 at 96
+    "tiles-p6-r0": dict(kernel="tiles", programs=6, maxnreg=0),
+    "tiles-p20-r96": dict(kernel="tiles", programs=20, maxnreg=96),
+    "tiles-p16-r128": dict(kernel="tiles", programs=16, maxnreg=128),
     # constants of the tile kernel (bits change: decode and verify must share them)
     "tiles-b64": dict(kernel="tiles", block_n=64, chunk=64),
     "tiles-c128": dict(kernel="tiles", chunk=128),
