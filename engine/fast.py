@@ -195,6 +195,8 @@ def eagle_rows_forward(
         out = _folded_eagle3_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
     else:
         out = _eagle_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
+    for layer, cache in zip(head.extra_layers, draft.extra_kv):
+        out = _eagle_extra_layer(layer, cache, c, ops, rope, inputs, out)
     picked = out if inputs.logits_rows is None else out.index_select(0, inputs.logits_rows)
     if c.target_lm_head:  # EAGLE-1, or EAGLE-3 over the target's norm and LM head: [R, V]
         target_eps = target.config.rms_norm_eps
@@ -233,6 +235,21 @@ def _eagle_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_t
     o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), head.o)
     h, act = ops.norm_gate_up_silu(x, o, head.post_norm.weight, eps, head.gate_up)
     return h + ops.linear(act, head.down)  # [T, H]
+
+
+def _eagle_extra_layer(layer, cache: LayerKV, c, ops, rope, inputs: RowInputs, x: torch.Tensor) -> torch.Tensor:
+    """A deeper head's layer ``i >= 1`` (`EagleConfig.num_layers`): a Llama decoder layer over ``[T, H]``, as
+    `llama_rows_forward` runs one (the norms unfolded, whatever the ops fold)."""
+    rows, eps = x.shape[0], c.rms_norm_eps
+    k_cache, v_cache = cache
+    x, q = ops.norm_qkv_rope(x, None, layer.input_norm.weight, eps, layer.qkv_weight, None, inputs.positions,
+                             rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache, c.num_heads,
+                             c.num_kv_heads)  # fmt: skip
+    attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                         inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+    o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
+    h, act = ops.norm_gate_up_silu(x, o, layer.post_attention_norm.weight, eps, layer.gate_up_weight)
+    return h + ops.linear(act, layer.down_weight)  # [T, H]
 
 
 def fold_head_weights(head) -> torch.Tensor:
@@ -617,11 +634,12 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
     """`EagleDraft` through static buffers and CUDA graphs: one runner for extends, one for steps."""
 
     def __init__(self, draft: EagleDraft, pool: PagedKVPool, options: FastOptions) -> None:
-        self.head, self.target_model, self.vocab_size, self.kv = (
+        self.head, self.target_model, self.vocab_size, self.kv, self.extra_kv = (
             draft.head,
             draft.target_model,
             draft.vocab_size,
             draft.kv,
+            draft.extra_kv,
         )
         c = self.head.config
         self.options = options

@@ -12,6 +12,9 @@ engine's (`EagleDraft._run` and `EagleHead.layer`) op for op, with EAGLE's shift
   which is what a draft forward at ``L + s - 1`` sees at inference (prefix ``[0, L)``, ancestors, self).
 
 Unrolling the draft over its own hidden states while training is EAGLE-3's "training-time test".
+
+A deeper head (`EagleConfig.num_layers`) runs its further layers after the first at every step, each with
+the same step-masked attention over its own keys; a step's output is the last layer's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.drafters.eagle import EagleConfig, EagleHead, _shapes
+from ..engine.drafters.eagle import EagleConfig, EagleHead, _shapes, extra_layer_prefix
 from ..engine.llama import LlamaModel, apply_rope, rope_cos_sin
 
 
@@ -120,9 +123,9 @@ class TrainableEagleHead(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------
     def _layer(self, x: torch.Tensor, embed: torch.Tensor, step: int, keys: list, values: list) -> torch.Tensor:
-        """`EagleHead.layer` over ``[B, T, H]`` rows of one step; ``keys``/``values`` collect each step's K/V."""
+        """`EagleHead.layer`'s first layer over ``[B, T, H]`` rows of one step; ``keys``/``values`` collect each
+        step's K/V."""
         c, w = self.config, self.w
-        b, t, _ = x.shape
         eps = c.rms_norm_eps
         if c.version == 3:
             attn_in = torch.cat(
@@ -131,9 +134,27 @@ class TrainableEagleHead(nn.Module):
             )
         else:
             attn_in = rms_norm(x, w("layer.input_layernorm.weight"), eps)
-        q = F.linear(attn_in, w("layer.q_proj.weight")).view(b, t, c.num_heads, c.head_dim)
-        k = F.linear(attn_in, w("layer.k_proj.weight")).view(b, t, c.num_kv_heads, c.head_dim)
-        v = F.linear(attn_in, w("layer.v_proj.weight")).view(b, t, c.num_kv_heads, c.head_dim)
+        names = {n: f"layer.{n}_proj.weight" for n in ("q", "k", "v", "o", "gate", "up", "down")}
+        return self._block(x, attn_in, names, "layer.post_attention_layernorm.weight", step, keys, values)
+
+    def _extra_layer(self, index: int, x: torch.Tensor, step: int, keys: list, values: list) -> torch.Tensor:
+        """Decoder layer ``index >= 1`` (a plain Llama layer over ``[B, T, H]``), as `llama.DecoderLayer`."""
+        p = extra_layer_prefix(index)
+        attn_in = rms_norm(x, self.w(p + "input_layernorm.weight"), self.config.rms_norm_eps)
+        names = {n: f"{p}self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")}
+        names.update({n: f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")})
+        return self._block(x, attn_in, names, p + "post_attention_layernorm.weight", step, keys, values)
+
+    def _block(
+        self, x: torch.Tensor, attn_in: torch.Tensor, names: dict, post_norm: str, step: int, keys: list, values: list
+    ) -> torch.Tensor:
+        """Attention over ``attn_in`` (the step-masked keys of every step so far), residual, MLP, residual."""
+        c, w = self.config, self.w
+        b, t, _ = x.shape
+        eps = c.rms_norm_eps
+        q = F.linear(attn_in, w(names["q"])).view(b, t, c.num_heads, c.head_dim)
+        k = F.linear(attn_in, w(names["k"])).view(b, t, c.num_kv_heads, c.head_dim)
+        v = F.linear(attn_in, w(names["v"])).view(b, t, c.num_kv_heads, c.head_dim)
         positions = torch.arange(t, device=x.device) + step  # anchor k's step-s row sits at k + s
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -155,10 +176,10 @@ class TrainableEagleHead(nn.Module):
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2).to(all_k.dtype), all_k, all_v, attn_mask=step_mask(t, step, x.device), scale=scale
             )
-        h = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w("layer.o_proj.weight"))
-        hn = rms_norm(h, w("layer.post_attention_layernorm.weight"), eps)
-        gate, up = F.linear(hn, w("layer.gate_proj.weight")), F.linear(hn, w("layer.up_proj.weight"))
-        return h + F.linear(F.silu(gate) * up, w("layer.down_proj.weight"))
+        h = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), w(names["o"]))
+        hn = rms_norm(h, w(post_norm), eps)
+        gate, up = F.linear(hn, w(names["gate"])), F.linear(hn, w(names["up"]))
+        return h + F.linear(F.silu(gate) * up, w(names["down"]))
 
     def unroll(
         self, target: LlamaModel, input_ids: torch.Tensor, features: torch.Tensor, num_steps: int
@@ -170,14 +191,16 @@ class TrainableEagleHead(nn.Module):
         """
         c = self.config
         x = F.linear(features, self.w("fc.weight")) if c.version == 3 else features
-        keys: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        keys: list[list[torch.Tensor]] = [[] for _ in range(c.num_layers)]  # per layer, each step's K and V
+        values: list[list[torch.Tensor]] = [[] for _ in range(c.num_layers)]
         outs = []
         for step in range(num_steps):
             embed = F.embedding(shift_left(input_ids, step + 1), target.embed_weight)  # t[k + s + 1]
             if c.version == 1:
                 x = F.linear(torch.cat([embed.to(x.dtype), x], -1), self.w("fc.weight"))
-            x = self._layer(x, embed, step, keys, values)
+            x = self._layer(x, embed, step, keys[0], values[0])
+            for index in range(1, c.num_layers):
+                x = self._extra_layer(index, x, step, keys[index], values[index])
             outs.append(x)
         return outs
 

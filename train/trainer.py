@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine.drafters.eagle import EagleConfig, file_metadata
+from ..engine.drafters.eagle import EagleConfig, _shapes, extra_layer_prefix, file_metadata
 from ..engine.llama import LlamaModel
 from .data import SelfDistilledData
 from .features import target_outputs
@@ -48,6 +48,7 @@ class TrainConfig:
     ttt_steps: int = 6  # draft steps unrolled per batch (6 covers chains up to S = 6)
     draft_vocab_size: int = 3072  # EAGLE-3 only
     intermediate_size: int | None = None  # None: the target's; EAGLE-3 defaults to 512 (see pipeline)
+    num_layers: int = 1  # the head's decoder layers (`EagleConfig.num_layers`)
     batch_tokens: int = 32768  # padded tokens per batch (B x T)
     max_seqs: int = 128
     max_len: int = 640
@@ -100,7 +101,9 @@ def vocabulary_coverage(data: SelfDistilledData, draft_to_target: torch.Tensor) 
 
 def head_config(target_config, cfg: TrainConfig) -> EagleConfig:
     base = EagleConfig.for_target(target_config, cfg.version, cfg.draft_vocab_size if cfg.version == 3 else None)
-    return attrs.evolve(base, intermediate_size=cfg.intermediate_size or base.intermediate_size)
+    return attrs.evolve(
+        base, intermediate_size=cfg.intermediate_size or base.intermediate_size, num_layers=cfg.num_layers
+    )
 
 
 def make_batches(data: SelfDistilledData, cfg: TrainConfig, rng: np.random.Generator) -> list[np.ndarray]:
@@ -395,10 +398,41 @@ def widen_mlp(head: TrainableEagleHead, size: int, seed: int = 0, std: float = 0
     extra, h = size - c.intermediate_size, c.hidden_size
     gen = torch.Generator().manual_seed(seed)
     weights = {name: value.cpu() for name, value in head.state().items()}  # float32 parameters, detached
-    for name in ("layer.gate_proj.weight", "layer.up_proj.weight"):
-        weights[name] = torch.cat([weights[name], torch.randn((extra, h), generator=gen) * std])
-    weights["layer.down_proj.weight"] = torch.cat([weights["layer.down_proj.weight"], torch.zeros((h, extra))], 1)
+    mlps = [("layer.gate_proj.weight", "layer.up_proj.weight", "layer.down_proj.weight")]
+    mlps += [tuple(f"{extra_layer_prefix(i)}mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+             for i in range(1, c.num_layers)]  # fmt: skip
+    for gate, up, down in mlps:  # every layer's MLP
+        for name in (gate, up):
+            weights[name] = torch.cat([weights[name], torch.randn((extra, h), generator=gen) * std])
+        weights[down] = torch.cat([weights[down], torch.zeros((h, extra))], 1)
     return TrainableEagleHead(attrs.evolve(c, intermediate_size=size), weights)
+
+
+def deepen(head: TrainableEagleHead, num_layers: int, seed: int = 0, std: float = 0.02) -> TrainableEagleHead:
+    """The same head with ``num_layers`` decoder layers: the trained layers as they are, each new one (after
+    them) with fresh Q/K/V and gate/up rows ``N(0, std)``, norms 1, and its O and down projections zero, so it
+    adds exact zeros to the residual stream and the head computes what it did until training moves it. The O
+    and down projections get gradients at once; the rest follows from the first step on.
+    """
+    c = head.config
+    if num_layers < c.num_layers:
+        raise ValueError(
+            f"the head has {c.num_layers} layers; --head-layers {num_layers} would drop trained layers: pass "
+            f">= {c.num_layers} (or train a fresh head without --resume)"
+        )
+    deeper = attrs.evolve(c, num_layers=num_layers)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {name: value.cpu() for name, value in head.state().items()}  # float32 parameters, detached
+    for name, shape in _shapes(deeper).items():
+        if name in weights:
+            continue
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * std
+    return TrainableEagleHead(deeper, weights)
 
 
 def _resumed(
@@ -412,7 +446,8 @@ def _resumed(
     """``head`` if it is the head this run trains; a clear error where ``source`` holds another one.
 
     A head that differs only in a smaller draft vocabulary (``widen``, see `widen_draft_vocabulary`), a
-    narrower MLP (`widen_mlp`), or both, is widened to the one asked for.
+    narrower MLP (`widen_mlp`), fewer layers (`deepen`), or any of them together, is grown to the one asked
+    for (the MLP widened before layers are added, so the new layers take the wanted width).
     """
     c = head.config
     more_ids = (  # an own-vocabulary head (EAGLE-3, draft_vocab_size > 0) asked for a larger one
@@ -422,12 +457,14 @@ def _resumed(
         and wanted.draft_vocab_size > c.draft_vocab_size
     )
     more_units = wanted.intermediate_size > c.intermediate_size
+    more_layers = wanted.num_layers > c.num_layers
     grown = attrs.evolve(
         c,
         draft_vocab_size=wanted.draft_vocab_size if more_ids else c.draft_vocab_size,
         intermediate_size=wanted.intermediate_size if more_units else c.intermediate_size,
+        num_layers=wanted.num_layers if more_layers else c.num_layers,
     )
-    if (more_ids or more_units) and grown == wanted:
+    if (more_ids or more_units or more_layers) and grown == wanted:
         if more_ids:
             head = widen(head)
             log(
@@ -439,6 +476,12 @@ def _resumed(
             log(
                 f"[train] widened {source}'s MLP from {c.intermediate_size} to {wanted.intermediate_size} units "
                 "(trained units kept, new ones with zero down-projection columns: the same function to start)"
+            )
+        if more_layers:
+            head = deepen(head, wanted.num_layers, seed=seed)
+            log(
+                f"[train] deepened {source}'s head from {c.num_layers} to {wanted.num_layers} decoder layers "
+                "(trained layers kept, new ones with zero O and down projections: the same function to start)"
             )
     if head.config != wanted:
         raise ValueError(

@@ -12,6 +12,10 @@
 In both, a draft step feeds a node's parent's layer output as its hidden state (EAGLE's feature
 prediction), so ``hidden`` of the output is the layer output ``[T, H]``.
 
+A head may stack more layers (``num_layers > 1``, `EagleConfig.num_layers`): layers ``1..n-1`` are plain
+Llama decoder layers over ``[T, H]`` (`llama.DecoderLayer`, weights ``layers.<i>.*`` under Hugging Face's
+names), each with its own layer of the draft cache; ``hidden`` is then the last layer's output.
+
 Weights live in one safetensors file; its metadata key ``speccycle.eagle`` holds the `EagleConfig`
 as JSON, and ``speccycle.eagle.lm_head`` says where the logits come from (``own`` or ``target``).
 `EagleHead.random` builds one with random weights for tests. ``speccycle.eagle.storage`` (absent in a
@@ -33,7 +37,7 @@ from ...core.ports import ForwardBatch, ModelOutput
 from ..attention import paged_attention, plan_attention, write_kv
 from ..errors import ModelLoadError
 from ..kv_pool import PagedKVPool
-from ..llama import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
+from ..llama import DecoderLayer, LlamaModel, RMSNorm, apply_rope, rope_cos_sin
 
 METADATA_KEY = "speccycle.eagle"
 LM_HEAD_KEY = "speccycle.eagle.lm_head"  # "own" (EAGLE-3's reduced vocabulary) or "target" (the target's norm and head)
@@ -52,6 +56,8 @@ class EagleConfig:
     feature_layers: tuple[int, ...] = attrs.field(converter=tuple)  # target residual streams fed to the head
     # EAGLE-3 only: the size of the head's own LM head, or 0: logits from the target's final norm and LM head
     draft_vocab_size: int | None = None
+    # decoder layers: the first reads the features (and, EAGLE-3, the embedding); the others are plain Llama layers
+    num_layers: int = 1
 
     def __attrs_post_init__(self) -> None:
         if self.version not in (1, 3):
@@ -64,6 +70,8 @@ class EagleConfig:
             raise ValueError(
                 "EAGLE-3 needs draft_vocab_size: the size of its own LM head, or 0 for the target's LM head"
             )
+        if self.num_layers < 1:
+            raise ValueError(f"an EAGLE head has at least one decoder layer, not num_layers={self.num_layers}")
 
     @property
     def target_lm_head(self) -> bool:
@@ -93,7 +101,15 @@ class EagleConfig:
 
 def file_metadata(config: EagleConfig) -> dict[str, str]:
     """The safetensors metadata of a head file: its config, and which LM head its logits come from."""
-    return {METADATA_KEY: json.dumps(attrs.asdict(config)), LM_HEAD_KEY: "target" if config.target_lm_head else "own"}
+    fields = attrs.asdict(config)
+    if config.num_layers == 1:  # one-layer files keep the metadata they had before the field existed
+        del fields["num_layers"]
+    return {METADATA_KEY: json.dumps(fields), LM_HEAD_KEY: "target" if config.target_lm_head else "own"}
+
+
+def extra_layer_prefix(index: int) -> str:
+    """Name prefix of decoder layer ``index >= 1`` (Hugging Face's layer names, as `llama.DecoderLayer` reads)."""
+    return f"layers.{index}."
 
 
 def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
@@ -114,6 +130,21 @@ def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
         shapes["layer.input_layernorm.weight"] = (h,)
     else:
         shapes.update({"layer.embed_norm.weight": (h,), "layer.hidden_norm.weight": (h,)})
+    for index in range(1, c.num_layers):
+        p = extra_layer_prefix(index)
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (c.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (c.num_kv_heads * d, h),
+                p + "self_attn.v_proj.weight": (c.num_kv_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, c.num_heads * d),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
     if not c.target_lm_head:
         shapes.update(
             {"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h), "draft_to_target": (c.draft_vocab_size,)}
@@ -122,7 +153,8 @@ def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
 
 
 class EagleHead(nn.Module):
-    """The head's weights and its one decoder layer; attention over a paged KV cache of one layer."""
+    """The head's weights and its decoder layers (`layer`, then `extra_layers`); attention over a paged KV
+    cache of one layer each."""
 
     def __init__(self, config: EagleConfig, weights: dict[str, torch.Tensor], dtype=torch.float32, device="cpu"):
         super().__init__()
@@ -153,6 +185,9 @@ class EagleHead(nn.Module):
         else:
             self.embed_norm = RMSNorm(w["layer.embed_norm.weight"], eps)
             self.hidden_norm = RMSNorm(w["layer.hidden_norm.weight"], eps)
+        self.extra_layers = nn.ModuleList(
+            DecoderLayer(config, w, extra_layer_prefix(index)) for index in range(1, config.num_layers)
+        )
         if not config.target_lm_head:
             self.norm = RMSNorm(w["norm.weight"], eps)
             self.lm_head = nn.Parameter(w["lm_head.weight"], requires_grad=False)
@@ -192,6 +227,23 @@ class EagleHead(nn.Module):
         else:
             out["layer.embed_norm.weight"] = self.embed_norm.weight
             out["layer.hidden_norm.weight"] = self.hidden_norm.weight
+        for index, extra in enumerate(self.extra_layers, start=1):
+            p = extra_layer_prefix(index)
+            eq, ek, ev = extra.qkv_weight.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+            egate, eup = extra.gate_up_weight.chunk(2)
+            out.update(
+                {
+                    p + "input_layernorm.weight": extra.input_norm.weight,
+                    p + "self_attn.q_proj.weight": eq,
+                    p + "self_attn.k_proj.weight": ek,
+                    p + "self_attn.v_proj.weight": ev,
+                    p + "self_attn.o_proj.weight": extra.o_weight,
+                    p + "post_attention_layernorm.weight": extra.post_attention_norm.weight,
+                    p + "mlp.gate_proj.weight": egate,
+                    p + "mlp.up_proj.weight": eup,
+                    p + "mlp.down_proj.weight": extra.down_weight,
+                }
+            )
         if not c.target_lm_head:
             out.update(
                 {
@@ -238,9 +290,14 @@ class EagleHead(nn.Module):
         weights = unpack_state(weights, metadata.get(STORAGE_KEY), path)  # int8 storage -> float32; else as stored
         return cls(EagleConfig(**json.loads(meta)), weights, dtype, device)
 
-    def layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
-        """The decoder layer. Shapes: ``x [T, H]`` (projected feature), ``embed [T, H]`` -> ``[T, H]``."""
+    def layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch, kv, extra_kv=()) -> torch.Tensor:
+        """The decoder layers. Shapes: ``x [T, H]`` (projected feature), ``embed [T, H]`` -> ``[T, H]``.
+
+        ``kv``: the first layer's ``(k, v)`` cache; ``extra_kv``: one ``(k, v)`` per layer of `extra_layers`.
+        """
         c, rows = self.config, x.shape[0]
+        if len(extra_kv) != len(self.extra_layers):
+            raise ValueError(f"the head has {c.num_layers} layers: pass one (k, v) cache per extra layer")
         attn_in = torch.cat([self.embed_norm(embed), self.hidden_norm(x)], -1) if c.version == 3 else self.input_norm(x)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = F.linear(attn_in, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
@@ -251,7 +308,10 @@ class EagleHead(nn.Module):
         write_kv(plan, kv[0], kv[1], k, v.reshape(rows, c.num_kv_heads, c.head_dim))
         h = x + F.linear(paged_attention(plan, q, kv[0], kv[1]).reshape(rows, q_size), self.o)
         gate, up = F.linear(self.post_norm(h), self.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+        out = h + F.linear(F.silu(gate) * up, self.down)
+        for extra, cache in zip(self.extra_layers, extra_kv):
+            out = extra(out, cos, sin, plan, cache)
+        return out
 
 
 class EagleDraft:
@@ -279,13 +339,14 @@ class EagleDraft:
             )
         self.head, self.target_model = head, target_model
         self.vocab_size = tc.vocab_size
-        self.kv = pool.add_cache(cache_name, 1, hc.num_kv_heads, hc.head_dim, head.dtype)[0]
+        caches = pool.add_cache(cache_name, hc.num_layers, hc.num_kv_heads, hc.head_dim, head.dtype)
+        self.kv, self.extra_kv = caches[0], list(caches[1:])  # the first layer's (k, v); the others'
 
     def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
         embed = F.embedding(batch.input_ids, self.target_model.embed_weight).to(self.head.dtype)
         if self.head.config.version == 1:
             x = F.linear(torch.cat([embed, x], -1), self.head.fc)
-        out = self.head.layer(x, embed, batch, self.kv)  # [T, H]
+        out = self.head.layer(x, embed, batch, self.kv, self.extra_kv)  # [T, H]
         rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
         if self.head.config.target_lm_head:
             logits = self.target_model.logits(rows.to(self.target_model.dtype))  # [R, V]

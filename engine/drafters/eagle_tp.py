@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ...core.ports import ForwardBatch, ModelOutput
 from ..attention import paged_attention, plan_attention, write_kv
+from ..errors import ModelLoadError
 from ..kv_pool import PagedKVPool
 from ..llama import apply_rope, rope_cos_sin
 from ..tp_model import TPLlamaModel, plan_shard
@@ -36,7 +37,7 @@ class TPEagleDraft(EagleDraft):
         super().__init__(head, target_model, pool, cache_name)
 
     def _layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.head.layer(x, embed, batch, self.kv)
+        return self.head.layer(x, embed, batch, self.kv, self.extra_kv)
 
     def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
         embed = self.target_model.embed(batch.input_ids)  # [T, H] on every rank
@@ -58,6 +59,11 @@ class ShardedEagleDraft(TPEagleDraft):
 
     def __init__(self, head: EagleHead, target_model: TPLlamaModel, pool: PagedKVPool, cache_name: str = "draft"):
         c, tp = head.config, target_model.tp
+        if c.num_layers != 1:
+            raise ModelLoadError(
+                f"the sharded EAGLE draft splits a one-layer head; this head has {c.num_layers} layers: "
+                "replicate it instead (TPEagleDraft: run without --eagle-sharded)"
+            )
         shape = LlamaConfig(
             architecture="eagle",
             vocab_size=target_model.vocab_size,

@@ -172,13 +172,14 @@ def test_fast_drafts_equal_reference(weights, ops):
     ref_skip = LlamaDraft(model, pool_ref, num_layers=2)
     fast_skip = FastLlamaDraft(LlamaDraft(model, pool_fast, num_layers=2), pool_fast, options)
     drafts = [(ref_skip, fast_skip)]
-    for version, vocab in ((1, None), (3, 40), (3, 0)):  # EAGLE-3 with its own LM head, and over the target's
+    # EAGLE-3 with its own LM head, over the target's, and a deeper head of two decoder layers
+    for version, vocab, layers in ((1, None, 1), (3, 40, 1), (3, 0, 1), (3, 40, 2)):
         head_config = EagleConfig.for_target(TINY, version, draft_vocab_size=vocab)
         if version == 3:
-            head_config = attrs.evolve(head_config, feature_layers=(1, 2, 3))
+            head_config = attrs.evolve(head_config, feature_layers=(1, 2, 3), num_layers=layers)
         head = EagleHead.random(head_config, seed=version, target_vocab=TINY.vocab_size)
         target_model = featured if version == 3 else model
-        name = f"eagle{version}-{vocab}"
+        name = f"eagle{version}-{vocab}-{layers}"
         ref = EagleDraft(head, target_model, pool_ref, cache_name=name)
         fast = FastEagleDraft(EagleDraft(head, target_model, pool_fast, cache_name=name), pool_fast, options)
         drafts.append((ref, fast))

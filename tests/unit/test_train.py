@@ -124,11 +124,13 @@ def _draft_step_batch(pool, token, position, prefix_len, scratch_slots):
 HEADS = {"1": (1, 0), "3": (3, 256), "3full": (3, 0)}  # name: (version, draft vocabulary); 3full: the target's head
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("name", HEADS)
-def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, name):
-    """Step 0 equals the draft extend at every anchor; steps 1, 2 equal chain draft forwards at L, L + 1."""
+def test_unrolled_head_computes_what_eagle_draft_computes(weights, sequences, name, layers):
+    """Step 0 equals the draft extend at every anchor; steps 1, 2 equal chain draft forwards at L, L + 1
+    (one decoder layer, and a deeper head's two)."""
     version, vocab = HEADS[name]
-    cfg = TrainConfig(version=version, draft_vocab_size=vocab, intermediate_size=48)
+    cfg = TrainConfig(version=version, draft_vocab_size=vocab, intermediate_size=48, num_layers=layers)
     hcfg = head_config(TINY, cfg)
     assert hcfg.target_lm_head == (name != "3")
     d2t = torch.randperm(TINY.vocab_size, generator=torch.Generator().manual_seed(0))[:256].sort().values
@@ -522,3 +524,56 @@ def test_resume_with_a_wider_mlp_keeps_the_trained_units_and_the_heads_function(
     assert trained.w("layer.down_proj.weight")[:, 16:].abs().sum() > 0  # the new units trained
     with pytest.raises(ValueError, match=">= 40"):
         trainer.widen_mlp(trained, 16)
+
+
+def test_resume_with_more_layers_keeps_the_heads_function_then_trains_them(tmp_path, weights, sequences):
+    """--resume --head-layers 2 of a one-layer head: the trained layer stays, the new one starts with zero O and
+    down projections, so loss and accuracies are the one-layer head's; training then moves it. The two-layer
+    file round-trips through int8 storage and drafts lossless in the engine; one-layer files keep their
+    metadata without the new field; fewer layers are refused with what to pass."""
+    from speccycle.engine.drafters.eagle import file_metadata
+    from speccycle.engine.drafters.eagle_pack import pack_file
+    from speccycle.train import trainer
+
+    base = dict(version=3, draft_vocab_size=8, intermediate_size=24, ttt_steps=2, steps=2, warmup_steps=1,
+                batch_tokens=256, save_every_s=1e9, log_every_s=1e9)  # fmt: skip
+    model = LlamaModel(TINY, weights, feature_layers=head_config(TINY, TrainConfig(**base)).feature_layers)
+    out = tmp_path / "h.safetensors"
+    one, _ = trainer.train_head(TrainConfig(**base), sequences, model, out, log=lambda _: None)
+    assert "num_layers" not in json.loads(file_metadata(one.config)["speccycle.eagle"])
+    two = trainer.deepen(one, 2)
+    assert two.config == attrs.evolve(one.config, num_layers=2)
+    assert all(torch.equal(two.w(k), v) for k, v in one.state().items() if k != "draft_to_target")
+    assert not two.w("layers.1.self_attn.o_proj.weight").any() and not two.w("layers.1.mlp.down_proj.weight").any()
+    assert two.w("layers.1.self_attn.q_proj.weight").abs().sum() > 0
+    t2d = trainer.draft_ids(one, TINY.vocab_size)
+    ids, lengths, prompt_lens = collate(sequences, np.arange(len(sequences)), 640, "cpu")
+    with torch.no_grad():
+        loss_one, m_one = batch_loss(one, model, ids, lengths, prompt_lens, TrainConfig(**base), t2d)
+        loss_two, m_two = batch_loss(two, model, ids, lengths, prompt_lens, TrainConfig(**base), t2d)
+    torch.testing.assert_close(loss_two, loss_one)
+    assert m_two["acc"] == pytest.approx(m_one["acc"], abs=1e-6)
+    logs: list[str] = []
+    trained, record = trainer.train_head(
+        TrainConfig(**{**base, "num_layers": 2}), sequences, model, out, log=logs.append, resume=True
+    )
+    assert any("deepened" in line and "from 1 to 2 decoder layers" in line for line in logs), logs
+    assert record["step"] == 4 and trained.w("layers.1.mlp.down_proj.weight").abs().sum() > 0
+    head = EagleHead.load(out)
+    assert head.config.num_layers == 2 and len(head.extra_layers) == 1
+    packed = tmp_path / "h.int8.safetensors"
+    pack_file(out, packed)
+    assert EagleHead.load(packed).config == head.config
+    with pytest.raises(ValueError, match=">= 2"):
+        trainer.deepen(trained, 1)
+    # the deeper head drafts in the engine, chain and tree, and the output is the target's own greedy output
+    prompt = sequences.sequence(0)[: int(sequences.prompt_lens[0])].tolist()
+    for spec in (
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+        SpecConfig(num_steps=3, topk=2, num_draft_tokens=6),
+    ):
+        pool = PagedKVPool(num_pages=256, page_size=4)
+        engine = Engine(model, pool, lambda e: EagleDraft(EagleHead.load(packed), e.model, e.pool), spec)
+        (request,), stats = engine.generate([prompt], max_new_tokens=10, checked=True)
+        assert list(request.output) == engine.generate_autoregressive([prompt], 10)[0] and stats.verifies > 0
+        assert pool.num_free_pages == pool.num_pages
