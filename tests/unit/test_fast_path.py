@@ -573,3 +573,25 @@ def test_host_control_plane_forward_drafts_on_cuda(weights, draft, spec):
     syncs = counts.get("cudaStreamSynchronize", 0) + counts.get("cudaDeviceSynchronize", 0)
     assert list(results[0].output) == ar[0]
     assert syncs <= 2 + 2 * stats.verifies, (counts, stats.verifies)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the fused cycles need a GPU")
+@pytest.mark.parametrize(
+    "spec",
+    [SpecConfig(num_steps=4, topk=1, page_size=4), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)],
+)
+def test_two_layer_eagle3_head_on_cuda(weights, spec):
+    """A deeper EAGLE-3 head (`EagleConfig.num_layers` 2) through the fast path's graphs and the device-resident
+    cycles: the autoregressive output, every page freed."""
+    prompts = [tokens_of(71, 6) * 2, tokens_of(72, 5)]
+    features = (1, 2, 3)
+    model = LlamaModel(TINY, weights, device="cuda", feature_layers=features)
+    pool = PagedKVPool(num_pages=128, page_size=spec.page_size, device="cuda")
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=features, num_layers=2)
+    head = EagleHead.random(config, seed=5, device="cuda", target_vocab=TINY.vocab_size)
+    engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
+    assert len(engine.draft.extra_kv) == 1
+    ar = engine.generate_autoregressive(prompts, 16)
+    results, stats = engine.generate(prompts, 16, checked=True)
+    assert [list(r.output) for r in results] == ar and stats.verifies > 0
+    assert pool.num_free_pages == pool.num_pages
