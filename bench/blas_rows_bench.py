@@ -4,12 +4,13 @@ A 32-node tree verify at the Llama-3-8B shape spends ~6 ms of its ~9 ms cycle in
 `scale_profile` measured ~5% slower than an 8-row decode step's (session 16). The GEMMs are memory-bound at
 these row counts, so a GEMM of 32 rows could cost what one of 8 does. This times ``F.linear`` in bfloat16 at
 each of the layer's shapes (QKV 4096 -> 6144, O 4096 -> 4096, gate-up 4096 -> 2 x 14336, down 14336 -> 4096,
-the LM head 4096 -> 128256) and rows 1..64, with torch's default BLAS library and with cuBLASLt
-(``torch.backends.cuda.preferred_blas_library``), each call replayed from a CUDA graph of 20 (median of
-rounds; the weights are larger than L2, as in a real step). Per shape and library it also counts the rows of
-a ``T``-row call whose bits equal the same row computed alone (row invariance; the engine pads a decode to the
-verify's rows, so only a fixed row count must agree with itself) and reports a whole layer's time (the four
-GEMMs, times 32 layers, plus the LM head) against the bandwidth the weights take.
+the LM head 4096 -> 128256) and rows 1..64, and the O and down GEMMs as `kernels.linear_add` runs them for
+the folded fast path (``x.addmm_(a, w.t())``: the residual add in cuBLAS's epilogue), with torch's default
+BLAS library and with cuBLASLt (``torch.backends.cuda.preferred_blas_library``). Each call is replayed from
+a CUDA graph of 20 (median of rounds; the weights are larger than L2, as in a real step). Per shape and
+library it also counts the rows of a ``T``-row call whose bits equal the same row computed alone (row
+invariance; the engine pads a decode to the verify's rows, so only a fixed row count must agree with
+itself) and sums a step's GEMMs (32 layers and the LM head), plain and as the folded path runs them.
 
     python -m bench.blas_rows_bench --out $OUT
     python -m bench.blas_rows_bench --out $OUT --rows 1,8,32 --libraries default,cublaslt
@@ -34,6 +35,7 @@ SHAPES = {  # name: (out features, in features) of Llama-3-8B's GEMMs
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+ADD_SHAPES = ("o", "down")  # `kernels.linear_add`: ``x.addmm_(a, w.t())``, cuBLAS's beta = 1
 LAYERS = 32
 CALLS = 20  # calls per graph
 
@@ -89,6 +91,23 @@ def run(rows: list[int], libraries: list[str]) -> dict:
                     us[name][r] = round(graph_us(lambda x=x, w=w: F.linear(x, w)), 2)
                 cells = "  ".join(f"{r}:{us[name][r]:8.1f}" for r in rows)
                 print(f"[blas] {library:9s} {name:8s} {cells}", flush=True)
+            for name in ADD_SHAPES:  # the residual adds the folded fast path rides on the O and down GEMMs
+                w, key = weights[name], f"{name}+add"
+                us[key] = {}
+                for r in rows:
+                    x = inputs[r][:, : w.shape[1]].contiguous()
+                    residual = torch.zeros((r, w.shape[0]), device="cuda", dtype=torch.bfloat16)
+                    us[key][r] = round(graph_us(lambda x=x, w=w, res=residual: res.addmm_(x, w.t())), 2)
+                cells = "  ".join(f"{r}:{us[key][r]:8.1f}" for r in rows)
+                print(f"[blas] {library:9s} {key:8s} {cells}", flush=True)
+                key = f"{name}+add2"  # the same sum as a GEMM and an add kernel (the bits differ: two roundings)
+                us[key] = {}
+                for r in rows:
+                    x = inputs[r][:, : w.shape[1]].contiguous()
+                    residual = torch.zeros((r, w.shape[0]), device="cuda", dtype=torch.bfloat16)
+                    us[key][r] = round(graph_us(lambda x=x, w=w, res=residual: res.add_(F.linear(x, w))), 2)
+                cells = "  ".join(f"{r}:{us[key][r]:8.1f}" for r in rows)
+                print(f"[blas] {library:9s} {key:8s} {cells}", flush=True)
             big = max(rows)
             out["invariant_rows"][library] = {
                 name: f"{invariant_rows(inputs[big][:, : w.shape[1]].contiguous(), w)}/{big}"
@@ -98,6 +117,14 @@ def run(rows: list[int], libraries: list[str]) -> dict:
                 r: round((LAYERS * sum(us[n][r] for n in ("qkv", "o", "gate_up", "down")) + us["lm_head"][r]) / 1000, 3)
                 for r in rows
             }
+            out.setdefault("folded_step_ms", {})[library] = {  # O and down as the folded path runs them
+                r: round(
+                    (LAYERS * sum(us[n][r] for n in ("qkv", "o+add", "gate_up", "down+add")) + us["lm_head"][r]) / 1000,
+                    3,
+                )
+                for r in rows
+            }
+            print(f"[blas] {library:9s} folded GEMMs of a step (ms): {out['folded_step_ms'][library]}", flush=True)
             print(f"[blas] {library:9s} GEMMs of a step (ms): {out['step_ms'][library]}", flush=True)
             print(f"[blas] {library:9s} invariant rows: {out['invariant_rows'][library]}", flush=True)
     finally:
