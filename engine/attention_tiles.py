@@ -77,8 +77,6 @@ TILE_LINES = 16
 # shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*),
 # and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys).
 MAXNREG = 128
-# The cap of one-row tiles (decode rows and their padding); 0: none.
-ONE_ROW_MAXNREG = 128
 # Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
 # aims at one wave of them (`default_tile_programs`).
 RESIDENT_TILE_PROGRAMS = 4
@@ -375,7 +373,7 @@ def paged_attention_tiles_triton(
         programs = default_tile_programs(q.device, tiles, num_kv_heads, rows, items)
     programs = max(1, min(programs, items))
     if maxnreg is None:  # a verify's tiles: residency pays; a lone decode row's few programs only lose to spills
-        maxnreg = MAXNREG if rows > 1 else ONE_ROW_MAXNREG
+        maxnreg = MAXNREG if rows > 1 else 0
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
     stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
