@@ -75,7 +75,12 @@ TILE_LINES = 16
 # 32 tree-verify rows 26.0 -> 17.8 µs at 512 keys on an H100 (bench/results/attention_bench-H100-int32-*).
 # One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
 # shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*),
-# and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys).
+# and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys). Session
+# 18 measured again on an H100 (the GPU's Triton 3.6 compiles a verify tile to 231-244 registers uncapped, where
+# this machine's 3.9 gives 165): a lone row equal (8.1 µs capped or not), 6 decode rows 45.9 -> 33.4 µs at 2,048
+# keys with the cap, yet the plain decode 159.6 / 159.5 -> 159.2 / 159.1 tokens/s end to end (gpu_bench-H100-scale-
+# session18-onerowcap-*); and for a verify's tiles 96 or 168 registers, or more or fewer programs, were slower
+# (attention_bench-H100-session18-launch-*). So these stay.
 MAXNREG = 128
 # Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
 # aims at one wave of them (`default_tile_programs`).
