@@ -19,6 +19,7 @@ import torch
 from ..core import SpecConfig
 from ..engine.drafters.eagle import EagleConfig, EagleHead
 from ..engine.drafters.oracle import OracleDraft
+from ..engine.errors import ModelLoadError
 from ..engine.llama import random_llama_weights
 from ..engine.weights_gguf import LlamaConfig
 
@@ -61,6 +62,8 @@ CASES = {
         SpecConfig(num_steps=2, topk=2, num_draft_tokens=6, page_size=1),
         {"v": 3, "eagle_sharded": True},
     ),
+    # a head of two decoder layers (`EagleConfig.num_layers`), replicated
+    "eagle3-2layers-replicated-chain": ("eagle", SpecConfig(num_steps=3, topk=1, page_size=4), {"v": 3, "layers": 2}),
 }
 
 
@@ -68,8 +71,9 @@ def weights() -> dict[str, torch.Tensor]:
     return random_llama_weights(CONFIG, seed=WEIGHT_SEED, scale=WEIGHT_SCALE)
 
 
-def eagle_head(version: int) -> EagleHead:
+def eagle_head(version: int, layers: int = 1) -> EagleHead:
     head_config = EagleConfig.for_target(CONFIG, version, draft_vocab_size=64 if version == 3 else None)
+    head_config = attrs.evolve(head_config, num_layers=layers)
     return EagleHead.random(head_config, seed=2, target_vocab=CONFIG.vocab_size)
 
 
@@ -107,7 +111,7 @@ def _scenarios(result: dict) -> None:
     for name, (draft, spec, extra) in CASES.items():
         extra = dict(extra)
         if draft == "eagle":
-            extra["eagle_head"] = eagle_head(extra.pop("v"))
+            extra["eagle_head"] = eagle_head(extra.pop("v"), extra.pop("layers", 1))
         engine = build_tp_engine(tp, CONFIG, w, draft, spec=spec, kv_tokens=2048, **extra)
         results, stats = engine.generate(PROMPTS, NEW_TOKENS, checked=True)
         result[name] = {
@@ -115,6 +119,11 @@ def _scenarios(result: dict) -> None:
             "tau": stats.tau,
             "pages_free": engine.pool.num_free_pages == engine.pool.num_pages,
         }
+    try:  # the sharded draft splits one layer only: a deeper head is refused with what to do
+        build_tp_engine(tp, CONFIG, w, "eagle", kv_tokens=64, eagle_head=eagle_head(3, 2), eagle_sharded=True)
+        result["sharded_two_layers_error"] = None
+    except ModelLoadError as err:
+        result["sharded_two_layers_error"] = str(err)
 
     # Forced acceptance: proposals are the reference continuation, coins from the shared stream. The tree
     # puts its decoys first, so accepted paths take KV moves.

@@ -99,6 +99,12 @@ def test_forced_acceptance_accepts_drafts_chain_and_tree(ranks, single_process):
         assert result["oracle-tree"]["tau"] > 1.5  # p = 0.8, S = 3: 2.95 expected
 
 
+def test_a_deeper_head_is_refused_by_the_sharded_draft(ranks):
+    for result in ranks:
+        message = result["sharded_two_layers_error"]
+        assert message is not None and "2 layers" in message and "--eagle-sharded" in message, message
+
+
 def test_a_rank_local_seed_is_refused(ranks):
     for result in ranks:
         assert "rank 1 differs from rank 0" in result["seed_error"]
