@@ -21,12 +21,12 @@ Writes ``blas_rows_bench-<date>.json`` (device, date, commit) into ``--out`` (de
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from .common import write_result
+from .row_linear_bench import graph_us
 
 SHAPES = {  # name: (out features, in features) of Llama-3-8B's GEMMs
     "qkv": (6144, 4096),
@@ -38,31 +38,6 @@ SHAPES = {  # name: (out features, in features) of Llama-3-8B's GEMMs
 ADD_SHAPES = ("o", "down")  # `kernels.linear_add`: ``x.addmm_(a, w.t())``, cuBLAS's beta = 1
 LAYERS = 32
 CALLS = 20  # calls per graph
-
-
-def graph_us(fn, rounds: int = 7) -> float:
-    """µs per call of ``fn`` (no arguments), replayed from a CUDA graph of `CALLS` calls; median of rounds."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
 
 
 def invariant_rows(x: torch.Tensor, w: torch.Tensor) -> int:
@@ -88,7 +63,7 @@ def run(rows: list[int], libraries: list[str]) -> dict:
                 us[name] = {}
                 for r in rows:
                     x = inputs[r][:, : w.shape[1]].contiguous()
-                    us[name][r] = round(graph_us(lambda x=x, w=w: F.linear(x, w)), 2)
+                    us[name][r] = round(graph_us(F.linear, x, w, reps=CALLS), 2)
                 cells = "  ".join(f"{r}:{us[name][r]:8.1f}" for r in rows)
                 print(f"[blas] {library:9s} {name:8s} {cells}", flush=True)
             for name in ADD_SHAPES:  # the residual adds the folded fast path rides on the O and down GEMMs
@@ -97,7 +72,7 @@ def run(rows: list[int], libraries: list[str]) -> dict:
                 for r in rows:
                     x = inputs[r][:, : w.shape[1]].contiguous()
                     residual = torch.zeros((r, w.shape[0]), device="cuda", dtype=torch.bfloat16)
-                    us[key][r] = round(graph_us(lambda x=x, w=w, res=residual: res.addmm_(x, w.t())), 2)
+                    us[key][r] = round(graph_us(residual.addmm_, x, w.t(), reps=CALLS), 2)
                 cells = "  ".join(f"{r}:{us[key][r]:8.1f}" for r in rows)
                 print(f"[blas] {library:9s} {key:8s} {cells}", flush=True)
                 key = f"{name}+add2"  # the same sum as a GEMM and an add kernel (the bits differ: two roundings)
@@ -105,7 +80,7 @@ def run(rows: list[int], libraries: list[str]) -> dict:
                 for r in rows:
                     x = inputs[r][:, : w.shape[1]].contiguous()
                     residual = torch.zeros((r, w.shape[0]), device="cuda", dtype=torch.bfloat16)
-                    us[key][r] = round(graph_us(lambda x=x, w=w, res=residual: res.add_(F.linear(x, w))), 2)
+                    us[key][r] = round(graph_us(lambda x=x, w=w, res=residual: res.add_(F.linear(x, w)), reps=CALLS), 2)
                 cells = "  ".join(f"{r}:{us[key][r]:8.1f}" for r in rows)
                 print(f"[blas] {library:9s} {key:8s} {cells}", flush=True)
             big = max(rows)
