@@ -595,3 +595,20 @@ def test_two_layer_eagle3_head_on_cuda(weights, spec):
     results, stats = engine.generate(prompts, 16, checked=True)
     assert [list(r.output) for r in results] == ar and stats.verifies > 0
     assert pool.num_free_pages == pool.num_pages
+
+
+def test_an_unknown_blas_library_is_refused_with_the_choices(weights, monkeypatch):
+    """``SPECCYCLE_BLAS`` (opt-in, CUDA only): a name torch's setting does not take is refused before anything is
+    swapped; a known one leaves a CPU engine as it was."""
+    from speccycle.engine.fast import accelerate
+
+    model = LlamaModel(TINY, weights)
+    engine = Engine(model, PagedKVPool(num_pages=16, page_size=4), None, SpecConfig(num_steps=3, topk=1, page_size=4))
+    target = engine.target
+    monkeypatch.setenv("SPECCYCLE_BLAS", "cublas-lt")
+    with pytest.raises(ValueError, match="choose one of cublas, cublaslt"):
+        accelerate(engine, graphs=False)
+    assert engine.target is target
+    monkeypatch.setenv("SPECCYCLE_BLAS", "cublaslt")
+    accelerate(engine, graphs=False)
+    assert isinstance(engine.target, FastTarget)
