@@ -553,6 +553,11 @@ def test_resume_with_more_layers_keeps_the_heads_function_then_trains_them(tmp_p
         loss_two, m_two = batch_loss(two, model, ids, lengths, prompt_lens, TrainConfig(**base), t2d)
     torch.testing.assert_close(loss_two, loss_one)
     assert m_two["acc"] == pytest.approx(m_one["acc"], abs=1e-6)
+    wide = trainer.widen_mlp(two, 40)  # every layer's MLP grows, each new unit's output zero
+    assert wide.w("layers.1.mlp.down_proj.weight").shape == (TINY.hidden_size, 40)
+    with torch.no_grad():
+        loss_wide, _ = batch_loss(wide, model, ids, lengths, prompt_lens, TrainConfig(**base), t2d)
+    torch.testing.assert_close(loss_wide, loss_one)
     logs: list[str] = []
     trained, record = trainer.train_head(
         TrainConfig(**{**base, "num_layers": 2}), sequences, model, out, log=logs.append, resume=True
