@@ -53,6 +53,7 @@ def main() -> None:
     from speccycle.engine.tokenizer import Tokenizer
     from speccycle.engine.weights_gguf import default_model_path
     from speccycle.train.evaluate import MT_BENCH, accept_lengths, summarize
+    from speccycle.train.pipeline import per_category
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
@@ -67,13 +68,10 @@ def main() -> None:
     args = parser.parse_args()
 
     items = load_prompts(args.prompts)
-    wanted = None if args.categories == "all" else set(args.categories.split(","))
-    picked, count = [], {}
-    for item in items:
-        cat = item["category"]
-        if (wanted is None or cat in wanted) and count.get(cat, 0) < args.per_category:
-            picked.append(item)
-            count[cat] = count.get(cat, 0) + 1
+    if args.categories != "all":
+        wanted = set(args.categories.split(","))
+        items = [item for item in items if item["category"] in wanted]
+    picked = per_category(items, args.per_category)
     config, weights, path = load_model(None, torch.float32)
     tokenizer = Tokenizer.from_gguf(path if path.suffix == ".gguf" else default_model_path())
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": p["text"]}]) for p in picked]

@@ -306,24 +306,34 @@ def iter_gguf_tensors(gguf: GGUFFile, config: LlamaConfig) -> Iterator[tuple[str
         yield name, values
 
 
+def decoder_layer_shapes(c, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One Llama decoder layer's tensors under ``prefix``, by Hugging Face name (what `llama.DecoderLayer` reads).
+
+    ``c``: anything with ``hidden_size``, ``intermediate_size``, ``num_heads``, ``num_kv_heads`` and ``head_dim``.
+    """
+    h, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {
+        prefix + "input_layernorm.weight": (h,),
+        prefix + "post_attention_layernorm.weight": (h,),
+        prefix + "self_attn.q_proj.weight": (q_rows, h),
+        prefix + "self_attn.k_proj.weight": (kv_rows, h),
+        prefix + "self_attn.v_proj.weight": (kv_rows, h),
+        prefix + "self_attn.o_proj.weight": (h, q_rows),
+        prefix + "mlp.gate_proj.weight": (c.intermediate_size, h),
+        prefix + "mlp.up_proj.weight": (c.intermediate_size, h),
+        prefix + "mlp.down_proj.weight": (h, c.intermediate_size),
+    }
+
+
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor `LlamaModel` needs, by Hugging Face name, with its shape."""
     c = config
-    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         prefix = f"model.layers.{i}."
-        shapes[prefix + "input_layernorm.weight"] = (c.hidden_size,)
-        shapes[prefix + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        shapes[prefix + "self_attn.q_proj.weight"] = (q_rows, c.hidden_size)
-        shapes[prefix + "self_attn.k_proj.weight"] = (kv_rows, c.hidden_size)
-        shapes[prefix + "self_attn.v_proj.weight"] = (kv_rows, c.hidden_size)
-        shapes[prefix + "self_attn.o_proj.weight"] = (c.hidden_size, q_rows)
-        shapes[prefix + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[prefix + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[prefix + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        shapes.update(decoder_layer_shapes(c, prefix))
         if c.architecture == "gemma3":
             shapes[prefix + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[prefix + "self_attn.k_norm.weight"] = (c.head_dim,)

@@ -38,6 +38,7 @@ from ..attention import paged_attention, plan_attention, write_kv
 from ..errors import ModelLoadError
 from ..kv_pool import PagedKVPool
 from ..llama import DecoderLayer, LlamaModel, RMSNorm, apply_rope, rope_cos_sin
+from ..weights_gguf import decoder_layer_shapes
 
 METADATA_KEY = "speccycle.eagle"
 LM_HEAD_KEY = "speccycle.eagle.lm_head"  # "own" (EAGLE-3's reduced vocabulary) or "target" (the target's norm and head)
@@ -131,20 +132,7 @@ def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
     else:
         shapes.update({"layer.embed_norm.weight": (h,), "layer.hidden_norm.weight": (h,)})
     for index in range(1, c.num_layers):
-        p = extra_layer_prefix(index)
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (c.num_heads * d, h),
-                p + "self_attn.k_proj.weight": (c.num_kv_heads * d, h),
-                p + "self_attn.v_proj.weight": (c.num_kv_heads * d, h),
-                p + "self_attn.o_proj.weight": (h, c.num_heads * d),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
-            }
-        )
+        shapes.update(decoder_layer_shapes(c, extra_layer_prefix(index)))
     if not c.target_lm_head:
         shapes.update(
             {"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h), "draft_to_target": (c.draft_vocab_size,)}
