@@ -55,9 +55,8 @@ def kind(name: str) -> str:
 
 
 def main() -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     from speccycle.engine.attention_tiles import paged_attention_tiles_triton
+    from torch.profiler import ProfilerActivity, profile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
