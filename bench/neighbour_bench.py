@@ -35,6 +35,7 @@ VARIANTS = {  # name -> (attention launch options or None for no attention, spac
     "none": (None, False),
     "default": ({}, False),
     "spacer": ({}, True),
+    "discard": (dict(discard_states=True), False),
     "r0": (dict(maxnreg=0), False),
     "p17-s3-r0": (dict(programs=17, num_stages=3, maxnreg=0), False),
     "p4": (dict(programs=4), False),
@@ -76,6 +77,13 @@ def main() -> None:
     x = torch.zeros(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     spacer = torch.zeros(1, device="cuda")
     fixed = [paged_attention_tiles_triton(*c["args"], PAGE).reshape(rows, HIDDEN) for c in cases]
+    # the launch choices move work, never bits: every variant's output against the default's
+    same = {
+        name: all(torch.equal(paged_attention_tiles_triton(*c["args"], PAGE, **VARIANTS[name][0]).reshape(rows, HIDDEN), f)
+                  for c, f in zip(cases, fixed))
+        for name in ("discard", "r0", "p4") if name in args.variants.split(",")
+    }  # fmt: skip
+    print(f"[neighbour] same bits as the default launch: {same}", flush=True)
     results = {}
     for name in args.variants.split(","):
         options, with_spacer = VARIANTS[name]
@@ -112,8 +120,8 @@ def main() -> None:
         print(f"[neighbour] {name:10s} layer {per_layer:7.2f} µs  " + "  ".join(f"{k} {v}" for k, v in kinds.items()),
               flush=True)  # fmt: skip
         del graph
-    path = write_result("neighbour_bench", dict(ctx=args.ctx, layers=LAYERS, rows=rows, variants=results),
-                        device="cuda", directory=args.out)  # fmt: skip
+    payload = dict(ctx=args.ctx, layers=LAYERS, rows=rows, variants=results, same_bits=same)
+    path = write_result("neighbour_bench", payload, device="cuda", directory=args.out)
     print(f"wrote {path}")
 
 

@@ -91,6 +91,9 @@ NUM_STAGES = 1
 # Warps of each program of the merge kernel (one program per row and query head, merging up to `MAX_CHUNKS`
 # chunk states of a head's width). Part of the bits (the reductions' layout), decode and verify alike.
 COMBINE_WARPS = 1
+# The merge drops the chunk states from L2 once read (`attention_triton._discard_l2`), so they are not written
+# back to memory under the next GEMMs. Speed only (the states are dead); CUDA only, never under the interpreter.
+DISCARD_STATES = False
 
 
 if triton is not None:
@@ -304,6 +307,7 @@ def paged_attention_tiles_triton(
     num_stages: int | None = NUM_STAGES,
     maxnreg: int | None = None,
     combine_warps: int = COMBINE_WARPS,
+    discard_states: bool | None = None,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
@@ -380,6 +384,9 @@ def paged_attention_tiles_triton(
     if maxnreg is None:  # a verify's tiles: residency pays; a lone decode row's few programs only lose to spills
         maxnreg = MAXNREG if rows > 1 else 0
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    discard = (DISCARD_STATES if discard_states is None else discard_states) and q.is_cuda and not interpret
+    discard = discard and part_acc.data_ptr() % 128 == 0  # whole 128-byte lines of one (row, head, chunk) only
     stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,
@@ -388,7 +395,7 @@ def paged_attention_tiles_triton(
         table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail,
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
-        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=interpret,
         num_warps=num_warps, **launch_options(num_stages, maxnreg),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
@@ -396,6 +403,6 @@ def paged_attention_tiles_triton(
             out, part_acc, part_max, part_sum, prefix_lens, extra_slots, out.stride(0), out.stride(1), stride_et,
             num_extra, page_size, table_width, num_heads, chunk_bound, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), CHUNK=chunk, MAX_CHUNKS=max_chunks,
-            BLOCK_C=triton.next_power_of_2(max_chunks), BLOCK_M=block_m, num_warps=combine_warps,
+            BLOCK_C=triton.next_power_of_2(max_chunks), BLOCK_M=block_m, DISCARD=discard, num_warps=combine_warps,
         )  # fmt: skip
     return out

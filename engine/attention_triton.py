@@ -133,15 +133,32 @@ if triton is not None:
         return chunk_keys, num_chunks
 
     @triton.jit
+    def _discard_l2(addresses, keep):
+        """PTX ``discard.global.L2``: the 128-byte L2 lines at ``addresses`` (where ``keep``) are invalidated
+        without being written back; their contents become undefined.
+
+        A verify's tiles write ~6 MB of float32 chunk states a layer at the 8B shape (32 rows x 32 heads x ~10
+        chunks x 512 bytes), which the merge reads once; left dirty in L2 they are written back to memory while
+        the next GEMMs stream their weights (bench/neighbour_bench.py). Hopper and later (sm_80's PTX 7.4 has it).
+        """
+        flag = keep.to(tl.int32)
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.b32 $0, 0; }",
+            "=r,l,r", [addresses.to(tl.int64, bitcast=True), flag], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
     def _merge_chunks(
         out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads, chunk_bound, stride_ot,
         stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
+        DISCARD: tl.constexpr,
     ):  # fmt: skip
         """Merge the ``row_chunks`` partial states of (row, query head) and store its output.
 
         All ``BLOCK_C`` chunk lanes are reduced in one fixed tree, absent chunks contributing exact zeros,
         so the result depends on the row's own chunks only. ``CACHE``: the loads' cache modifier (".cg",
-        past the SM's L1, where other programs of the same launch wrote the states).
+        past the SM's L1, where other programs of the same launch wrote the states). ``DISCARD``: once merged,
+        the chunks' accumulators are dropped from L2 unwritten (`_discard_l2`).
         """
         c = tl.arange(0, BLOCK_C)
         d = tl.arange(0, BLOCK_D)
@@ -162,6 +179,11 @@ if triton is not None:
         o = tl.sum(w[:, None] * a, axis=0)
         o = o / tl.where(total_sum > 0, total_sum, 1.0)
         tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        if DISCARD:
+            tl.debug_barrier()  # every thread's loads of the states are done (its store used them)
+            lines = tl.arange(0, BLOCK_D // 32) * 32  # 128-byte lines of a chunk's float32 accumulator
+            _discard_l2(part_acc_ptr + part[:, None] * HEAD_DIM + lines[None, :],
+                        live[:, None] & (lines[None, :] < HEAD_DIM))  # fmt: skip
 
     @triton.jit
     def _paged_attention_kernel(
@@ -321,7 +343,7 @@ if triton is not None:
                     for h in tl.static_range(GROUP):
                         _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP + h,
                                       row_chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
-                                      BLOCK_C, ".cg")  # fmt: skip
+                                      BLOCK_C, ".cg", False)  # fmt: skip
 
     @triton.jit
     def _paged_attention_combine_kernel(
@@ -345,6 +367,7 @@ if triton is not None:
         MAX_CHUNKS: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        DISCARD: tl.constexpr,
     ):
         """One program per (row, query head) of a row of several chunks: merges its chunks' states.
 
@@ -357,7 +380,7 @@ if triton is not None:
         _, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
         if row_chunks > 1:  # a row of one chunk stored its output already
             _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads,
-                          chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_C, "")  # fmt: skip
+                          chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_C, "", DISCARD)  # fmt: skip
 
 
 # The split's constants, from the H100 sweep of bench/attention_bench.py (SmolLM2, bf16, CUDA graphs,
@@ -627,6 +650,7 @@ def paged_attention_rows_triton(
             MAX_CHUNKS=max_chunks,
             BLOCK_C=block_c,
             BLOCK_M=block_m,
+            DISCARD=False,
             num_warps=warps,
         )
     return out

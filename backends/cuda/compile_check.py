@@ -150,7 +150,9 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         (*tile_aligned, "num_heads") if heads % 16 == 0 else tile_aligned))  # fmt: skip
             combine = dict(HEAD_DIM=dim, BLOCK_D=dim, BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS),
                            BLOCK_M=block_m, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)  # fmt: skip
-            combine_sets.append({**combine, "page_size": 1} if page_one else combine)
+            combine = {**combine, "page_size": 1} if page_one else combine
+            # the tile path's merge may drop the states from L2 once read (attention_tiles.DISCARD_STATES)
+            combine_sets += [{**combine, "DISCARD": False}, {**combine, "DISCARD": True}]
         combine_signature = dict(out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32, part_sum_ptr=f32, **row_keys,
                                  stride_ot=i32, stride_oh=i32, stride_et=i32, num_extra=i32, page_size=i32,
                                  table_width=i32, num_heads=i32, chunk_bound=i32)  # fmt: skip
