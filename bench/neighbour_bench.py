@@ -78,9 +78,9 @@ def main() -> None:
     spacer = torch.zeros(1, device="cuda")
     fixed = [paged_attention_tiles_triton(*c["args"], PAGE).reshape(rows, HIDDEN) for c in cases]
     # the launch choices move work, never bits: every variant's output against the default's
+    attend = lambda c, opts: paged_attention_tiles_triton(*c["args"], PAGE, **opts).reshape(rows, HIDDEN)  # noqa: E731
     same = {
-        name: all(torch.equal(paged_attention_tiles_triton(*c["args"], PAGE, **VARIANTS[name][0]).reshape(rows, HIDDEN), f)
-                  for c, f in zip(cases, fixed))
+        name: all(torch.equal(attend(c, VARIANTS[name][0]), f) for c, f in zip(cases, fixed))
         for name in ("discard", "r0", "p4") if name in args.variants.split(",")
     }  # fmt: skip
     print(f"[neighbour] same bits as the default launch: {same}", flush=True)
