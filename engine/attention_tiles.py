@@ -93,7 +93,7 @@ NUM_STAGES = 1
 COMBINE_WARPS = 1
 # The merge drops the chunk states from L2 once read (`attention_triton._discard_l2`), so they are not written
 # back to memory under the next GEMMs. Speed only (the states are dead); CUDA only, never under the interpreter.
-DISCARD_STATES = False
+DISCARD_STATES = True
 
 
 if triton is not None:
