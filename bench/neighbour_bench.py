@@ -35,7 +35,8 @@ VARIANTS = {  # name -> (attention launch options or None for no attention, spac
     "none": (None, False),
     "default": ({}, False),
     "spacer": ({}, True),
-    "discard": (dict(discard_states=True), False),
+    "nodiscard": (dict(discard_states=False), False),
+    "prefetch": (dict(prefetch=True), False),  # the O weight asked of L2 by the attention's programs
     "r0": (dict(maxnreg=0), False),
     "p17-s3-r0": (dict(programs=17, num_stages=3, maxnreg=0), False),
     "p4": (dict(programs=4), False),
@@ -62,12 +63,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--ctx", type=int, default=640)
+    ap.add_argument("--rows", default="tree32", help="attention_bench's rows case: tree32 (a verify) or 1 (a decode)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("neighbour_bench needs a CUDA GPU")
     gen = torch.Generator().manual_seed(0)
-    cases = [rows_case("llama3-8b", "tree32", args.ctx, "wide", torch.bfloat16, gen) for _ in range(LAYERS)]
+    cases = [rows_case("llama3-8b", args.rows, args.ctx, "wide", torch.bfloat16, gen) for _ in range(LAYERS)]
     cgen = torch.Generator(device="cuda").manual_seed(0)
     w_o = [torch.randn(HIDDEN, HIDDEN, generator=cgen, device="cuda", dtype=torch.bfloat16) * 0.015
            for _ in range(LAYERS)]  # fmt: skip
@@ -77,11 +79,15 @@ def main() -> None:
     x = torch.zeros(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     spacer = torch.zeros(1, device="cuda")
     fixed = [paged_attention_tiles_triton(*c["args"], PAGE).reshape(rows, HIDDEN) for c in cases]
+
     # the launch choices move work, never bits: every variant's output against the default's
-    attend = lambda c, opts: paged_attention_tiles_triton(*c["args"], PAGE, **opts).reshape(rows, HIDDEN)  # noqa: E731
+    def attend(c, i, opts):
+        opts = {**opts, "prefetch": w_o[i]} if opts.get("prefetch") else opts
+        return paged_attention_tiles_triton(*c["args"], PAGE, **opts).reshape(rows, HIDDEN)
+
     same = {
-        name: all(torch.equal(attend(c, VARIANTS[name][0]), f) for c, f in zip(cases, fixed))
-        for name in ("discard", "r0", "p4") if name in args.variants.split(",")
+        name: all(torch.equal(attend(c, i, VARIANTS[name][0]), fixed[i]) for i, c in enumerate(cases))
+        for name in ("nodiscard", "prefetch", "r0", "p4") if name in args.variants.split(",")
     }  # fmt: skip
     print(f"[neighbour] same bits as the default launch: {same}", flush=True)
     results = {}
@@ -93,7 +99,8 @@ def main() -> None:
                 if options is None:
                     attn = fixed[i]
                 else:
-                    attn = paged_attention_tiles_triton(*cases[i]["args"], PAGE, **options).reshape(rows, HIDDEN)
+                    opts = {**options, "prefetch": w_o[i]} if options.get("prefetch") else options
+                    attn = paged_attention_tiles_triton(*cases[i]["args"], PAGE, **opts).reshape(rows, HIDDEN)
                 if with_spacer:
                     spacer.add_(1.0)
                 x.addmm_(attn, w_o[i].t())
@@ -120,7 +127,7 @@ def main() -> None:
         print(f"[neighbour] {name:10s} layer {per_layer:7.2f} µs  " + "  ".join(f"{k} {v}" for k, v in kinds.items()),
               flush=True)  # fmt: skip
         del graph
-    payload = dict(ctx=args.ctx, layers=LAYERS, rows=rows, variants=results, same_bits=same)
+    payload = dict(ctx=args.ctx, rows_case=args.rows, layers=LAYERS, rows=rows, variants=results, same_bits=same)
     path = write_result("neighbour_bench", payload, device="cuda", directory=args.out)
     print(f"wrote {path}")
 
