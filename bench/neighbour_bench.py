@@ -36,7 +36,6 @@ VARIANTS = {  # name -> (attention launch options or None for no attention, spac
     "default": ({}, False),
     "spacer": ({}, True),
     "nodiscard": (dict(discard_states=False), False),
-    "prefetch": (dict(prefetch=True), False),  # the O weight asked of L2 by the attention's programs
     "r0": (dict(maxnreg=0), False),
     "p17-s3-r0": (dict(programs=17, num_stages=3, maxnreg=0), False),
     "p4": (dict(programs=4), False),
@@ -81,13 +80,12 @@ def main() -> None:
     fixed = [paged_attention_tiles_triton(*c["args"], PAGE).reshape(rows, HIDDEN) for c in cases]
 
     # the launch choices move work, never bits: every variant's output against the default's
-    def attend(c, i, opts):
-        opts = {**opts, "prefetch": w_o[i]} if opts.get("prefetch") else opts
+    def attend(c, opts):
         return paged_attention_tiles_triton(*c["args"], PAGE, **opts).reshape(rows, HIDDEN)
 
     same = {
-        name: all(torch.equal(attend(c, i, VARIANTS[name][0]), fixed[i]) for i, c in enumerate(cases))
-        for name in ("nodiscard", "prefetch", "r0", "p4") if name in args.variants.split(",")
+        name: all(torch.equal(attend(c, VARIANTS[name][0]), f) for c, f in zip(cases, fixed))
+        for name in ("nodiscard", "r0", "p4") if name in args.variants.split(",")
     }  # fmt: skip
     print(f"[neighbour] same bits as the default launch: {same}", flush=True)
     results = {}
@@ -99,8 +97,7 @@ def main() -> None:
                 if options is None:
                     attn = fixed[i]
                 else:
-                    opts = {**options, "prefetch": w_o[i]} if options.get("prefetch") else options
-                    attn = paged_attention_tiles_triton(*cases[i]["args"], PAGE, **opts).reshape(rows, HIDDEN)
+                    attn = paged_attention_tiles_triton(*cases[i]["args"], PAGE, **options).reshape(rows, HIDDEN)
                 if with_spacer:
                     spacer.add_(1.0)
                 x.addmm_(attn, w_o[i].t())

@@ -61,7 +61,7 @@ from .attention_triton import (
 if triton is not None:
     import triton.language as tl
 
-    from .attention_triton import _paged_attention_combine_kernel, _prefetch_l2, _row_chunks, _row_keys
+    from .attention_triton import _paged_attention_combine_kernel, _row_chunks, _row_keys
 
 # Lines of a tile's query block: the rows kernel's query block (`attention_triton`: 16 lines, the heads of
 # one KV head of one row), so that a line's products and reductions have that kernel's shapes and layout:
@@ -146,22 +146,16 @@ if triton is not None:
     @triton.jit
     def _paged_attention_tile_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-        row_request_ptr, prefix_ptr, extra_ptr, table_ptr, prefetch_ptr,
+        row_request_ptr, prefix_ptr, extra_ptr, table_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_et, stride_pt,
-        num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail, prefetch_units,
+        num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
-        """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring).
-        ``PREFETCH``: first, ask L2 for this program's share of ``prefetch_units`` 256-byte units at
-        ``prefetch_ptr`` (the next GEMM's weight, read from HBM while this latency-bound kernel runs)."""
+        """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
-        if PREFETCH:
-            program = (tile * tl.num_programs(1) + kv_head) * tl.num_programs(2) + tl.program_id(2)
-            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            _prefetch_l2(prefetch_ptr.to(tl.pointer_type(tl.int8)), prefetch_units, program, programs, 128)
         lines = tl.arange(0, BLOCK_Q)
         local = lines // GROUP
         row = (tile * rows_per_tile + local).to(tl.int64)
@@ -315,7 +309,6 @@ def paged_attention_tiles_triton(
     maxnreg: int | None = None,
     combine_warps: int = COMBINE_WARPS,
     discard_states: bool | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The tile kernel; same contract as `attention_triton.paged_attention_rows_triton`.
 
@@ -396,19 +389,15 @@ def paged_attention_tiles_triton(
     hints = q.is_cuda and not interpret and _ptx_hints(q.device.index if q.device.index is not None else 0)
     discard = (DISCARD_STATES if discard_states is None else discard_states) and hints
     discard = discard and part_acc.data_ptr() % 128 == 0  # whole 128-byte lines of one (row, head, chunk) only
-    prefetch_units = 0
-    if prefetch is not None and hints and prefetch.is_contiguous() and prefetch.data_ptr() % 256 == 0:
-        prefetch_units = prefetch.numel() * prefetch.element_size() // 256
     stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,
-        page_table, prefetch if prefetch_units else q, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), stride_et, page_table.stride(0), num_extra,
-        page_size, table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail,
-        prefetch_units,
+        page_table, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1), stride_et, page_table.stride(0), num_extra, page_size,
+        table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail,
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
-        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=interpret, PREFETCH=prefetch_units > 0,
+        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=interpret,
         num_warps=num_warps, **launch_options(num_stages, maxnreg),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)

@@ -148,21 +148,6 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def _prefetch_l2(base, units, program, programs, LANES: tl.constexpr):
-        """PTX ``cp.async.bulk.prefetch.L2`` (sm_90): program ``program`` of ``programs`` asks L2 for its share of
-        the ``units`` 256-byte units at ``base`` (a byte pointer), in ``LANES`` bulk prefetches of whole units.
-        A hint: nothing waits for it, no register holds the data, and no result depends on it."""
-        lane = tl.arange(0, LANES)
-        per = tl.cdiv(units, programs * LANES)
-        first = (program * LANES + lane).to(tl.int64) * per
-        count = tl.minimum(per, tl.maximum(units - first, 0))
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r", [(base + first * 256).to(tl.int64, bitcast=True), (count * 256).to(tl.int32)], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-
-    @triton.jit
     def _merge_chunks(
         out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads, chunk_bound, stride_ot,
         stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
@@ -459,8 +444,8 @@ def _multiprocessors(device_index: int) -> int:
 
 @functools.cache
 def _ptx_hints(device_index: int) -> bool:
-    """Whether the cache hints written in PTX (`_discard_l2`, `_prefetch_l2`) may run: an NVIDIA GPU of compute
-    capability 9.0 or later (not ROCm, whose torch also reports ``is_cuda``)."""
+    """Whether the cache hints written in PTX (`_discard_l2`) may run: an NVIDIA GPU of compute capability 9.0 or
+    later (not ROCm, whose torch also reports ``is_cuda``)."""
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 

@@ -138,18 +138,11 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
             # the tile kernel (engine/attention_tiles.py): decode tiles of one row (rows_per_tile and tail 1,
             # constants to the JIT) and verify tiles
-            tile_signature = {}
-            for k, v in signature.items():  # the rows kernel's arguments, the tile kernel's order
-                if k != "counter_ptr":
-                    tile_signature[k] = v
-                if k == "table_ptr":
-                    tile_signature["prefetch_ptr"] = p
-            tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32, prefetch_units=i32)
+            tile_signature = {k: v for k, v in signature.items() if k != "counter_ptr"}
+            tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32)
             tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "FUSED_COMBINE", "BLOCK_C")}
-            tile.update(BLOCK_Q=tiles.TILE_LINES, PREFETCH=False)
-            # decode tiles and verify tiles, and both asking L2 for the next GEMM's weight (prefetch=)
+            tile.update(BLOCK_Q=tiles.TILE_LINES)
             tile_sets = [{**tile, "rows_per_tile": 1, "tail": 1}, {**tile}]
-            tile_sets += [{**t, "PREFETCH": True} for t in tile_sets]
             if page_one:
                 tile_sets = [{**t, "page_size": 1} for t in tile_sets]
             tile_aligned = tuple(a for a in aligned if a != "counter_ptr")
