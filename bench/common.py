@@ -34,7 +34,8 @@ def device_name(device: str = "cpu") -> str:
 
 
 def write_result(name: str, payload: dict, device: str = "cpu", directory: str | Path | None = None) -> Path:
-    """Write ``<directory>/<name>-<date>.json`` (default ``bench/results``) with device, date, commit, torch."""
+    """Write ``<directory>/<name>-<date>.json`` (default ``bench/results``) with device, date, commit, torch, and the
+    ``SPECCYCLE_*`` settings of the environment (the attention kernel, the BLAS library, ...) where any is set."""
     directory = Path(directory) if directory is not None else RESULTS
     directory.mkdir(parents=True, exist_ok=True)
     now = _dt.datetime.now(_dt.timezone.utc)
@@ -46,6 +47,9 @@ def write_result(name: str, payload: dict, device: str = "cpu", directory: str |
         "torch": torch.__version__,
         **payload,
     }
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECCYCLE_") and k != "SPECCYCLE_COMMIT"}
+    if settings:
+        record.setdefault("settings", settings)
     path = directory / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path

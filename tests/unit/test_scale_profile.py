@@ -37,3 +37,20 @@ def test_too_short_a_profile_has_no_cycle_and_the_timeline_keeps_gaps():
     assert [line.split()[:3] for line in lines] == [["0.0", "0.0", "2.0"], ["5.0", "3.0", "1.5"]]
     assert [kernel_kind(n) for n in ("nvjet_x", "_paged_attention_combine_kernel", "void at::x", "_topk")] == [
         "gemm", "attention", "torch", "triton"]  # fmt: skip
+
+
+def test_write_result_records_the_speccycle_settings(tmp_path, monkeypatch):
+    """A result names the kernel and library settings it ran under (SPECCYCLE_BLAS, ...), and the commit only once."""
+    import json
+    import os
+
+    from bench.common import write_result
+
+    monkeypatch.setenv("SPECCYCLE_BLAS", "cublaslt")
+    monkeypatch.setenv("SPECCYCLE_COMMIT", "abc1234")
+    record = json.loads(write_result("probe", {"x": 1}, directory=tmp_path).read_text())
+    assert record["commit"] == "abc1234" and record["x"] == 1
+    assert record["settings"]["SPECCYCLE_BLAS"] == "cublaslt" and "SPECCYCLE_COMMIT" not in record["settings"]
+    for key in [k for k in os.environ if k.startswith("SPECCYCLE_") and k != "SPECCYCLE_COMMIT"]:
+        monkeypatch.delenv(key)
+    assert "settings" not in json.loads(write_result("probe", {}, directory=tmp_path / "b").read_text())
