@@ -23,6 +23,7 @@ fast path is tested equal to them (tests/unit/test_fast_path.py, bench/gpu_check
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -318,6 +319,9 @@ class FastOptions:
         self.min_target_rows = min_target_rows
         self.max_decode_steps = max_decode_steps
         self.graph_pool = GraphPool(self.device)
+        # the library of the fast path's GEMMs (`blas_scope`), CUDA only
+        blas = blas_choice()  # refused before anything is swapped, on any device
+        self.blas = blas if self.device.type == "cuda" else None
 
     def runner(self, compute, pool: PagedKVPool, vocab_size: int, hidden_in=None, hidden_dtype=torch.float32,
                min_rows: int = 1, summarize: bool = False) -> ForwardGraphs:  # fmt: skip
@@ -592,7 +596,9 @@ class FastTarget(LlamaTarget):
         self.graphs = options.runner(compute, pool, c.vocab_size, min_rows=options.min_target_rows, summarize=True)
 
     def _compute(self, inputs: RowInputs, hidden_in=None, *, want_hidden: bool = True):
-        return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs, want_hidden=want_hidden)
+        with blas_scope(self.options.blas):
+            return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs,
+                                      want_hidden=want_hidden)  # fmt: skip
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.graphs(batch)
@@ -617,8 +623,9 @@ class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
         self._init_levels(pool, options, None)
 
     def _compute(self, inputs: RowInputs, hidden_in=None):
-        return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs,
-                                  num_layers=self.num_layers, want_hidden=False)  # fmt: skip
+        with blas_scope(self.options.blas):
+            return llama_rows_forward(self.model, self.options.ops, self.rope, self.kv, inputs,
+                                      num_layers=self.num_layers, want_hidden=False)  # fmt: skip
 
     def _forward(self, batch: ForwardBatch) -> ModelOutput:
         if self._in_levels:
@@ -656,8 +663,9 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
         self._init_levels(pool, options, c.hidden_size)
 
     def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool, draft_vocab: bool = False):
-        return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target,
-                                  draft_vocab=draft_vocab)  # fmt: skip
+        with blas_scope(self.options.blas):
+            return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target,
+                                      draft_vocab=draft_vocab)  # fmt: skip
 
     @property
     def vocab_map(self) -> torch.Tensor | None:
@@ -749,23 +757,44 @@ class FastGreedyDecoder:
         return outputs
 
 
-BLAS_LIBRARIES = ("cublas", "cublaslt")
+BLAS_LIBRARIES = ("cublaslt", "cublas", "torch")
+# The fast path's GEMMs on CUDA: cuBLASLt. On an H100 at the 8B shape it ran the 32-node tree's cycle 1-1.5% faster
+# than torch's default (cuBLAS), the chain and the plain decode the same (session 18: overhead factor 1.456 / 1.452
+# -> 1.438 / 1.432, bench/results/gpu_bench-H100-scale-session18-blas-*; session 19: 1.451 / 1.479 -> 1.456 / 1.446,
+# gpu_bench-H100-scale-session19-*); with it the bfloat16 fast path's speculative output is the autoregressive output
+# on all 240 dev prompts (ngram S5, EAGLE S5, S6 K4 N24, S7 K6 N32; gpu_bench-H100-lossless-session19-cublaslt-*).
+DEFAULT_BLAS = "cublaslt"
 
 
-def _prefer_blas(device) -> None:
-    """``SPECCYCLE_BLAS=cublaslt`` (or ``cublas``): torch's preferred BLAS library for the GEMMs of this process,
-    set when an engine is accelerated on CUDA (graphs keep the library they were captured with). Opt-in, and
-    process-wide, as torch's setting is. On an H100 at the 8B shape cuBLASLt ran the 32-node tree's cycle ~1.2%
-    faster (overhead factor 1.456 / 1.452 -> 1.438 / 1.432), the chain and the plain decode the same
-    (bench/results/gpu_bench-H100-scale-session18-blas-*); the bfloat16 parity of verify and decode on the
-    real model has not been run with it, so it is not the default."""
-    blas = os.environ.get("SPECCYCLE_BLAS")
-    if not blas:
-        return
+def blas_choice() -> str:
+    """``SPECCYCLE_BLAS``: the BLAS library of the fast path's GEMMs on CUDA, `DEFAULT_BLAS` when unset; ``torch``
+    leaves torch's process-wide preference alone. An unknown name is refused with the choices."""
+    blas = os.environ.get("SPECCYCLE_BLAS") or DEFAULT_BLAS
     if blas not in BLAS_LIBRARIES:
         raise ValueError(f"SPECCYCLE_BLAS={blas!r}: choose one of {', '.join(BLAS_LIBRARIES)}, or unset it")
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.preferred_blas_library(blas)
+    return blas
+
+
+@contextlib.contextmanager
+def blas_scope(blas: str | None):
+    """torch's preferred BLAS library set to ``blas`` for the forwards inside (every fast-path forward, eager or
+    captured: decode, verify and draft all take the same library, so their rows keep agreeing), and put back
+    after: the host engine's own GEMMs keep torch's setting. ``None`` or ``torch``: nothing is changed. A graph
+    keeps the kernels it was captured with."""
+    if blas in (None, "torch"):
+        yield
+        return
+    backends = torch.backends.cuda
+    before = backends.preferred_blas_library()
+    want = getattr(torch._C._BlasBackend, "Cublaslt" if blas == "cublaslt" else "Cublas")
+    if before == want:
+        yield
+        return
+    backends.preferred_blas_library(want)
+    try:
+        yield
+    finally:
+        backends.preferred_blas_library(before)
 
 
 def accelerate(
@@ -789,7 +818,6 @@ def accelerate(
             f"layer, GeGLU, sliding-window attention and per-layer RoPE bases, which its kernels lack: use fast=False"
         )
     options.setdefault("min_target_rows", engine.spec.num_draft_tokens)
-    _prefer_blas(engine.model.device)
     opts = FastOptions(engine.model.device, graphs=graphs, ops=ops, **options)
     engine.target = FastTarget(engine.target, engine.pool, opts)
     if isinstance(engine.draft, EagleDraft):

@@ -598,17 +598,49 @@ def test_two_layer_eagle3_head_on_cuda(weights, spec):
 
 
 def test_an_unknown_blas_library_is_refused_with_the_choices(weights, monkeypatch):
-    """``SPECCYCLE_BLAS`` (opt-in, CUDA only): a name torch's setting does not take is refused before anything is
-    swapped; a known one leaves a CPU engine as it was."""
+    """``SPECCYCLE_BLAS``: a name the fast path does not take is refused before anything is swapped, on any
+    device; a known one leaves a CPU engine's GEMMs to torch (the choice applies on CUDA only)."""
     from speccycle.engine.fast import accelerate
 
     model = LlamaModel(TINY, weights)
     engine = Engine(model, PagedKVPool(num_pages=16, page_size=4), None, SpecConfig(num_steps=3, topk=1, page_size=4))
     target = engine.target
     monkeypatch.setenv("SPECCYCLE_BLAS", "cublas-lt")
-    with pytest.raises(ValueError, match="choose one of cublas, cublaslt"):
+    with pytest.raises(ValueError, match="choose one of cublaslt, cublas, torch"):
         accelerate(engine, graphs=False)
     assert engine.target is target
     monkeypatch.setenv("SPECCYCLE_BLAS", "cublaslt")
     accelerate(engine, graphs=False)
-    assert isinstance(engine.target, FastTarget)
+    assert isinstance(engine.target, FastTarget) and engine.fast_options.blas is None
+
+
+def test_blas_scope_sets_the_library_for_the_fast_forwards_and_puts_it_back(monkeypatch):
+    """`fast.blas_scope`: torch's preferred BLAS library is the fast path's inside (cuBLASLt by default) and what it
+    was after, also when the forward raises; ``torch`` and ``None`` touch nothing; an unset variable is the default."""
+    import torch
+    from speccycle.engine import fast
+
+    state = {"now": torch._C._BlasBackend.Cublas, "sets": []}
+
+    def preferred(backend=None):
+        if backend is not None:
+            state["now"] = backend
+            state["sets"].append(backend)
+        return state["now"]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    lt, cublas = torch._C._BlasBackend.Cublaslt, torch._C._BlasBackend.Cublas
+    with fast.blas_scope("cublaslt"):
+        assert state["now"] == lt
+    assert state["now"] == cublas and state["sets"] == [lt, cublas]
+    with pytest.raises(RuntimeError, match="inside"):
+        with fast.blas_scope("cublaslt"):
+            raise RuntimeError("inside")
+    assert state["now"] == cublas
+    state["sets"].clear()
+    for choice in ("cublas", "torch", None):  # already the library, or nothing to set: no call
+        with fast.blas_scope(choice):
+            assert state["now"] == cublas
+    assert state["sets"] == []
+    monkeypatch.delenv("SPECCYCLE_BLAS", raising=False)
+    assert fast.blas_choice() == fast.DEFAULT_BLAS == "cublaslt"
