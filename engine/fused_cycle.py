@@ -61,6 +61,7 @@ from .cycle_kernels import (
     accept_commit_torch,
     cycle_slots,
     cycle_slots_torch,
+    flag_to_host,
     verify_rows,
     verify_rows_torch,
 )
@@ -170,6 +171,8 @@ class _State:
         cuda = torch.device(device).type == "cuda"
         self.host_done = torch.zeros(1, dtype=torch.bool, pin_memory=cuda)
         self.host_done_np = self.host_done.numpy()
+        # written by a kernel where the GPU reaches the pinned flag (`cycle_kernels.flag_to_host`), else copied
+        self.flag_kernel = cuda and flag_to_host(self.sets[0]["all_done"], self.host_done)
         self.out = torch.zeros((batch, max_out + 1), **long)  # the last column: a bin for masked writes
         self.hist = torch.zeros((max_cycles + 1, batch), **long)
         self.max_new = torch.zeros(batch, **long)
@@ -289,7 +292,8 @@ class FusedCycles:
         # written in place: no copy launches
         backend.select_topk(logits, K, self.draft.vocab_map, out=(nxt["topk_p"], nxt["topk_index"]))
         torch.index_select(out, 0, ext["last"], out=nxt["dh"])
-        st.host_done.copy_(nxt["all_done"], non_blocking=True)
+        if not (st.flag_kernel and flag_to_host(nxt["all_done"], st.host_done)):
+            st.host_done.copy_(nxt["all_done"], non_blocking=True)
 
     def force_acceptance(self, tau: float | None) -> None:
         """Benchmarks only: accept exactly ``a`` rows a cycle, ``a`` the Beatty sequence of ``tau`` (None: off).

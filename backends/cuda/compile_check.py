@@ -268,6 +268,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                  dict(TREE=True, BLOCK_B=2, BLOCK_N=16, BLOCK_W=8, BLOCK_X=8),
                  dict(TREE=True, BLOCK_B=64, BLOCK_N=32, BLOCK_W=8, BLOCK_X=8)],
                 ("tokens_ptr", "out_ptr")))  # fmt: skip
+    out.append((cycle._flag_to_host_kernel, dict(src_ptr="*i1", dst_ptr="*i1"), [{}], ()))
     return out
 
 
