@@ -93,7 +93,13 @@ NUM_STAGES = 1
 # chunk states of a head's width). Part of the bits (the reductions' layout), decode and verify alike.
 COMBINE_WARPS = 1
 # The merge drops the chunk states from L2 once read (`attention_triton._discard_l2`), so they are not written
-# back to memory under the next GEMMs. Speed only (the states are dead); CUDA only, never under the interpreter.
+# back to memory under the next GEMMs. Speed only (the states are dead: the bitwise suite passes with it,
+# bench/results/attention_bench-H100-session19-discard-bitwise-*); NVIDIA sm_90+ only, never under the interpreter.
+# A 32-row verify's tiles write ~6 MB of them a layer at the 8B shape. On an H100 (bench/neighbour_bench.py, 16 layers
+# of attention, O and gate-up from one graph) the O GEMM after the verify's attention took 16.7 µs with them left
+# dirty and 15.9 with them dropped (14.6-14.9 with no attention before it), the gate-up 89.1 -> 87.8 (86.6); a layer
+# 1.6-2.3 µs less (neighbour_bench-H100-session19/); the 32-node tree's cycle 8,692 -> 8,660 µs (scale_profile-H100-
+# session19/discard-*). A decode row's states are few: no change there.
 DISCARD_STATES = True
 
 
