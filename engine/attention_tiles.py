@@ -28,9 +28,9 @@ tile kernel against itself passed every check, bfloat16 and float32, SmolLM2 and
 to 6,000 keys (`attention_bench-H100-tiles16-bitwise-*.json`). Tested on the interpreter too
 (tests/kernels/test_attention_tiles.py).
 
-**Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items (row
-``r``'s item ``t`` takes its chunks ``n_shared + t, n_shared + t + tail, ...``); ``P`` programs take every
-``P``-th item. A row of one chunk stores its output; a row of several stores each chunk's ``(max, sum,
+**Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items, ``t``-major
+(item ``n_shared + t * R + r``: row ``r``'s chunks ``n_shared + t, n_shared + t + tail, ...``; ``tail`` is a
+bound, so the last ones often find no chunk); ``P`` programs take every ``P``-th item. A row of one chunk stores its output; a row of several stores each chunk's ``(max, sum,
 accumulator)`` and `attention_triton`'s combine kernel merges them (a second launch). ``rows_per_tile``
 (``R``) and ``P`` are launch choices: they move work, never bits.
 
@@ -214,8 +214,11 @@ if triton is not None:
                 _finish_chunk(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, active, row, head, item, row_chunks,
                               m_i, l_i, acc, d, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM)  # fmt: skip
             else:  # a row's own chunks: its keys (prefix positions, then its extra slots by rank)
-                r = (item - n_shared) // tail
-                t = (item - n_shared) % tail
+                # t-major: the rows' first items (each row's next chunk past the shared ones, present in every
+                # row with keys) before their second ones (present only where a row's keys reach that far), so
+                # the items that find no chunk come last and P programs share the real ones evenly
+                r = (item - n_shared) % rows_per_tile
+                t = (item - n_shared) // rows_per_tile
                 the_row = (tile * rows_per_tile + r).to(tl.int64)
                 if the_row < num_rows:
                     own = ok & (local == r)
