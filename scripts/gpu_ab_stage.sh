@@ -15,7 +15,8 @@
 # runs the command old, new, old, new (2 rounds) on one warm GPU, each in its own tree with `speccycle`
 # importing from that tree; $AB is old or new, $AB_REP the round, $P the carried Spec-Bench prompts
 # (.gpu/p2/spec_bench_dev.jsonl), $SPECCYCLE_COMMIT the measured commit (the JSONs record it); the old tree is
-# built once under $AB_DIR (default /tmp/ab). Commit first: uncommitted changes count as HEAD's and are labelled
+# built under $AB_DIR (default /tmp/ab) once per machine and old commit (session 19 found a warm machine's tree
+# from an earlier staging measured under the new label: now it is rebuilt when the old commit changes). Commit first: uncommitted changes count as HEAD's and are labelled
 # with HEAD's commit.
 set -euo pipefail
 old=${1:?usage: bash scripts/gpu_ab_stage.sh OLD_COMMIT}
@@ -37,10 +38,11 @@ cat > .gpu/p2/ab.sh <<'SH'
 set -u
 rounds=${1:?usage: bash .gpu/p2/ab.sh ROUNDS 'COMMAND'}; shift
 root=$PWD
-dir=${AB_DIR:-/tmp/ab}  # the old tree and the two import roots; built once per machine
+dir=${AB_DIR:-/tmp/ab}  # the old tree and the two import roots; built once per machine and old commit
 export PYTHONUNBUFFERED=1 SPECCYCLE_DEFAULT_MODEL=${SMOLLM2_GGUF:-} P=$root/.gpu/p2/spec_bench_dev.jsonl
-if [ ! -d "$dir/old/tree" ]; then
-  mkdir -p "$dir/old" "$dir/new" && cp -r "$root" "$dir/old/tree" && cp -r .gpu/p2/old/. "$dir/old/tree/"
+if [ "$(cat "$dir/old/COMMIT" 2>/dev/null)" != @OLD@ ]; then  # built for another old commit (or not yet)
+  rm -rf "$dir/old" && mkdir -p "$dir/old" "$dir/new" && cp -r "$root" "$dir/old/tree" && cp -r .gpu/p2/old/. "$dir/old/tree/"
+  echo @OLD@ > "$dir/old/COMMIT"
   (cd "$dir/old/tree" && xargs -r rm -f < .gpu/p2/old.deleted)
   ln -sfn "$dir/old/tree" "$dir/old/speccycle" && ln -sfn "$root" "$dir/new/speccycle"
 fi
