@@ -30,9 +30,9 @@ to 6,000 keys (`attention_bench-H100-tiles16-bitwise-*.json`). Tested on the int
 
 **Work items.** Per (tile, KV head) the items are the shared chunks, then ``R * tail`` row items, ``t``-major
 (item ``n_shared + t * R + r``: row ``r``'s chunks ``n_shared + t, n_shared + t + tail, ...``; ``tail`` is a
-bound, so the last ones often find no chunk); ``P`` programs take every ``P``-th item. A row of one chunk stores its output; a row of several stores each chunk's ``(max, sum,
-accumulator)`` and `attention_triton`'s combine kernel merges them (a second launch). ``rows_per_tile``
-(``R``) and ``P`` are launch choices: they move work, never bits.
+bound, so the last ones often find no chunk); ``P`` programs take every ``P``-th item. A row of one chunk stores
+its output; a row of several stores each chunk's ``(max, sum, accumulator)`` and `attention_triton`'s combine kernel
+merges them (a second launch). ``rows_per_tile`` (``R``) and ``P`` are launch choices: they move work, never bits.
 
 `paged_attention_tiles_triton` has `attention_triton.paged_attention_rows_triton`'s contract; its
 torch twin is `attention_triton.paged_attention_rows_torch`.

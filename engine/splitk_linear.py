@@ -32,7 +32,7 @@ import os
 import attrs
 import torch
 
-from .linear_triton import DTYPES
+from .linear_triton import _check as check_linear
 
 try:
     import triton
@@ -116,14 +116,7 @@ SUM_BLOCK = 1024  # columns a program of the sum kernel takes
 
 
 def _check(a: torch.Tensor, weight: torch.Tensor, config: SplitKConfig, what: str) -> None:
-    if triton is None:
-        raise RuntimeError(f"{what} needs triton (pip install triton); use kernels.linear_add without it")
-    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
-        raise ValueError(f"{what}: a must be [T, K] and weight [N, K]; got {tuple(a.shape)} and {tuple(weight.shape)}")
-    if a.dtype != weight.dtype or a.dtype not in DTYPES:
-        raise ValueError(f"{what}: a and weight must share one dtype of {DTYPES}; got {a.dtype} and {weight.dtype}")
-    if weight.stride(1) != 1:
-        raise ValueError(f"{what}: the weight needs a contiguous last dimension (call .contiguous() once at load)")
+    check_linear(a, weight, what)  # `linear_triton`'s: triton present, shapes, one dtype, a contiguous weight
     k = weight.shape[1]
     if k % (config.splits * config.block_k):
         raise ValueError(

@@ -57,3 +57,14 @@ def test_stage_and_run_both_trees(tmp_path):
         side = line.split()[0]
         link = Path(line.split()[-1].split(":")[0]) / "speccycle"
         assert link.resolve() == (tmp_path / "ab" / "old" / "tree" if side == "old" else clone).resolve()
+
+    # staged again against another old commit, on the same machine (the same AB_DIR): the old tree is rebuilt
+    (clone / "README.md").write_text("newer readme\n")
+    _git(clone, "add", "-A")
+    _git(clone, "commit", "-qm", "change again")
+    subprocess.run(["bash", str(script), "HEAD~1"], cwd=clone, check=True, capture_output=True)
+    run = subprocess.run(["bash", ".gpu/p2/ab.sh", "1", command], cwd=clone, env=env, check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    lines = [line for line in run.stdout.splitlines() if not line.startswith("==")]
+    assert lines[0].split()[:4] == ["old", "1", new, "new"] and "newer" not in lines[0]
+    assert lines[1].split()[3] == "newer"
