@@ -281,8 +281,9 @@ def test_fast_engine_is_lossless(weights, draft, spec):
 def test_fast_engine_with_folded_norms_is_lossless(weights, draft, spec):
     """`FoldedNormOps` (norm gains in the GEMM weights, the RMS factor after the GEMM, residual adds in the
     GEMMs) computes other roundings than the reference, but decode and verify rows run the same kernels:
-    speculative output equals the same engine's autoregressive output, and the pool ends empty."""
-    prompts = [tokens_of(11, 8) * 2, tokens_of(12, 5), tokens_of(13, 4)]
+    speculative output equals the same engine's autoregressive output, and the pool ends empty. (Two prompts of 8
+    new tokens: under the interpreter this test took 110 and 218 s with three of 12, a third of the CI's time.)"""
+    prompts = [tokens_of(11, 8) * 2, tokens_of(12, 5)]
     model = LlamaModel(TINY, weights)
     pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
 
@@ -294,9 +295,9 @@ def test_fast_engine_with_folded_norms_is_lossless(weights, draft, spec):
     engine = Engine(model, pool, build, spec)
     accelerate(engine, graphs=False, ops=FoldedNormOps)
     assert model.folded_norm_weights is not None
-    ar = engine.generate_autoregressive(prompts, 12)
-    results, _ = engine.generate(prompts, 12, checked=True)
-    assert [list(r.output) for r in results] == ar
+    ar = engine.generate_autoregressive(prompts, 8)
+    results, stats = engine.generate(prompts, 8, checked=True)
+    assert [list(r.output) for r in results] == ar and stats.verifies > 0
     assert pool.num_free_pages == pool.num_pages
 
 
