@@ -324,7 +324,9 @@ def paged_attention_tiles_triton(
     ``rows_per_tile`` (default `default_rows_per_tile`), ``programs`` (per tile and KV head; default
     `default_tile_programs`), ``num_stages`` (Triton's software pipelining; None: Triton's default) and
     ``maxnreg`` (a cap on registers per thread, for more programs resident per multiprocessor; None: `MAXNREG`
-    for tiles of several rows, none for one-row tiles; 0: none) move work only.
+    for tiles of several rows, none for one-row tiles; 0: none) and ``discard_states`` (the merge drops the chunk
+    states from L2 once read; None: `DISCARD_STATES`; only ever on NVIDIA sm_90+ outside the interpreter) move work
+    only.
     ``tile_lines``, ``chunk``, ``max_chunks``, ``block_n``, ``num_warps`` (the tensor-core instruction
     layout) and ``combine_warps`` (the warps of the merge of a row's chunks: the layout of its reductions) set
     the bits: rows agree bitwise only between calls with the same six (and with the rows kernel at its

@@ -182,3 +182,16 @@ def test_auto_takes_tiles_for_large_heads_and_rows_below(monkeypatch):
     monkeypatch.setenv("SPECCYCLE_ATTENTION", "flash")
     with pytest.raises(ValueError, match="SPECCYCLE_ATTENTION"):
         kernels.triton_attention()
+
+
+def test_the_ptx_cache_hints_run_on_nvidia_hopper_only(monkeypatch):
+    """`attention_triton._ptx_hints` (the L2 discard after the merge, written in PTX): an NVIDIA GPU of compute
+    capability 9.0 or later; never on ROCm, whose torch also reports ``is_cuda``, nor on an older NVIDIA GPU."""
+    from speccycle.engine import attention_triton
+
+    hints = attention_triton._ptx_hints.__wrapped__  # the uncached check
+    for hip, capability, expected in ((None, (9, 0), True), (None, (10, 0), True), (None, (8, 9), False),
+                                      ("6.2", (9, 4), False)):  # fmt: skip
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert hints(0) is expected
