@@ -1,0 +1,285 @@
+"""Weight-only int8 GEMMs for a draft model: ``a [T, K] @ (q [N, K] * scale [N, 1])^T`` reading one byte a weight.
+
+Why: at the Llama-3-8B shape an EAGLE-3 head's step is five GEMMs over ~0.55 GB of bfloat16 weights (QKV, O,
+gate-up, down, a 32,000-row LM head) and little else, at a decode's few rows: the head's time is the time it
+takes to read its weights. A 32-node tree drafts 5 levels a cycle, so on an H100 the head takes ~1.5 ms of a
+~8.5 ms cycle whose verify is a ~6.3 ms decode step (bench/results/scale_profile-H100-session19). Stored as int8
+the weights are half the bytes. A draft may be approximate (the verify decides every token, so the output is
+the target's whatever the draft computes); what int8 costs is acceptance, which the real model measures
+(``bench/gpu_bench.py --parts real``: tau with the head in its dtype and in int8).
+
+**The format** is `drafters.eagle_pack`'s ``int8-rowwise`` storage (symmetric, one float32 scale per output
+row), so a head shipped in that storage runs on the integers it was stored as (`Int8Rowwise.from_weight`
+recovers them from the dequantized bfloat16 weight exactly: a stored ``q * scale`` rounded to bfloat16 is
+within ``2^-9`` of it, well inside half a step of ``q``).
+
+**The kernel.** Program ``(m block, n block, split)`` loads its rows' activations and the weight's int8 tile,
+widens the integers to the activations' dtype (every int8 is exact in bfloat16 and float16), multiplies on the
+tensor cores with float32 accumulation over its split's ``K / SPLITS`` columns, and either (one split) applies
+the rows' scales, adds into ``x`` when asked and rounds once, or stores the float32 partial for a second kernel
+(`splitk_linear`'s shape: the partials summed in split order, then scaled, added, rounded). No atomics: the
+result is a function of the inputs (deterministic), though not of a row alone (the tile depends on the row
+count: a draft's rows need not agree with themselves in other batches, the target's must and never come here).
+
+The torch reference (`int8_linear_torch`): float32 products of the widened integers, scaled, rounded to the
+activations' dtype; the kernel agrees with it within float32 summation order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+
+from .drafters.eagle_pack import quantize_rowwise
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .linear_triton import _mma, _round
+except ImportError:  # pragma: no cover - installs without triton use the torch reference
+    triton = None
+
+DTYPES = (torch.bfloat16, torch.float16)  # activations (the int8 values are exact in both)
+
+
+@attrs.frozen(eq=False)
+class Int8Rowwise:
+    """An ``[N, K]`` weight as int8 ``q`` and a float32 ``scale`` per output row: ``W ~= q * scale[:, None]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def __attrs_post_init__(self) -> None:
+        if self.q.dtype != torch.int8 or self.q.dim() != 2 or self.q.stride(1) != 1:
+            raise ValueError(f"Int8Rowwise: q must be a 2-D int8 tensor with a contiguous last dimension; got "
+                             f"{self.q.dtype} {tuple(self.q.shape)} strides {self.q.stride()}")  # fmt: skip
+        if self.scale.dtype != torch.float32 or tuple(self.scale.shape) != (self.q.shape[0],):
+            raise ValueError(f"Int8Rowwise: scale must be float32 [{self.q.shape[0]}]; got {self.scale.dtype} "
+                             f"{tuple(self.scale.shape)}")  # fmt: skip
+        if self.scale.device != self.q.device:
+            raise ValueError(f"Int8Rowwise: q on {self.q.device}, scale on {self.scale.device}")
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> Int8Rowwise:
+        """`eagle_pack.quantize_rowwise` of a floating ``[N, K]`` weight, on its device."""
+        q, scale = quantize_rowwise(weight)
+        return cls(q, scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+
+@attrs.frozen
+class Int8Config:
+    """Tile and launch of one GEMM: ``splits`` must cut ``K`` into whole ``block_k`` steps."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Columns of K a split should keep at least, and programs a launch should reach, before K is split further.
+MIN_SPLIT_K = 1024
+TARGET_PROGRAMS = 264  # two per multiprocessor of an H100 (132)
+
+
+def int8_config(rows: int, n: int, k: int) -> Int8Config:
+    """The tile for ``rows`` rows of an ``[N, K]`` weight: 16 rows a block up to 16 (a draft's steps), 64 above
+    (a prefill's extend); 64 columns a program; K split in 2 or 4 while the programs stay under
+    `TARGET_PROGRAMS` and each split keeps `MIN_SPLIT_K` columns (the O and the ``fc`` of an 8B-shaped head:
+    64 column blocks)."""
+    block_m = 16 if rows <= 16 else 64
+    block_k = max(16, min(256 if block_m == 16 else 64, triton.next_power_of_2(k)))
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    programs = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
+    splits = 1
+    for s in (2, 4):
+        if programs * s <= TARGET_PROGRAMS and k % (s * block_k) == 0 and k // s >= MIN_SPLIT_K:
+            splits = s
+    return Int8Config(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
+                      num_warps=4, num_stages=4 if block_m == 16 else 3)  # fmt: skip
+
+
+# ---- the torch reference -------------------------------------------------------------------------
+def int8_linear_torch(
+    a: torch.Tensor, weight: Int8Rowwise, out_dtype: torch.dtype | None = None, x: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``round(x + (a @ q^T) * scale)`` in ``a``'s dtype (``x``: added in float32 before the one rounding, and
+    written in place), widened to ``out_dtype`` when given."""
+    y = (a.float() @ weight.q.float().t()) * weight.scale
+    if x is not None:
+        return x.copy_((x.float() + y).to(x.dtype))
+    y = y.to(a.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+# ---- the kernels ---------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _int8_linear_kernel(
+        a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o,
+        K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr,
+        INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
+        side by side, and a launch of one row block streams the weight in order)."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        split = tl.program_id(2)
+        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rows_m < rows
+        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = cols_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        k_lo = split * K_SPLIT
+        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+            cols_k = k0 + offs_k
+            if EVEN_K:
+                a = tl.load(a_ptr + rows_m[:, None] * stride_a + cols_k[None, :], mask=mask_m[:, None], other=0.0)
+                w = tl.load(q_ptr + cols_n[None, :] * stride_q + cols_k[:, None], mask=mask_n[None, :], other=0)
+            else:
+                mask_k = cols_k < K
+                a = tl.load(a_ptr + rows_m[:, None] * stride_a + cols_k[None, :],
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+                w = tl.load(q_ptr + cols_n[None, :] * stride_q + cols_k[:, None],
+                            mask=mask_n[None, :] & mask_k[:, None], other=0)  # fmt: skip
+            if INTERPRET:  # the interpreter's int8 -> bfloat16 cast is not exact: float32 (as `_mma` goes anyway)
+                w = w.to(tl.float32)
+            else:
+                w = w.to(a.dtype)
+            acc = _mma(a, w, acc, INTERPRET, False)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
+        if SPLITS == 1:
+            y = acc * tl.load(s_ptr + cols_n, mask=mask_n, other=0.0)[None, :]
+            mask = mask_m[:, None] & mask_n[None, :]
+            if ADD:
+                x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + cols_n[None, :], mask=mask, other=0.0)
+                y = x.to(tl.float32) + y
+            tl.store(out_ptr + rows_m[:, None].to(tl.int64) * stride_o + cols_n[None, :],
+                     _round(y, out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+        else:
+            part = (split * rows + rows_m[:, None]).to(tl.int64) * N + cols_n[None, :]
+            tl.store(part_ptr + part, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _int8_sum_kernel(part_ptr, s_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
+                         ADD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """``out[r, c] = round(x[r, c] + (part[0, r, c] + ... + part[SPLITS - 1, r, c]) * scale[c])``."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        total = tl.load(part_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(part_ptr + (s * rows + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        y = total * tl.load(s_ptr + cols, mask=mask, other=0.0)
+        if ADD:
+            y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32) + y
+        tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, _round(y, out_ptr.dtype.element_ty), mask=mask)
+
+
+SUM_BLOCK = 1024  # columns a program of the sum kernel takes
+
+
+def _check(a: torch.Tensor, weight: Int8Rowwise, config: Int8Config, what: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{what} needs triton (pip install triton); use int8_linear_torch without it")
+    if not isinstance(weight, Int8Rowwise):
+        raise TypeError(f"{what}: the weight must be an Int8Rowwise, not {type(weight).__name__}")
+    if a.dim() != 2 or a.shape[1] != weight.shape[1]:
+        raise ValueError(f"{what}: a must be [T, {weight.shape[1]}] for an {list(weight.shape)} weight; got "
+                         f"{tuple(a.shape)}")  # fmt: skip
+    if a.dtype not in DTYPES:
+        raise ValueError(f"{what}: activations must be one of {DTYPES} (int8 widens exactly to them); got {a.dtype}")
+    if a.device != weight.device:
+        raise ValueError(f"{what}: activations on {a.device}, weight on {weight.device}")
+    k = weight.shape[1]
+    if config.splits > 1 and k % (config.splits * config.block_k):
+        raise ValueError(f"{what}: K={k} is not {config.splits} splits of whole {config.block_k}-column steps")
+
+
+def _run(a, weight: Int8Rowwise, x, out, config: Int8Config) -> None:
+    rows, k = a.shape
+    n = weight.shape[0]
+    if rows == 0:
+        return
+    a = a if a.stride(1) == 1 else a.contiguous()
+    splits = config.splits
+    part = torch.empty((splits, rows, n), dtype=torch.float32, device=a.device) if splits > 1 else out
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
+    k_split = k // splits if splits > 1 else triton.cdiv(k, config.block_k) * config.block_k
+    _int8_linear_kernel[grid](
+        a, weight.q, weight.scale, out if x is None else x, out, part, rows, n, k, a.stride(0), weight.q.stride(0),
+        0 if x is None else x.stride(0), out.stride(0),
+        K_SPLIT=k_split, SPLITS=splits, ADD=x is not None, EVEN_K=k % config.block_k == 0,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _int8_sum_kernel[(rows, triton.cdiv(n, SUM_BLOCK))](
+            part, weight.scale, out if x is None else x, out, rows, n, 0 if x is None else x.stride(0), out.stride(0),
+            SPLITS=splits, ADD=x is not None, BLOCK=SUM_BLOCK, num_warps=4,
+        )  # fmt: skip
+
+
+def int8_linear_triton(
+    a: torch.Tensor, weight: Int8Rowwise, out_dtype: torch.dtype | None = None, *, config: Int8Config | None = None
+) -> torch.Tensor:
+    """``a [T, K] @ W^T -> [T, N]``, rounded to ``a``'s dtype and stored as ``out_dtype`` (default: that dtype)."""
+    config = config or int8_config(a.shape[0], weight.shape[0], weight.shape[1])
+    _check(a, weight, config, "int8_linear")
+    out = torch.empty((a.shape[0], weight.shape[0]), dtype=a.dtype, device=a.device)
+    _run(a, weight, None, out, config)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def int8_linear_add_triton(
+    x: torch.Tensor, a: torch.Tensor, weight: Int8Rowwise, *, config: Int8Config | None = None
+) -> torch.Tensor:
+    """``x += a @ W^T`` in place, the sum rounded once (`kernels.linear_add`'s contract); returns ``x``."""
+    config = config or int8_config(a.shape[0], weight.shape[0], weight.shape[1])
+    _check(a, weight, config, "int8_linear_add")
+    if x.shape != (a.shape[0], weight.shape[0]) or x.dtype != a.dtype or x.stride(1) != 1:
+        raise ValueError(
+            f"int8_linear_add: x must be a [{a.shape[0]}, {weight.shape[0]}] {a.dtype} tensor with a contiguous last "
+            f"dimension; got {tuple(x.shape)} {x.dtype} with strides {x.stride()}"
+        )
+    _run(a, weight, x, x, config)
+    return x
+
+
+def _triton_here(a: torch.Tensor) -> bool:
+    return triton is not None and (a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def int8_linear(a: torch.Tensor, weight: Int8Rowwise, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The kernel on CUDA (or under the interpreter), the torch reference elsewhere."""
+    if _triton_here(a):
+        return int8_linear_triton(a, weight, out_dtype)
+    return int8_linear_torch(a, weight, out_dtype)
+
+
+def int8_linear_add(x: torch.Tensor, a: torch.Tensor, weight: Int8Rowwise) -> torch.Tensor:
+    """``x += a @ W^T`` in place: the kernel on CUDA (or under the interpreter), the torch reference elsewhere."""
+    if _triton_here(a):
+        return int8_linear_add_triton(x, a, weight)
+    return int8_linear_torch(a, weight, x=x)
