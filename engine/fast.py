@@ -30,6 +30,7 @@ import os
 import warnings
 from collections.abc import Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +51,7 @@ from .graphs import (
     row_layout,
     unpack_rows,
 )
+from .int8_linear import Int8Rowwise, int8_linear, int8_linear_add
 from .kernels import TorchOps, default_ops
 from .kv_pool import LayerKV, PagedKVPool
 from .llama import LlamaModel, rope_cos_sin
@@ -205,7 +207,11 @@ def eagle_rows_forward(
         _, logits = ops.norm_linear(picked, None, target.norm.weight, target_eps, target.lm_head_weight,
                                     out_dtype=torch.float32)  # fmt: skip
         return logits, out
-    _, small = ops.norm_linear(picked, None, head.norm.weight, eps, head.lm_head, out_dtype=torch.float32)  # [R, Vd]
+    lm_head = draft.gemms.lm_head
+    if isinstance(lm_head, Int8Rowwise):
+        small = int8_linear(ops.rms_norm(picked, head.norm.weight, eps), lm_head, torch.float32)  # [R, Vd]
+    else:
+        _, small = ops.norm_linear(picked, None, head.norm.weight, eps, lm_head, out_dtype=torch.float32)  # [R, Vd]
     if draft_vocab:
         return small, out
     logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
@@ -267,27 +273,94 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     """The EAGLE-3 head's layer with `FoldedNormOps`: one kernel for the embedding, the two input norms and
     their concatenation (`kernels.eagle_input_triton`, which also copies the residual stream), the O and
     down GEMMs adding into that copy in place, the post-attention norm folded into the gate-up GEMM (its
-    row factor applied by the SiLU-mul kernel): 9 kernels up to the final norm instead of 14."""
-    head, target = draft.head, draft.target_model
+    row factor applied by the SiLU-mul kernel): 9 kernels up to the final norm instead of 14. Its GEMMs read
+    ``draft.gemms`` (`HeadGemms`: the head's weights, or their int8 forms)."""
+    head, target, w = draft.head, draft.target_model, draft.gemms
     c = head.config
     rows, eps = inputs.input_ids.shape[0], c.rms_norm_eps
-    folded = getattr(head, "folded_gate_up", None)
-    if folded is None:
-        raise RuntimeError(
-            "FoldedNormOps: call fast.fold_head_weights(head) before the first forward (outside a graph)"
-        )
     if from_target:
-        x = ops.linear(x, head.fc)  # [T, 3H] -> [T, H]
+        x = _linear(ops, x, w.fc)  # [T, 3H] -> [T, H]
     attn_in, residual = ops.eagle_input(inputs.input_ids, target.embed_weight, x, head.embed_norm.weight,
                                         head.hidden_norm.weight, eps)  # fmt: skip
     k_cache, v_cache = draft.kv
-    q = ops.rope_write_kv(ops.linear(attn_in, head.qkv), inputs.positions, rope.cos, rope.sin, inputs.out_slots,
+    q = ops.rope_write_kv(_linear(ops, attn_in, w.qkv), inputs.positions, rope.cos, rope.sin, inputs.out_slots,
                           k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
     attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
                          inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
-    residual = ops.linear_add(residual, attn.reshape(rows, c.num_heads * c.head_dim), head.o)
-    act = ops.silu_mul(ops.linear(residual, folded), residual, eps)
-    return ops.linear_add(residual, act, head.down)  # [T, H]
+    residual = _linear_add(ops, residual, attn.reshape(rows, c.num_heads * c.head_dim), w.o)
+    act = ops.silu_mul(_linear(ops, residual, w.gate_up), residual, eps)
+    return _linear_add(ops, residual, act, w.down)  # [T, H]
+
+
+def _linear(ops, x: torch.Tensor, weight) -> torch.Tensor:
+    return int8_linear(x, weight) if isinstance(weight, Int8Rowwise) else ops.linear(x, weight)
+
+
+def _linear_add(ops, x: torch.Tensor, a: torch.Tensor, weight) -> torch.Tensor:
+    return int8_linear_add(x, a, weight) if isinstance(weight, Int8Rowwise) else ops.linear_add(x, a, weight)
+
+
+# ---- a draft head's GEMM weights -------------------------------------------------------------------
+# What an EAGLE head's GEMMs read on the fast path (`FastOptions.draft_weights`, ``SPECCYCLE_DRAFT_WEIGHTS``): ``int8``
+# (`engine.int8_linear`: the head's weights in `drafters.eagle_pack`'s int8-rowwise form, half the bytes), ``dtype``
+# (the head's own) or ``auto`` (the default: int8 on CUDA for an EAGLE-3 head under an op set that folds it, such as
+# `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere). The draft only proposes, so each keeps the
+# output the target's.
+DRAFT_WEIGHTS = ("auto", "int8", "dtype")
+
+
+def draft_weights_choice() -> str:
+    """``SPECCYCLE_DRAFT_WEIGHTS`` (one of `DRAFT_WEIGHTS`, else refused with the choices), ``auto`` when unset."""
+    choice = os.environ.get("SPECCYCLE_DRAFT_WEIGHTS") or "auto"
+    if choice not in DRAFT_WEIGHTS:
+        raise ValueError(f"SPECCYCLE_DRAFT_WEIGHTS={choice!r}: choose one of {', '.join(DRAFT_WEIGHTS)}, or unset it")
+    return choice
+
+
+@attrs.frozen(eq=False)
+class HeadGemms:
+    """The weights an EAGLE head's fast forward multiplies by: the head's tensors, or (``int8``) their
+    `int8_linear.Int8Rowwise` forms. ``gate_up`` is the folded one (`fold_head_weights`) where the ops fold the
+    head; ``lm_head`` is None for a head over the target's LM head (the target's weight, never quantized). A deeper
+    head's layers past the first keep the head's dtype (`_eagle_extra_layer`). ``kind``: ``int8`` or ``dtype``."""
+
+    kind: str
+    fc: object
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
+    lm_head: object
+
+    @classmethod
+    def of(cls, head, ops: type[TorchOps], draft_weights: str, device: torch.device) -> HeadGemms:
+        c = head.config
+        if draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights={draft_weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
+        folds = ops.fold_head and c.version != 1
+        if draft_weights == "auto":
+            draft_weights = "int8" if folds and torch.device(device).type == "cuda" else "dtype"
+        if draft_weights == "int8" and not folds:
+            raise ValueError(
+                f"draft_weights='int8' runs the folded EAGLE-3 layer (an op set with fold_head, such as "
+                f"kernels.FoldedNormOps, CUDA's default); this head is EAGLE-{c.version} under {ops.__name__}: "
+                "pass draft_weights='dtype' (or SPECCYCLE_DRAFT_WEIGHTS=dtype)"
+            )
+        gate_up = fold_head_weights(head) if folds else head.gate_up
+        weights = dict(fc=head.fc, qkv=head.qkv, o=head.o, gate_up=gate_up, down=head.down,
+                       lm_head=None if c.target_lm_head else head.lm_head)  # fmt: skip
+        if draft_weights == "int8":
+            weights = {name: None if w is None else Int8Rowwise.from_weight(w) for name, w in weights.items()}
+        return cls(draft_weights, **weights)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights held for the GEMMs (the int8 forms are held beside the head's own)."""
+        return sum(
+            w.nbytes if isinstance(w, Int8Rowwise) else w.numel() * w.element_size()
+            for w in attrs.astuple(self, recurse=False)[1:]
+            if w is not None
+        )
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -299,6 +372,10 @@ class FastOptions:
     ``graph_pool``: the CUDA graph memory pool of the engine these options accelerate (`accelerate`
     makes one set of options per engine): its target, draft and decode graphs are captured into it,
     and it keeps them alive until the engine and its options are dropped (`graphs.GraphPool`).
+    ``draft_weights``: what an EAGLE head's GEMMs read, ``int8`` (`engine.int8_linear`, half the bytes),
+    ``dtype`` (the head's own weights) or ``auto`` (int8 on CUDA for an EAGLE-3 head with the folded ops);
+    None: `draft_weights_choice` (``SPECCYCLE_DRAFT_WEIGHTS``, else auto). The output is the target's either
+    way; int8 may move acceptance (measured in docs/fast_engine.md).
     """
 
     def __init__(
@@ -311,6 +388,7 @@ class FastOptions:
         max_extra: int = 64,
         min_target_rows: int = 1,
         max_decode_steps: int = 4096,
+        draft_weights: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.graphs = graphs
@@ -322,6 +400,10 @@ class FastOptions:
         # the library of the fast path's GEMMs (`blas_scope`), CUDA only
         blas = blas_choice()  # refused before anything is swapped, on any device
         self.blas = blas if self.device.type == "cuda" else None
+        # an EAGLE head's GEMM weights (`HeadGemms`): None takes `draft_weights_choice`
+        self.draft_weights = draft_weights or draft_weights_choice()
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights={self.draft_weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
 
     def runner(self, compute, pool: PagedKVPool, vocab_size: int, hidden_in=None, hidden_dtype=torch.float32,
                min_rows: int = 1, summarize: bool = False) -> ForwardGraphs:  # fmt: skip
@@ -651,8 +733,7 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
         )
         c = self.head.config
         self.options = options
-        if options.ops.fold_head and c.version != 1:
-            fold_head_weights(self.head)
+        self.gemms = HeadGemms.of(self.head, options.ops, options.draft_weights, options.device)  # folds where ops do
         max_position = self.target_model.config.max_position
         self.rope = _rope_for(self.head, pool, c.head_dim, c.rope_theta, self.head.dtype, max_position)
         features = self.target_model.feature_size()

@@ -96,26 +96,34 @@ class Int8Config:
     num_stages: int = 4
 
 
-# Columns of K a split should keep at least, and programs a launch should reach, before K is split further.
-MIN_SPLIT_K = 1024
-TARGET_PROGRAMS = 264  # two per multiprocessor of an H100 (132)
+# Launches of at least this many programs (one row block) stream the weight in 128-column K steps, 3 stages, one split;
+# fewer programs take 256-column steps, 5 stages, and K in 2 splits once it reaches `SPLIT_K` columns.
+WIDE_PROGRAMS = 512
+SPLIT_K = 8192
 
 
 def int8_config(rows: int, n: int, k: int) -> Int8Config:
-    """The tile for ``rows`` rows of an ``[N, K]`` weight: 16 rows a block up to 16 (a draft's steps), 64 above
-    (a prefill's extend); 64 columns a program; K split in 2 or 4 while the programs stay under
-    `TARGET_PROGRAMS` and each split keeps `MIN_SPLIT_K` columns (the O and the ``fc`` of an 8B-shaped head:
-    64 column blocks)."""
-    block_m = 16 if rows <= 16 else 64
-    block_k = max(16, min(256 if block_m == 16 else 64, triton.next_power_of_2(k)))
-    block_n = max(16, min(64, triton.next_power_of_2(n)))
-    programs = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
-    splits = 1
-    for s in (2, 4):
-        if programs * s <= TARGET_PROGRAMS and k % (s * block_k) == 0 and k // s >= MIN_SPLIT_K:
-            splits = s
-    return Int8Config(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits,
-                      num_warps=4, num_stages=4 if block_m == 16 else 3)  # fmt: skip
+    """The tile for ``rows`` rows of an ``[N, K]`` weight: 32 columns a program; 16 rows a block up to 16 (a draft's
+    steps), 32 up to 32, 64 above (a prefill's extend).
+
+    From `bench/int8_linear_bench.py --sweep` on an H100 (an 8B-shaped EAGLE-3 head, cold weights, 1 and 4 rows; 108
+    tiles of ``block_n`` 32 / 64 / 128, ``block_k`` 128 / 256 / 512, 1 / 2 / 4 splits, 4 / 8 warps, 3 / 5 stages;
+    bench/results/int8_linear_bench-H100-session20-sweep-*): the wide weights (gate-up 896 programs, the LM head 1,000)
+    were fastest at 32 x 128 with 3 stages (44.9 / 49.4 µs against 60 / 61 at 32 x 256), the narrow ones (128-192
+    programs) at 32 x 256 with 5 stages, K split in 2 for the QKV (K 8,192), the down (14,336) and the fc (12,288):
+    23.8 / 25.8 / 23.3 µs; the O (K 4,096) unsplit: 9.9 µs. Each within 1 µs of its best tile.
+    """
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = max(16, min(32, triton.next_power_of_2(n)))
+    programs = triton.cdiv(n, block_n)
+    if programs >= WIDE_PROGRAMS or block_m == 64:
+        block_k, stages, splits = 128, 3, 1
+    else:
+        block_k, stages = 256, 5
+        splits = 2 if k >= SPLIT_K and k % (2 * block_k) == 0 else 1
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    return Int8Config(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits, num_warps=4,
+                      num_stages=stages)  # fmt: skip
 
 
 # ---- the torch reference -------------------------------------------------------------------------
@@ -136,8 +144,8 @@ if triton is not None:
 
     @triton.jit
     def _int8_linear_kernel(
-        a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o,
-        K_SPLIT: tl.constexpr, SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr,
+        a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o, k_split,
+        SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr,
         INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
@@ -151,8 +159,8 @@ if triton is not None:
         mask_n = cols_n < N
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k_lo = split * K_SPLIT
-        for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+        k_lo = split * k_split
+        for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
             cols_k = k0 + offs_k
             if EVEN_K:
                 a = tl.load(a_ptr + rows_m[:, None] * stride_a + cols_k[None, :], mask=mask_m[:, None], other=0.0)
@@ -228,8 +236,8 @@ def _run(a, weight: Int8Rowwise, x, out, config: Int8Config) -> None:
     k_split = k // splits if splits > 1 else triton.cdiv(k, config.block_k) * config.block_k
     _int8_linear_kernel[grid](
         a, weight.q, weight.scale, out if x is None else x, out, part, rows, n, k, a.stride(0), weight.q.stride(0),
-        0 if x is None else x.stride(0), out.stride(0),
-        K_SPLIT=k_split, SPLITS=splits, ADD=x is not None, EVEN_K=k % config.block_k == 0,
+        0 if x is None else x.stride(0), out.stride(0), k_split,
+        SPLITS=splits, ADD=x is not None, EVEN_K=k % config.block_k == 0,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
