@@ -122,6 +122,12 @@ def timed_ar(engine, ids: list[list[int]], new_tokens: int) -> tuple[list[list[i
     return outputs, seconds
 
 
+def draft_weights(engine) -> dict:
+    """``{"draft_weights": "int8" | "dtype"}`` for an EAGLE engine on the fast path (`fast.HeadGemms`), else {}."""
+    gemms = getattr(engine.draft, "gemms", None)
+    return {"draft_weights": gemms.kind} if gemms is not None else {}
+
+
 def timed_spec(engine, ids: list[list[int]], new_tokens: int):
     outputs, seconds, verifies, committed = [], 0.0, 0, 0
     for x in ids:
@@ -208,7 +214,7 @@ def part_real(args, prompts: list[dict]) -> None:
                      "tau": round(tau, 3) if tau else None, "speedup_vs_fast_ar": round(tps / ar_tps, 3),
                      "speedup_vs_1row_ar": round(tps / plain_tps, 3),
                      "identical_to_ar": sum(a == b for a, b in zip(ar_out, out)),
-                     "target_graphs": engine.target.graphs.num_graphs})  # fmt: skip
+                     "target_graphs": engine.target.graphs.num_graphs, **draft_weights(engine)})  # fmt: skip
         say("[real]", rows[-1])
         free(engine)
     RECORD["real"] = {"dtype": "bfloat16", "batch": 1, "max_new_tokens": args.max_new_tokens, "rows": rows}
@@ -570,15 +576,17 @@ def part_lossless(args) -> None:
         engine = Engine.load(draft=draft, spec=spec, device="cuda", dtype=dtype, kv_tokens=kv_tokens, fast=True,
                              **kwargs)  # fmt: skip
         start = time.time()
-        same, mismatched = 0, []
+        same, mismatched, verifies, committed = 0, [], 0, 0
         for item, x, want in zip(prompts, ids, ar):
-            results, _ = engine.generate([x], new)
+            results, stats = engine.generate([x], new)
+            verifies, committed = verifies + stats.verifies, committed + stats.committed
             if list(results[0].output) == want:
                 same += 1
             else:
                 mismatched.append(item["id"])
         row = {"config": text, "identical_to_ar": same, "prompts": len(ids), "first_mismatches": mismatched[:10],
-               "seconds": round(time.time() - start, 1)}  # fmt: skip
+               "tau": round(committed / verifies, 3) if verifies else None, "seconds": round(time.time() - start, 1),
+               **draft_weights(engine)}  # fmt: skip
         rows.append(row)
         say("[lossless]", row)
         free(engine)
