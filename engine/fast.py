@@ -303,9 +303,9 @@ def _linear_add(ops, x: torch.Tensor, a: torch.Tensor, weight) -> torch.Tensor:
 # ---- a draft head's GEMM weights -------------------------------------------------------------------
 # What an EAGLE head's GEMMs read on the fast path (`FastOptions.draft_weights`, ``SPECCYCLE_DRAFT_WEIGHTS``): ``int8``
 # (`engine.int8_linear`: the head's weights in `drafters.eagle_pack`'s int8-rowwise form, half the bytes), ``dtype``
-# (the head's own) or ``auto`` (the default: int8 on CUDA for an EAGLE-3 head under an op set that folds it, such as
-# `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere). The draft only proposes, so each keeps the
-# output the target's.
+# (the head's own) or ``auto`` (the default: int8 on CUDA for a bfloat16 or float16 EAGLE-3 head under an op set that
+# folds it, such as `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere, float32 heads included). The
+# draft only proposes, so each keeps the output the target's.
 DRAFT_WEIGHTS = ("auto", "int8", "dtype")
 
 
@@ -338,8 +338,9 @@ class HeadGemms:
         if draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights={draft_weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
         folds = ops.fold_head and c.version != 1
-        if draft_weights == "auto":
-            draft_weights = "int8" if folds and torch.device(device).type == "cuda" else "dtype"
+        if draft_weights == "auto":  # the fast path's half-precision heads on CUDA (a float32 head: a parity run)
+            half = head.dtype in (torch.bfloat16, torch.float16)
+            draft_weights = "int8" if folds and half and torch.device(device).type == "cuda" else "dtype"
         if draft_weights == "int8" and not folds:
             raise ValueError(
                 f"draft_weights='int8' runs the folded EAGLE-3 layer (an op set with fold_head, such as "
@@ -373,7 +374,7 @@ class FastOptions:
     makes one set of options per engine): its target, draft and decode graphs are captured into it,
     and it keeps them alive until the engine and its options are dropped (`graphs.GraphPool`).
     ``draft_weights``: what an EAGLE head's GEMMs read, ``int8`` (`engine.int8_linear`, half the bytes),
-    ``dtype`` (the head's own weights) or ``auto`` (int8 on CUDA for an EAGLE-3 head with the folded ops);
+    ``dtype`` (the head's own weights) or ``auto`` (int8 on CUDA for a half-precision EAGLE-3 head, folded ops);
     None: `draft_weights_choice` (``SPECCYCLE_DRAFT_WEIGHTS``, else auto). The output is the target's either
     way; int8 may move acceptance (measured in docs/fast_engine.md).
     """

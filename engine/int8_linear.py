@@ -13,13 +13,14 @@ row), so a head shipped in that storage runs on the integers it was stored as (`
 recovers them from the dequantized bfloat16 weight exactly: a stored ``q * scale`` rounded to bfloat16 is
 within ``2^-9`` of it, well inside half a step of ``q``).
 
-**The kernel.** Program ``(m block, n block, split)`` loads its rows' activations and the weight's int8 tile,
-widens the integers to the activations' dtype (every int8 is exact in bfloat16 and float16), multiplies on the
-tensor cores with float32 accumulation over its split's ``K / SPLITS`` columns, and either (one split) applies
-the rows' scales, adds into ``x`` when asked and rounds once, or stores the float32 partial for a second kernel
-(`splitk_linear`'s shape: the partials summed in split order, then scaled, added, rounded). No atomics: the
-result is a function of the inputs (deterministic), though not of a row alone (the tile depends on the row
-count: a draft's rows need not agree with themselves in other batches, the target's must and never come here).
+**The kernel.** Program ``(n block, m block, split)`` loads its rows' activations and the weight's int8 tile,
+widens the integers to the activations' dtype (every int8 is exact in bfloat16, float16 and float32), multiplies
+on the tensor cores (float32 activations: IEEE products, as `linear_triton`) with float32 accumulation over its
+split's ``K / SPLITS`` columns, and either (one split) applies the rows' scales, adds into ``x`` when asked and
+rounds once, or stores the float32 partial for a second kernel (`splitk_linear`'s shape: the partials summed in
+split order, then scaled, added, rounded). No atomics: the result is a function of the inputs (deterministic),
+though not of a row alone (the tile depends on the row count: a draft's rows need not agree with themselves in
+other batches; the target's must, and never come here).
 
 The torch reference (`int8_linear_torch`): float32 products of the widened integers, scaled, rounded to the
 activations' dtype; the kernel agrees with it within float32 summation order.
@@ -42,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - installs without triton use the torch reference
     triton = None
 
-DTYPES = (torch.bfloat16, torch.float16)  # activations (the int8 values are exact in both)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations (every int8 value is exact in each)
 
 
 @attrs.frozen(eq=False)
@@ -145,8 +146,8 @@ if triton is not None:
     @triton.jit
     def _int8_linear_kernel(
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o, k_split,
-        SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr,
-        INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
         side by side, and a launch of one row block streams the weight in order)."""
@@ -175,7 +176,7 @@ if triton is not None:
                 w = w.to(tl.float32)
             else:
                 w = w.to(a.dtype)
-            acc = _mma(a, w, acc, INTERPRET, False)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
+            acc = _mma(a, w, acc, INTERPRET, IEEE)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
         if SPLITS == 1:
             y = acc * tl.load(s_ptr + cols_n, mask=mask_n, other=0.0)[None, :]
             mask = mask_m[:, None] & mask_n[None, :]
@@ -216,7 +217,7 @@ def _check(a: torch.Tensor, weight: Int8Rowwise, config: Int8Config, what: str) 
         raise ValueError(f"{what}: a must be [T, {weight.shape[1]}] for an {list(weight.shape)} weight; got "
                          f"{tuple(a.shape)}")  # fmt: skip
     if a.dtype not in DTYPES:
-        raise ValueError(f"{what}: activations must be one of {DTYPES} (int8 widens exactly to them); got {a.dtype}")
+        raise ValueError(f"{what}: activations must be one of {DTYPES}; got {a.dtype}")
     if a.device != weight.device:
         raise ValueError(f"{what}: activations on {a.device}, weight on {weight.device}")
     k = weight.shape[1]
@@ -238,7 +239,7 @@ def _run(a, weight: Int8Rowwise, x, out, config: Int8Config) -> None:
         a, weight.q, weight.scale, out if x is None else x, out, part, rows, n, k, a.stride(0), weight.q.stride(0),
         0 if x is None else x.stride(0), out.stride(0), k_split,
         SPLITS=splits, ADD=x is not None, EVEN_K=k % config.block_k == 0,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", IEEE=a.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
