@@ -9,9 +9,10 @@ the target's whatever the draft computes); what int8 costs is acceptance, which 
 (``bench/gpu_bench.py --parts real``: tau with the head in its dtype and in int8).
 
 **The format** is `drafters.eagle_pack`'s ``int8-rowwise`` storage (symmetric, one float32 scale per output
-row), so a head shipped in that storage runs on the integers it was stored as (`Int8Rowwise.from_weight`
-recovers them from the dequantized bfloat16 weight exactly: a stored ``q * scale`` rounded to bfloat16 is
-within ``2^-9`` of it, well inside half a step of ``q``).
+row), so a head shipped in that storage runs on about the integers it was stored as: `Int8Rowwise.from_weight`
+quantizes the head's loaded (dequantized, bfloat16) weight again, which gives back the stored integers but where
+bfloat16's rounding (2^-9 of a value and of its row's largest) crosses half a step: one step off, on ~4 values in
+10,000 (tests/kernels/test_int8_linear.py).
 
 **The kernel.** Program ``(n block, m block, split)`` loads its rows' activations and the weight's int8 tile,
 widens the integers to the activations' dtype (every int8 is exact in bfloat16, float16 and float32), multiplies

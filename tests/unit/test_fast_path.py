@@ -645,3 +645,97 @@ def test_blas_scope_sets_the_library_for_the_fast_forwards_and_puts_it_back(monk
     assert state["sets"] == []
     monkeypatch.delenv("SPECCYCLE_BLAS", raising=False)
     assert fast.blas_choice() == fast.DEFAULT_BLAS == "cublaslt"
+
+
+def _int8_grid_head(dtype=torch.float32):
+    """An EAGLE-3 head whose GEMM weights lie on the int8-rowwise grid and whose post-attention gain is 1 (so the
+    folded gate-up is the gate-up): its int8 forms are exact, and the int8 path computes what the reference does."""
+    from speccycle.engine.drafters.eagle_pack import dequantize_rowwise, quantize_rowwise
+
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3))
+    head = EagleHead.random(config, seed=7, dtype=dtype, target_vocab=TINY.vocab_size)
+    with torch.no_grad():
+        for w in (head.fc, head.qkv, head.o, head.gate_up, head.down, head.lm_head):
+            w.copy_(dequantize_rowwise(*quantize_rowwise(w)))
+        head.post_norm.weight.fill_(1.0)
+    return head
+
+
+@pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
+def test_int8_draft_weights_compute_the_heads_draft():
+    """``draft_weights='int8'`` (`fast.HeadGemms`, `engine.int8_linear`): on a head whose weights are on the int8 grid,
+    the fast extend and tree step give the reference draft's logits and hidden states (float32: IEEE products)."""
+    from speccycle.engine.fast import HeadGemms
+    from speccycle.engine.int8_linear import Int8Rowwise
+
+    head = _int8_grid_head()
+    featured = LlamaModel(TINY, random_llama_weights(TINY, seed=0, scale=0.3), feature_layers=(1, 2, 3))
+    pool_ref, pool_fast = PagedKVPool(num_pages=32, page_size=4), PagedKVPool(num_pages=32, page_size=4)
+    options = FastOptions("cpu", graphs=False, ops=FoldedNormOps, max_rows=16, draft_weights="int8")
+    ref = EagleDraft(head, featured, pool_ref, cache_name="int8")
+    fast = FastEagleDraft(EagleDraft(head, featured, pool_fast, cache_name="int8"), pool_fast, options)
+    assert isinstance(fast.gemms, HeadGemms) and fast.gemms.kind == "int8"
+    dense = (head.fc, head.qkv, head.o, head.gate_up, head.down, head.lm_head)
+    assert all(isinstance(getattr(fast.gemms, n), Int8Rowwise) for n in ("fc", "qkv", "o", "gate_up", "down"))
+    assert isinstance(fast.gemms.lm_head, Int8Rowwise)
+    assert fast.gemms.nbytes == sum(w.numel() + 4 * w.shape[0] for w in dense)  # a byte a weight, a scale a row
+    outs = []
+    for draft, pool in ((ref, pool_ref), (fast, pool_fast)):
+        batch = extend_batch(pool, [0], [tokens_of(0, 6)], [0])
+        a = draft.extend(batch, torch.randn(6, 3 * TINY.hidden_size, generator=torch.Generator().manual_seed(0)))
+        tree = tree_batch(pool, 0, 6, [3, 4, 5, 6], [-1, 0, 0, 1])
+        b = draft.step(tree, torch.randn(4, TINY.hidden_size, generator=torch.Generator().manual_seed(5)))
+        outs.append((a, b))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
+def test_fast_engine_with_an_int8_draft_is_lossless(weights):
+    """An engine whose EAGLE-3 head drafts from int8 weights (a random head, not on the grid: its drafts differ from
+    the head's) still gives its autoregressive output, and frees every page."""
+    prompts = [tokens_of(13, 6) * 2]
+    spec = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)
+    model = LlamaModel(TINY, weights, feature_layers=(1, 2, 3))
+    pool = PagedKVPool(num_pages=64, page_size=4)
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3))
+    head = EagleHead.random(config, seed=9, target_vocab=TINY.vocab_size)
+    engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec)
+    accelerate(engine, graphs=False, ops=FoldedNormOps, draft_weights="int8")
+    assert engine.draft.gemms.kind == "int8"
+    ar = engine.generate_autoregressive(prompts, 8)
+    results, stats = engine.generate(prompts, 8, checked=True)
+    assert [list(r.output) for r in results] == ar and stats.verifies > 0
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_draft_weights_choice_and_refusals(monkeypatch):
+    """``auto`` takes int8 on CUDA for a half-precision EAGLE-3 head under folded ops, the head's dtype elsewhere
+    (CPU, float32 heads, unfolded ops, EAGLE-1); int8 asked where the folded EAGLE-3 layer does not run is refused
+    with what to pass; an unknown choice is refused with the choices, from the options and from the environment."""
+    from speccycle.engine.fast import HeadGemms, draft_weights_choice
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    head = _int8_grid_head()
+    assert HeadGemms.of(head, FoldedNormOps, "auto", cpu).kind == "dtype"
+    assert HeadGemms.of(head, FoldedNormOps, "auto", cuda).kind == "dtype"  # a float32 head: a parity run
+    half = _int8_grid_head(torch.bfloat16)
+    assert HeadGemms.of(half, FoldedNormOps, "auto", cuda).kind == "int8"
+    assert HeadGemms.of(half, TorchOps, "auto", cuda).kind == "dtype"
+    assert HeadGemms.of(half, FoldedNormOps, "dtype", cuda).lm_head is half.lm_head
+    with pytest.raises(ValueError, match="pass draft_weights='dtype'"):
+        HeadGemms.of(head, TorchOps, "int8", cpu)
+    eagle1 = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3)
+    with pytest.raises(ValueError, match="EAGLE-1"):
+        HeadGemms.of(eagle1, FoldedNormOps, "int8", cuda)
+    assert HeadGemms.of(eagle1, FoldedNormOps, "auto", cuda).kind == "dtype"
+    with pytest.raises(ValueError, match="choose one of auto, int8, dtype"):
+        FastOptions("cpu", graphs=False, draft_weights="fp8")
+    monkeypatch.setenv("SPECCYCLE_DRAFT_WEIGHTS", "fp8")
+    with pytest.raises(ValueError, match="SPECCYCLE_DRAFT_WEIGHTS='fp8': choose one of auto, int8, dtype"):
+        FastOptions("cpu", graphs=False)
+    monkeypatch.setenv("SPECCYCLE_DRAFT_WEIGHTS", "int8")
+    assert draft_weights_choice() == "int8" and FastOptions("cpu", graphs=False).draft_weights == "int8"
+    monkeypatch.delenv("SPECCYCLE_DRAFT_WEIGHTS")
+    assert FastOptions("cpu", graphs=False).draft_weights == "auto"
