@@ -293,3 +293,28 @@ def int8_linear_add(x: torch.Tensor, a: torch.Tensor, weight: Int8Rowwise) -> to
     if _triton_here(a):
         return int8_linear_add_triton(x, a, weight)
     return int8_linear_torch(a, weight, x=x)
+
+
+def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
+    """The kernels at an 8B-shaped EAGLE-3 head's tiles (`int8_config`), one split and two, plain and adding, for
+    `backends.cuda.compile_check`: (kernel, argument types, constexpr sets, arguments the JIT marks 16-divisible)."""
+    out = []
+    for dt in ("bf16", "fp32"):
+        p = "*" + dt
+        strides = ("stride_a", "stride_q", "stride_x", "stride_o")
+        signature = dict(a_ptr=p, q_ptr="*i8", s_ptr="*fp32", x_ptr=p, out_ptr=p, part_ptr="*fp32", rows="i32",
+                         N="i32", K="i32", **{name: "i32" for name in strides}, k_split="i32")  # fmt: skip
+        aligned = ("a_ptr", "q_ptr", "s_ptr", "x_ptr", "out_ptr", "part_ptr", "N", "K", *strides, "k_split")
+        sets = []
+        for rows, n, k, add in ((4, 6144, 8192, False), (4, 4096, 4096, True), (4, 28672, 4096, False),
+                                (4, 4096, 14336, True), (1, 32000, 4096, False), (32, 4096, 12288, False)):  # fmt: skip
+            c = int8_config(rows, n, k)
+            sets.append(dict(SPLITS=c.splits, ADD=add, EVEN_K=True, INTERPRET=False, IEEE=dt == "fp32",
+                             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k))  # fmt: skip
+        out.append((_int8_linear_kernel, signature, sets, aligned))
+        out.append((_int8_sum_kernel,
+                    dict(part_ptr="*fp32", s_ptr="*fp32", x_ptr=p, out_ptr=p, rows="i32", N="i32", stride_x="i32",
+                         stride_o="i32"),
+                    [dict(SPLITS=2, ADD=add, BLOCK=SUM_BLOCK) for add in (False, True)],
+                    ("part_ptr", "s_ptr", "x_ptr", "out_ptr", "N", "stride_x", "stride_o")))  # fmt: skip
+    return out

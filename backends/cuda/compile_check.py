@@ -99,8 +99,8 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     from ...engine import attention_tiles as tiles
     from ...engine import attention_triton as attention
     from ...engine import cycle_kernels as cycle
+    from ...engine import int8_linear, linear_triton
     from ...engine import kernels as fused
-    from ...engine import linear_triton
 
     i64, i32, f32 = "*i64", "i32", "*fp32"
     out = []
@@ -231,6 +231,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                     [dict(BLOCK=1024, NORM=False, BLOCK_H=16), dict(BLOCK=1024, NORM=True, BLOCK_H=1024)],
                     ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter", "src_ptr")))  # fmt: skip
     out += linear_triton.compile_specs()  # the row-invariant GEMMs at both models' tiles
+    out += int8_linear.compile_specs()  # a draft head's int8 GEMMs at the 8B head's tiles
     # the decode step's bookkeeping (`engine.decode_step`), at a decode graph's 8 rows and 128 rows, page sizes 16 and 1
     from ...engine import decode_step
 
