@@ -145,10 +145,21 @@ def int8_linear_torch(
 if triton is not None:
 
     @triton.jit
+    def _to_activation(y, ACT: tl.constexpr):
+        """``y`` rounded to the activations' dtype (``ACT``: 0 float32, 1 bfloat16, 2 float16), kept in float32: a
+        float32 output (an LM head's logits) is the activations' rounding widened, written by this kernel."""
+        if ACT == 1:
+            return _round(y, tl.bfloat16).to(tl.float32)
+        elif ACT == 2:
+            return y.to(tl.float16).to(tl.float32)
+        else:
+            return y
+
+    @triton.jit
     def _int8_linear_kernel(
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o, k_split,
         SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
         side by side, and a launch of one row block streams the weight in order)."""
@@ -185,14 +196,14 @@ if triton is not None:
                 x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + cols_n[None, :], mask=mask, other=0.0)
                 y = x.to(tl.float32) + y
             tl.store(out_ptr + rows_m[:, None].to(tl.int64) * stride_o + cols_n[None, :],
-                     _round(y, out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+                     _round(_to_activation(y, ACT), out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         else:
             part = (split * rows + rows_m[:, None]).to(tl.int64) * N + cols_n[None, :]
             tl.store(part_ptr + part, acc, mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
     def _int8_sum_kernel(part_ptr, s_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
-                         ADD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         ADD: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         """``out[r, c] = round(x[r, c] + (part[0, r, c] + ... + part[SPLITS - 1, r, c]) * scale[c])``."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -203,10 +214,12 @@ if triton is not None:
         y = total * tl.load(s_ptr + cols, mask=mask, other=0.0)
         if ADD:
             y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32) + y
-        tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, _round(y, out_ptr.dtype.element_ty), mask=mask)
+        y = _round(_to_activation(y, ACT), out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, y, mask=mask)
 
 
 SUM_BLOCK = 1024  # columns a program of the sum kernel takes
+ACT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' ``ACT``
 
 
 def _check(a: torch.Tensor, weight: Int8Rowwise, config: Int8Config, what: str) -> None:
@@ -240,26 +253,29 @@ def _run(a, weight: Int8Rowwise, x, out, config: Int8Config) -> None:
         a, weight.q, weight.scale, out if x is None else x, out, part, rows, n, k, a.stride(0), weight.q.stride(0),
         0 if x is None else x.stride(0), out.stride(0), k_split,
         SPLITS=splits, ADD=x is not None, EVEN_K=k % config.block_k == 0,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", IEEE=a.dtype == torch.float32,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", IEEE=a.dtype == torch.float32, ACT=ACT_CODES[a.dtype],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _int8_sum_kernel[(rows, triton.cdiv(n, SUM_BLOCK))](
             part, weight.scale, out if x is None else x, out, rows, n, 0 if x is None else x.stride(0), out.stride(0),
-            SPLITS=splits, ADD=x is not None, BLOCK=SUM_BLOCK, num_warps=4,
+            SPLITS=splits, ADD=x is not None, ACT=ACT_CODES[a.dtype], BLOCK=SUM_BLOCK, num_warps=4,
         )  # fmt: skip
 
 
 def int8_linear_triton(
     a: torch.Tensor, weight: Int8Rowwise, out_dtype: torch.dtype | None = None, *, config: Int8Config | None = None
 ) -> torch.Tensor:
-    """``a [T, K] @ W^T -> [T, N]``, rounded to ``a``'s dtype and stored as ``out_dtype`` (default: that dtype)."""
+    """``a [T, K] @ W^T -> [T, N]``, rounded to ``a``'s dtype and stored as ``out_dtype`` (that dtype, the default,
+    or float32: the rounding widened, by the kernel)."""
     config = config or int8_config(a.shape[0], weight.shape[0], weight.shape[1])
     _check(a, weight, config, "int8_linear")
-    out = torch.empty((a.shape[0], weight.shape[0]), dtype=a.dtype, device=a.device)
+    if out_dtype not in (None, a.dtype, torch.float32):
+        raise ValueError(f"int8_linear: out_dtype must be the activations' dtype or float32; got {out_dtype}")
+    out = torch.empty((a.shape[0], weight.shape[0]), dtype=out_dtype or a.dtype, device=a.device)
     _run(a, weight, None, out, config)
-    return out if out_dtype is None else out.to(out_dtype)
+    return out
 
 
 def int8_linear_add_triton(
@@ -310,11 +326,18 @@ def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]
                                 (4, 4096, 14336, True), (1, 32000, 4096, False), (32, 4096, 12288, False)):  # fmt: skip
             c = int8_config(rows, n, k)
             sets.append(dict(SPLITS=c.splits, ADD=add, EVEN_K=True, INTERPRET=False, IEEE=dt == "fp32",
-                             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k))  # fmt: skip
+                             ACT=1 if dt == "bf16" else 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                             BLOCK_K=c.block_k))  # fmt: skip
         out.append((_int8_linear_kernel, signature, sets, aligned))
+        if dt == "bf16":  # the draft LM head's float32 logits
+            c = int8_config(4, 32000, 4096)
+            wide = dict(signature, out_ptr="*fp32", part_ptr="*fp32")
+            lm_head = dict(SPLITS=1, ADD=False, EVEN_K=True, INTERPRET=False, IEEE=False, ACT=1, BLOCK_M=c.block_m,
+                           BLOCK_N=c.block_n, BLOCK_K=c.block_k)  # fmt: skip
+            out.append((_int8_linear_kernel, wide, [lm_head], aligned))
         out.append((_int8_sum_kernel,
                     dict(part_ptr="*fp32", s_ptr="*fp32", x_ptr=p, out_ptr=p, rows="i32", N="i32", stride_x="i32",
                          stride_o="i32"),
-                    [dict(SPLITS=2, ADD=add, BLOCK=SUM_BLOCK) for add in (False, True)],
+                    [dict(SPLITS=2, ADD=add, ACT=1 if dt == "bf16" else 0, BLOCK=SUM_BLOCK) for add in (False, True)],
                     ("part_ptr", "s_ptr", "x_ptr", "out_ptr", "N", "stride_x", "stride_o")))  # fmt: skip
     return out

@@ -114,6 +114,8 @@ def test_bad_weights_and_activations_are_refused():
         int8_linear_triton(torch.zeros(2, 16, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="splits of whole"):
         int8_linear_triton(torch.zeros(2, 16), w, config=Int8Config(block_k=16, splits=3))
+    with pytest.raises(ValueError, match="out_dtype must be the activations' dtype or float32"):
+        int8_linear_triton(torch.zeros(2, 16, dtype=torch.bfloat16), w, torch.float16)
     with pytest.raises(ValueError, match=r"x must be a \[2, 8\]"):
         int8_linear_add_triton(torch.zeros(2, 9), torch.zeros(2, 16), w)
 
