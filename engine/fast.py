@@ -208,10 +208,10 @@ def eagle_rows_forward(
                                     out_dtype=torch.float32)  # fmt: skip
         return logits, out
     lm_head = draft.gemms.lm_head
-    if isinstance(lm_head, Int8Rowwise):
-        small = int8_linear(ops.rms_norm(picked, head.norm.weight, eps), lm_head, torch.float32)  # [R, Vd]
+    if _int8_for(lm_head, picked.shape[0]) is not None:
+        small = _linear(ops, ops.rms_norm(picked, head.norm.weight, eps), lm_head, torch.float32)  # [R, Vd]
     else:
-        _, small = ops.norm_linear(picked, None, head.norm.weight, eps, lm_head, out_dtype=torch.float32)  # [R, Vd]
+        _, small = ops.norm_linear(picked, None, head.norm.weight, eps, _dense(lm_head), out_dtype=torch.float32)
     if draft_vocab:
         return small, out
     logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
@@ -292,12 +292,23 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     return _linear_add(ops, residual, act, w.down)  # [T, H]
 
 
-def _linear(ops, x: torch.Tensor, weight) -> torch.Tensor:
-    return int8_linear(x, weight) if isinstance(weight, Int8Rowwise) else ops.linear(x, weight)
+def _int8_for(weight, rows: int) -> Int8Rowwise | None:
+    """The int8 form to multiply ``rows`` rows by, or None: the weight's dense tensor (`DraftWeight`)."""
+    return weight.int8 if isinstance(weight, DraftWeight) and rows <= INT8_MAX_ROWS else None
+
+
+def _dense(weight) -> torch.Tensor:
+    return weight.dense if isinstance(weight, DraftWeight) else weight
+
+
+def _linear(ops, x: torch.Tensor, weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    q = _int8_for(weight, x.shape[0])
+    return int8_linear(x, q, out_dtype) if q is not None else ops.linear(x, _dense(weight), out_dtype)
 
 
 def _linear_add(ops, x: torch.Tensor, a: torch.Tensor, weight) -> torch.Tensor:
-    return int8_linear_add(x, a, weight) if isinstance(weight, Int8Rowwise) else ops.linear_add(x, a, weight)
+    q = _int8_for(weight, a.shape[0])
+    return int8_linear_add(x, a, q) if q is not None else ops.linear_add(x, a, _dense(weight))
 
 
 # ---- a draft head's GEMM weights -------------------------------------------------------------------
@@ -307,6 +318,21 @@ def _linear_add(ops, x: torch.Tensor, a: torch.Tensor, weight) -> torch.Tensor:
 # folds it, such as `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere, float32 heads included). The
 # draft only proposes, so each keeps the output the target's.
 DRAFT_WEIGHTS = ("auto", "int8", "dtype")
+# Rows up to which a draft GEMM reads the int8 form: a draft step's (1 a chain, K a tree's level, per request) and an
+# extend's. Above, the head's own weights through cuBLAS: `int8_linear`'s 64-row tiles lost to it (an 8B-shaped head's
+# draft level at 48 / 64 / 128 rows 322 / 319 / 513 µs against 207 / 204 / 225, H200, bench/results/
+# int8_linear_bench-H200-session20-manyrows-*), while at 32 it still won (196 against 285, H100,
+# int8_linear_bench-H100-session20-default-*).
+INT8_MAX_ROWS = 32
+
+
+@attrs.frozen(eq=False)
+class DraftWeight:
+    """A head's GEMM weight twice: its `int8_linear.Int8Rowwise` form (read up to `INT8_MAX_ROWS` rows) and the head's
+    own tensor (``dense``, not a copy: read above)."""
+
+    int8: Int8Rowwise
+    dense: torch.Tensor
 
 
 def draft_weights_choice() -> str:
@@ -319,10 +345,11 @@ def draft_weights_choice() -> str:
 
 @attrs.frozen(eq=False)
 class HeadGemms:
-    """The weights an EAGLE head's fast forward multiplies by: the head's tensors, or (``int8``) their
-    `int8_linear.Int8Rowwise` forms. ``gate_up`` is the folded one (`fold_head_weights`) where the ops fold the
-    head; ``lm_head`` is None for a head over the target's LM head (the target's weight, never quantized). A deeper
-    head's layers past the first keep the head's dtype (`_eagle_extra_layer`). ``kind``: ``int8`` or ``dtype``."""
+    """The weights an EAGLE head's fast forward multiplies by: the head's tensors, or (``int8``) `DraftWeight`s (their
+    `int8_linear.Int8Rowwise` forms beside them). ``gate_up`` is the folded one (`fold_head_weights`) where the ops
+    fold the head; ``lm_head`` is None for a head over the target's LM head (the target's weight, never quantized). A
+    deeper head's layers past the first keep the head's dtype (`_eagle_extra_layer`). ``kind``: ``int8`` or
+    ``dtype``."""
 
     kind: str
     fc: object
@@ -351,17 +378,13 @@ class HeadGemms:
         weights = dict(fc=head.fc, qkv=head.qkv, o=head.o, gate_up=gate_up, down=head.down,
                        lm_head=None if c.target_lm_head else head.lm_head)  # fmt: skip
         if draft_weights == "int8":
-            weights = {name: None if w is None else Int8Rowwise.from_weight(w) for name, w in weights.items()}
+            weights = {n: None if w is None else DraftWeight(Int8Rowwise.from_weight(w), w) for n, w in weights.items()}
         return cls(draft_weights, **weights)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the weights held for the GEMMs (the int8 forms are held beside the head's own)."""
-        return sum(
-            w.nbytes if isinstance(w, Int8Rowwise) else w.numel() * w.element_size()
-            for w in attrs.astuple(self, recurse=False)[1:]
-            if w is not None
-        )
+    def int8_bytes(self) -> int:
+        """Bytes of the int8 forms (held beside the head's own weights; 0 for ``dtype``)."""
+        return sum(w.int8.nbytes for w in attrs.astuple(self, recurse=False)[1:] if isinstance(w, DraftWeight))
 
 
 # ---- options -------------------------------------------------------------------------------------

@@ -662,11 +662,15 @@ def _int8_grid_head(dtype=torch.float32):
 
 
 @pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
-def test_int8_draft_weights_compute_the_heads_draft():
+@pytest.mark.parametrize("max_rows", [32, 4], ids=["int8", "extend-dense"])
+def test_int8_draft_weights_compute_the_heads_draft(max_rows, monkeypatch):
     """``draft_weights='int8'`` (`fast.HeadGemms`, `engine.int8_linear`): on a head whose weights are on the int8 grid,
-    the fast extend and tree step give the reference draft's logits and hidden states (float32: IEEE products)."""
-    from speccycle.engine.fast import HeadGemms
-    from speccycle.engine.int8_linear import Int8Rowwise
+    the fast extend and tree step give the reference draft's logits and hidden states (float32: IEEE products); with
+    `fast.INT8_MAX_ROWS` at 4 the 6-row extend takes the dense weights and the 4-row step the int8 ones."""
+    from speccycle.engine import fast
+    from speccycle.engine.fast import DraftWeight, HeadGemms
+
+    monkeypatch.setattr(fast, "INT8_MAX_ROWS", max_rows)
 
     head = _int8_grid_head()
     featured = LlamaModel(TINY, random_llama_weights(TINY, seed=0, scale=0.3), feature_layers=(1, 2, 3))
@@ -675,10 +679,10 @@ def test_int8_draft_weights_compute_the_heads_draft():
     ref = EagleDraft(head, featured, pool_ref, cache_name="int8")
     fast = FastEagleDraft(EagleDraft(head, featured, pool_fast, cache_name="int8"), pool_fast, options)
     assert isinstance(fast.gemms, HeadGemms) and fast.gemms.kind == "int8"
-    dense = (head.fc, head.qkv, head.o, head.gate_up, head.down, head.lm_head)
-    assert all(isinstance(getattr(fast.gemms, n), Int8Rowwise) for n in ("fc", "qkv", "o", "gate_up", "down"))
-    assert isinstance(fast.gemms.lm_head, Int8Rowwise)
-    assert fast.gemms.nbytes == sum(w.numel() + 4 * w.shape[0] for w in dense)  # a byte a weight, a scale a row
+    dense = (head.fc, head.qkv, head.o, head.folded_gate_up, head.down, head.lm_head)  # the folded gate-up: the ops'
+    held = [getattr(fast.gemms, n) for n in ("fc", "qkv", "o", "gate_up", "down", "lm_head")]
+    assert all(isinstance(w, DraftWeight) and w.dense is d for w, d in zip(held, dense))  # the head's own, no copy
+    assert fast.gemms.int8_bytes == sum(w.numel() + 4 * w.shape[0] for w in dense)  # a byte a weight, a scale a row
     outs = []
     for draft, pool in ((ref, pool_ref), (fast, pool_fast)):
         batch = extend_batch(pool, [0], [tokens_of(0, 6)], [0])
@@ -739,3 +743,28 @@ def test_draft_weights_choice_and_refusals(monkeypatch):
     assert draft_weights_choice() == "int8" and FastOptions("cpu", graphs=False).draft_weights == "int8"
     monkeypatch.delenv("SPECCYCLE_DRAFT_WEIGHTS")
     assert FastOptions("cpu", graphs=False).draft_weights == "auto"
+
+
+def test_int8_draft_gemms_take_the_dense_weight_above_int8_max_rows(monkeypatch):
+    """`fast.INT8_MAX_ROWS`: up to it a `DraftWeight` is multiplied in int8, above it the head's own tensor goes to the
+    op set's GEMM (where cuBLAS beats the int8 kernel's large tiles); plain tensors always go to the op set."""
+    from speccycle.engine import fast
+    from speccycle.engine.int8_linear import Int8Rowwise
+
+    calls = []
+    monkeypatch.setattr(fast, "int8_linear", lambda x, q, out_dtype=None: calls.append(("int8", x.shape[0])) or x)
+    monkeypatch.setattr(fast, "int8_linear_add", lambda x, a, q: calls.append(("int8+", a.shape[0])) or x)
+
+    class Ops:
+        linear = staticmethod(lambda x, w, out_dtype=None: calls.append(("dense", x.shape[0], w)) or x)
+        linear_add = staticmethod(lambda x, a, w: calls.append(("dense+", a.shape[0], w)) or x)
+
+    dense = torch.randn(8, 4)
+    weight = fast.DraftWeight(Int8Rowwise.from_weight(dense), dense)
+    limit = fast.INT8_MAX_ROWS
+    for rows in (1, limit, limit + 1):
+        fast._linear(Ops, torch.zeros(rows, 4), weight)
+        fast._linear_add(Ops, torch.zeros(rows, 8), torch.zeros(rows, 4), weight)
+    fast._linear(Ops, torch.zeros(1, 4), dense)
+    assert calls == [("int8", 1), ("int8+", 1), ("int8", limit), ("int8+", limit), ("dense", limit + 1, dense),
+                     ("dense+", limit + 1, dense), ("dense", 1, dense)]  # fmt: skip
