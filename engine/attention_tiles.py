@@ -286,13 +286,20 @@ def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_
     return -(-PROGRAMS_PER_SM * sms // (tiles * kv_heads))
 
 
-def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LINES) -> int:
+def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LINES, num_rows: int = 0,
+                          table_rows: int = 0) -> int:  # fmt: skip
     """Rows a tile takes when the caller does not say: rows with extra slots are a verify's (``N`` rows of
     a request, ``N`` extra columns), so the largest divisor of ``num_extra`` that fits keeps tiles inside
-    requests; rows without extra slots (decode rows, one per request) one a tile."""
+    requests; rows without extra slots one a tile (decode rows, one per request), unless there are more rows than
+    the page table has requests (``num_rows > table_rows``): a prefill's or an extend's, consecutive positions of
+    a request, whose tiles share their prefix blocks (as many rows as fit).
+
+    (The rows' count against the table's is what a launch can see without reading the device: a graph's static
+    table has `FastOptions.max_requests` rows, an eager call's one a request, and a decode has a row a request.
+    Tiles change no bit, so a batch that mixes prefill and decode rows only runs at another speed.)"""
     fit = max(1, tile_lines // group)
     if num_extra <= 0:
-        return 1
+        return fit if num_rows > table_rows > 0 else 1
     return max(r for r in range(1, min(fit, num_extra) + 1) if num_extra % r == 0)
 
 
@@ -347,7 +354,10 @@ def paged_attention_tiles_triton(
                          f"and >= the {group} query heads of a KV head")  # fmt: skip
     num_extra = extra_slots.shape[1]
     fit = tile_lines // group
-    rows = default_rows_per_tile(num_extra, group, tile_lines) if rows_per_tile is None else rows_per_tile
+    if rows_per_tile is None:
+        rows = default_rows_per_tile(num_extra, group, tile_lines, num_rows, page_table.shape[0])
+    else:
+        rows = rows_per_tile
     if not 1 <= rows <= fit:
         raise ValueError(f"paged_attention_tiles_triton: rows_per_tile={rows} must lie in [1, {fit}] "
                          f"({tile_lines} lines of {group} heads)")  # fmt: skip

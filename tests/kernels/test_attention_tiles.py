@@ -144,8 +144,38 @@ def test_tile_size_and_programs_change_no_bit(dtype):
         assert torch.equal(alone[0], base[r])
 
 
+def test_a_prefill_takes_tiles_of_rows_and_the_same_bits(dtype=torch.bfloat16):
+    """Rows without extra slots, more of them than the page table has requests (a prefill of two prompts and
+    padding): the default launch puts 4 rows a tile (their prefix blocks shared), and every row keeps the bits of
+    the one-row tiles and agrees with the torch twin."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, heads, kv_heads, dim = 4, 8, 2, 16
+    lengths = (37, 10)  # the first spans two 32-key chunks; the tile of rows 36-39 straddles the two prompts
+    width = -(-max(lengths) // page_size)
+    table = torch.randperm(2 * width + 1, generator=gen)[: 2 * width].reshape(2, width)
+    request = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)] + [0, 0])
+    prefix = torch.tensor([p + 1 for n in lengths for p in range(n)] + [0, 0])  # causal; two padding rows
+    args = (request, prefix, torch.empty((len(request), 0), dtype=torch.long), table)
+    q = torch.randn(len(request), heads, dim, generator=gen)
+    k = torch.randn((2 * width + 1) * page_size, kv_heads, dim, generator=gen)
+    v = torch.randn((2 * width + 1) * page_size, kv_heads, dim, generator=gen)
+    assert default_rows_per_tile(0, heads // kv_heads, num_rows=len(request), table_rows=2) == 4
+    options = SPLITS["split"]
+    tiled = _run(q, k, v, args, page_size, dtype, **options)
+    alone = _run(q, k, v, args, page_size, dtype, rows_per_tile=1, **options)
+    assert torch.equal(tiled, alone)
+    twin = paged_attention_rows_torch(
+        q.to(dtype), k.to(dtype), v.to(dtype), *args, page_size, kv_bound=width * page_size
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(tiled.float(), twin.float(), atol=tol, rtol=tol)
+
+
 def test_default_rows_per_tile_and_bad_arguments():
     assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile (the rows kernel takes them)
+    assert default_rows_per_tile(0, 4, num_rows=8, table_rows=8) == 1  # a decode: a row a request
+    assert default_rows_per_tile(0, 4, num_rows=512, table_rows=128) == 4  # a prefill in a graph's static table
+    assert default_rows_per_tile(0, 3, num_rows=40, table_rows=1) == 5  # SmolLM2's: 5 rows fit
     assert default_rows_per_tile(32, 4) == 4  # a 32-row verify of Llama-3-8B: 8 tiles of 4 rows a request
     assert default_rows_per_tile(16, 3) == 4 and default_rows_per_tile(6, 3) == 3  # SmolLM2: 5 rows fit
     assert default_rows_per_tile(7, 4) == 1 and default_rows_per_tile(5, 2) == 5
