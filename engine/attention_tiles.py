@@ -409,7 +409,9 @@ def paged_attention_tiles_triton(
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     hints = q.is_cuda and not interpret and _ptx_hints(q.device.index if q.device.index is not None else 0)
     discard = (DISCARD_STATES if discard_states is None else discard_states) and hints
-    discard = discard and part_acc.data_ptr() % 128 == 0  # whole 128-byte lines of one (row, head, chunk) only
+    # whole 128-byte lines of one (row, head, chunk) only: an aligned scratch, states of a multiple of 32 floats (a head
+    # of 16 or 48 would put a line across two states, or none: `_merge_chunks` takes BLOCK_D // 32 lines)
+    discard = discard and part_acc.data_ptr() % 128 == 0 and head_dim % 32 == 0
     stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,

@@ -8,6 +8,8 @@ the reference at the 8B head's shapes (bench/results/int8_linear_bench-H100-sess
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -26,10 +28,11 @@ from speccycle.engine.int8_linear import (  # noqa: E402
 )
 
 SPLIT2 = Int8Config(block_m=16, block_n=32, block_k=64, splits=2)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU, the compiled kernels on a GPU
 
 
 def _weight(n, k, seed):
-    return Int8Rowwise.from_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    return Int8Rowwise.from_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE))
 
 
 def _close(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -43,8 +46,8 @@ def _close(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> bool:
 def test_int8_linear_equals_the_reference_and_adds_in_place(dtype, config):
     gen = torch.Generator().manual_seed(0)
     w = _weight(96, 256, 1)
-    a = torch.randn(7, 256, generator=gen).to(dtype)
-    x = torch.randn(7, 96, generator=gen).to(dtype)
+    a = torch.randn(7, 256, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(7, 96, generator=gen).to(DEVICE, dtype)
     exact = (a.double() @ w.q.double().T) * w.scale.double()
     assert _close(int8_linear_triton(a, w, config=config), exact, dtype)
     wide = int8_linear_triton(a, w, torch.float32, config=config)
@@ -62,12 +65,13 @@ def test_ragged_rows_columns_and_k(rows, n, k):
     """Row blocks of 16 and 32, a column block past ``N``, a K that is no whole number of steps (masked)."""
     gen = torch.Generator().manual_seed(rows)
     w = _weight(n, k, rows)
-    a = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    a = torch.randn(rows, k, generator=gen).to(DEVICE, torch.bfloat16)
     exact = (a.double() @ w.q.double().T) * w.scale.double()
     assert _close(int8_linear_triton(a, w), exact, torch.bfloat16)
     assert int8_linear_triton(a[:0], w).shape == (0, n)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's dispatch on CPU tensors")
 def test_the_dispatch_takes_the_kernel_under_the_interpreter_and_torch_without(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     w = _weight(48, 64, 2)
@@ -96,28 +100,29 @@ def test_from_weight_recovers_the_stored_integers_through_bfloat16():
 
 
 def test_bad_weights_and_activations_are_refused():
-    q = torch.zeros(8, 16, dtype=torch.int8)
+    q = torch.zeros(8, 16, dtype=torch.int8, device=DEVICE)
     with pytest.raises(ValueError, match="2-D int8"):
-        Int8Rowwise(q.float(), torch.ones(8))
+        Int8Rowwise(q.float(), torch.ones(8, device=DEVICE))
     with pytest.raises(ValueError, match="2-D int8"):
-        Int8Rowwise(q.t(), torch.ones(16))  # not contiguous along K
+        Int8Rowwise(q.t(), torch.ones(16, device=DEVICE))  # not contiguous along K
     with pytest.raises(ValueError, match=r"float32 \[8\]"):
-        Int8Rowwise(q, torch.ones(7))
+        Int8Rowwise(q, torch.ones(7, device=DEVICE))
     with pytest.raises(ValueError, match=r"float32 \[8\]"):
-        Int8Rowwise(q, torch.ones(8, dtype=torch.float64))
-    w = Int8Rowwise(q, torch.ones(8))
+        Int8Rowwise(q, torch.ones(8, dtype=torch.float64, device=DEVICE))
+    w = Int8Rowwise(q, torch.ones(8, device=DEVICE))
+    zeros = functools.partial(torch.zeros, device=DEVICE)
     with pytest.raises(TypeError, match="must be an Int8Rowwise"):
-        int8_linear_triton(torch.zeros(2, 16), q)
+        int8_linear_triton(zeros(2, 16), q)
     with pytest.raises(ValueError, match=r"\[T, 16\]"):
-        int8_linear_triton(torch.zeros(2, 12), w)
+        int8_linear_triton(zeros(2, 12), w)
     with pytest.raises(ValueError, match="activations must be one of"):
-        int8_linear_triton(torch.zeros(2, 16, dtype=torch.float64), w)
+        int8_linear_triton(zeros(2, 16, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="splits of whole"):
-        int8_linear_triton(torch.zeros(2, 16), w, config=Int8Config(block_k=16, splits=3))
+        int8_linear_triton(zeros(2, 16), w, config=Int8Config(block_k=16, splits=3))
     with pytest.raises(ValueError, match="out_dtype must be the activations' dtype or float32"):
-        int8_linear_triton(torch.zeros(2, 16, dtype=torch.bfloat16), w, torch.float16)
+        int8_linear_triton(zeros(2, 16, dtype=torch.bfloat16), w, torch.float16)
     with pytest.raises(ValueError, match=r"x must be a \[2, 8\]"):
-        int8_linear_add_triton(torch.zeros(2, 9), torch.zeros(2, 16), w)
+        int8_linear_add_triton(zeros(2, 9), zeros(2, 16), w)
 
 
 def test_the_default_tile_follows_the_sweep():
