@@ -41,6 +41,7 @@ try:
     import triton.language as tl
 
     from .linear_triton import _mma, _round
+    from .splitk_linear import _store_partial, _sum_partials, _tile_rows_cols
 except ImportError:  # pragma: no cover - installs without triton use the torch reference
     triton = None
 
@@ -163,13 +164,8 @@ if triton is not None:
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
         side by side, and a launch of one row block streams the weight in order)."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        rows_m, mask_m, cols_n, mask_n = _tile_rows_cols(tl.program_id(1), tl.program_id(0), rows, N, BLOCK_M, BLOCK_N)
         split = tl.program_id(2)
-        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = rows_m < rows
-        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = cols_n < N
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k_lo = split * k_split
@@ -198,8 +194,7 @@ if triton is not None:
             tl.store(out_ptr + rows_m[:, None].to(tl.int64) * stride_o + cols_n[None, :],
                      _round(_to_activation(y, ACT), out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         else:
-            part = (split * rows + rows_m[:, None]).to(tl.int64) * N + cols_n[None, :]
-            tl.store(part_ptr + part, acc, mask=mask_m[:, None] & mask_n[None, :])
+            _store_partial(part_ptr, acc, split, rows, rows_m, mask_m, cols_n, mask_n, N)
 
     @triton.jit
     def _int8_sum_kernel(part_ptr, s_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
@@ -208,10 +203,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
-        total = tl.load(part_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            total += tl.load(part_ptr + (s * rows + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
-        y = total * tl.load(s_ptr + cols, mask=mask, other=0.0)
+        y = _sum_partials(part_ptr, rows, row, N, cols, mask, SPLITS) * tl.load(s_ptr + cols, mask=mask, other=0.0)
         if ADD:
             y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32) + y
         y = _round(_to_activation(y, ACT), out_ptr.dtype.element_ty)

@@ -69,6 +69,27 @@ def splitk_config(n: int, k: int, dtype: torch.dtype) -> SplitKConfig:
 
 if triton is not None:
 
+    @triton.jit
+    def _tile_rows_cols(pid_m, pid_n, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A program's rows and output columns, with their masks (this module's and `int8_linear`'s GEMMs)."""
+        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows_m, rows_m < rows, cols_n, cols_n < N
+
+    @triton.jit
+    def _store_partial(part_ptr, acc, split, rows, rows_m, mask_m, cols_n, mask_n, N):
+        """A split's float32 partial at ``part[split, rows, cols]`` (``[SPLITS, rows, N]``)."""
+        part = (split * rows + rows_m[:, None]).to(tl.int64) * N + cols_n[None, :]
+        tl.store(part_ptr + part, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _sum_partials(part_ptr, rows, row, N, cols, mask, SPLITS: tl.constexpr):
+        """``part[0, row, cols] + ... + part[SPLITS - 1, row, cols]``, in split order, float32."""
+        total = tl.load(part_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(part_ptr + (s * rows + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        return total
+
     @triton.jit(do_not_specialize=["rows"])
     def _splitk_partial_kernel(
         a_ptr, w_ptr, part_ptr, rows, N, K, stride_a, stride_w,
@@ -77,13 +98,9 @@ if triton is not None:
     ):  # fmt: skip
         """Program ``(m block, n block, split)``: ``a[rows, ks] @ w[cols, ks]^T`` over its split's K columns,
         float32, stored at ``part[split, rows, cols]`` (``[SPLITS, rows, N]``)."""
-        pid_m = tl.program_id(0)  # fastest: the row blocks of one weight slab run side by side (L2)
-        pid_n = tl.program_id(1)
+        # program 0 fastest: the row blocks of one weight slab run side by side (L2)
+        rows_m, mask_m, cols_n, mask_n = _tile_rows_cols(tl.program_id(0), tl.program_id(1), rows, N, BLOCK_M, BLOCK_N)
         split = tl.program_id(2)
-        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = rows_m < rows
-        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = cols_n < N
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         k_lo = split * K_SPLIT
@@ -92,8 +109,7 @@ if triton is not None:
             a = tl.load(a_ptr + rows_m[:, None] * stride_a + cols_k[None, :], mask=mask_m[:, None], other=0.0)
             w = tl.load(w_ptr + cols_n[None, :] * stride_w + cols_k[:, None], mask=mask_n[None, :], other=0.0)
             acc = _mma(a, w, acc, INTERPRET, IEEE)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
-        part = (split * rows + rows_m[:, None]).to(tl.int64) * N + cols_n[None, :]
-        tl.store(part_ptr + part, acc, mask=mask_m[:, None] & mask_n[None, :])
+        _store_partial(part_ptr, acc, split, rows, rows_m, mask_m, cols_n, mask_n, N)
 
     @triton.jit(do_not_specialize=["rows"])
     def _splitk_sum_kernel(part_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
@@ -103,9 +119,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
-        total = tl.load(part_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
-            total += tl.load(part_ptr + (s * rows + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        total = _sum_partials(part_ptr, rows, row, N, cols, mask, SPLITS)
         if ADD:
             total = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32) + total
         y = _round(total, out_ptr.dtype.element_ty)
