@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from .drafters.eagle_pack import quantize_rowwise
+from .splitk_linear import check_add_target
 
 try:
     import triton
@@ -276,11 +277,7 @@ def int8_linear_add_triton(
     """``x += a @ W^T`` in place, the sum rounded once (`kernels.linear_add`'s contract); returns ``x``."""
     config = config or int8_config(a.shape[0], weight.shape[0], weight.shape[1])
     _check(a, weight, config, "int8_linear_add")
-    if x.shape != (a.shape[0], weight.shape[0]) or x.dtype != a.dtype or x.stride(1) != 1:
-        raise ValueError(
-            f"int8_linear_add: x must be a [{a.shape[0]}, {weight.shape[0]}] {a.dtype} tensor with a contiguous last "
-            f"dimension; got {tuple(x.shape)} {x.dtype} with strides {x.stride()}"
-        )
+    check_add_target(x, a, weight.shape[0], "int8_linear_add")
     _run(a, weight, x, x, config)
     return x
 

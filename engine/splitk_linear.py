@@ -174,10 +174,15 @@ def splitk_linear_add(
     """``x += a @ weight^T`` in place (`kernels.linear_add`'s contract: the sum rounded once), returns ``x``."""
     config = config or splitk_config(weight.shape[0], weight.shape[1], weight.dtype)
     _check(a, weight, config, "splitk_linear_add")
-    if x.shape != (a.shape[0], weight.shape[0]) or x.dtype != a.dtype or x.stride(1) != 1:
-        raise ValueError(
-            f"splitk_linear_add: x must be a [{a.shape[0]}, {weight.shape[0]}] {a.dtype} tensor with a contiguous last "
-            f"dimension; got {tuple(x.shape)} {x.dtype} with strides {x.stride()}"
-        )
+    check_add_target(x, a, weight.shape[0], "splitk_linear_add")
     _run(a, weight, x, x, config)
     return x
+
+
+def check_add_target(x: torch.Tensor, a: torch.Tensor, n: int, what: str) -> None:
+    """``x`` of an in-place ``x += a @ W^T`` (``W``: ``n`` rows): ``[T, n]`` in ``a``'s dtype, contiguous rows."""
+    if x.shape != (a.shape[0], n) or x.dtype != a.dtype or x.stride(1) != 1:
+        raise ValueError(
+            f"{what}: x must be a [{a.shape[0]}, {n}] {a.dtype} tensor with a contiguous last dimension; got "
+            f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}"
+        )
