@@ -154,7 +154,8 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         row_request_ptr, prefix_ptr, extra_ptr, table_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_et, stride_pt,
-        num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail,
+        num_extra, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_tile, tail, group_rows,
+        tiles_per_group,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
         LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -164,8 +165,11 @@ if triton is not None:
         kv_head = tl.program_id(1)
         lines = tl.arange(0, BLOCK_Q)
         local = lines // GROUP
-        row = (tile * rows_per_tile + local).to(tl.int64)
-        ok = (local < rows_per_tile) & (row < num_rows)
+        # the tile's rows: its group's (``group_rows`` consecutive rows, a request's verify rows), from its place in it
+        in_group = (tile % tiles_per_group) * rows_per_tile
+        row0 = (tile // tiles_per_group) * group_rows + in_group  # the tile's first row
+        row = (row0 + local).to(tl.int64)
+        ok = (local < rows_per_tile) & (in_group + local < group_rows) & (row < num_rows)
         head = kv_head * GROUP + lines % GROUP
         d = tl.arange(0, BLOCK_D)
         d_ok = d[None, :] < HEAD_DIM
@@ -219,8 +223,8 @@ if triton is not None:
                 # the items that find no chunk come last and P programs share the real ones evenly
                 r = (item - n_shared) % rows_per_tile
                 t = (item - n_shared) // rows_per_tile
-                the_row = (tile * rows_per_tile + r).to(tl.int64)
-                if the_row < num_rows:
+                the_row = (row0 + r).to(tl.int64)
+                if (the_row < num_rows) & (in_group + r < group_rows):
                     own = ok & (local == r)
                     r_prefix, r_extra, r_has, r_rank, r_total = _row_keys(
                         the_row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M
@@ -289,8 +293,10 @@ def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_
 def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LINES, num_rows: int = 0,
                           table_rows: int = 0) -> int:  # fmt: skip
     """Rows a tile takes when the caller does not say: rows with extra slots are a verify's (``N`` rows of
-    a request, ``N`` extra columns), so the largest divisor of ``num_extra`` that fits keeps tiles inside
-    requests; rows without extra slots one a tile (decode rows, one per request), unless there are more rows than
+    a request, ``N`` extra columns): as many as fit, up to ``N``, the launch cutting each request's ``N`` rows into
+    tiles that never straddle two requests (a 5-row chain's request: a tile of 4 rows and one of 1; until session 20
+    the largest divisor of ``N`` that fits, which gave a 5-row chain one-row tiles, each reading the whole prefix);
+    rows without extra slots one a tile (decode rows, one per request), unless there are more rows than
     the page table has requests (``num_rows > table_rows``): a prefill's or an extend's, consecutive positions of
     a request, whose tiles share their prefix blocks (as many rows as fit).
 
@@ -300,7 +306,7 @@ def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LIN
     fit = max(1, tile_lines // group)
     if num_extra <= 0:
         return fit if num_rows > table_rows > 0 else 1
-    return max(r for r in range(1, min(fit, num_extra) + 1) if num_extra % r == 0)
+    return min(fit, num_extra)
 
 
 def paged_attention_tiles_triton(
@@ -396,7 +402,12 @@ def paged_attention_tiles_triton(
         part_max, part_sum = part_stats[0], part_stats[1]
     else:
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
-    tiles = -(-num_rows // rows)
+    # groups of rows that tiles never straddle: a verify's rows of one request (``num_extra`` of them) when the
+    # default launch chose the tile, so a tile of 4 rows and one of 1 cover a 5-row chain's request; else tiles follow
+    # each other (one group)
+    group_rows = num_extra if rows_per_tile is None and num_extra > rows else rows
+    tiles_per_group = -(-group_rows // rows)
+    tiles = -(-num_rows // group_rows) * tiles_per_group
     # a row's chunks past the shared ones: its own rows' spread (R - 1 positions) and extra slots, one more
     tail = min(chunk_bound, 1 + -(-(rows - 1 + num_extra) // chunk))
     items = chunk_bound + rows * tail
@@ -417,7 +428,8 @@ def paged_attention_tiles_triton(
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,
         page_table, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), stride_et, page_table.stride(0), num_extra, page_size,
-        table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail,
+        table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), num_rows, rows, tail, group_rows,
+        tiles_per_group,
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=interpret,

@@ -171,14 +171,45 @@ def test_a_prefill_takes_tiles_of_rows_and_the_same_bits(dtype=torch.bfloat16):
     torch.testing.assert_close(tiled.float(), twin.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_of_two_requests_in_tiles_that_do_not_straddle_them(dtype):
+    """Two requests' 6-row chains (6 extra columns, tiles of 5 rows: each request's rows cut 5 + 1, never across the
+    two) and two padding rows: the default launch gives every row the bits of one-row tiles."""
+    gen = torch.Generator().manual_seed(11)
+    page_size, heads, kv_heads, dim, n = 4, 6, 2, 16, 6
+    lengths = (45, 30)
+    width = -(-(max(lengths) + n) // page_size)
+    table = torch.randperm(2 * width, generator=gen).reshape(2, width)
+
+    def slot(b, p):
+        return int(table[b, p // page_size]) * page_size + p % page_size
+
+    rows = [(b, lengths[b], [slot(b, lengths[b] + j) if j <= i else -1 for j in range(n)]) for b in (0, 1)
+            for i in range(n)] + [(0, 0, [-1] * n)] * 2  # fmt: skip
+    args = (torch.tensor([b for b, _, _ in rows]), torch.tensor([p for _, p, _ in rows]),
+            torch.tensor([e for _, _, e in rows]), table)  # fmt: skip
+    q = torch.randn(len(rows), heads, dim, generator=gen)
+    k = torch.randn(2 * width * page_size, kv_heads, dim, generator=gen)
+    v = torch.randn(2 * width * page_size, kv_heads, dim, generator=gen)
+    assert default_rows_per_tile(n, heads // kv_heads) == 5
+    options = SPLITS["split"]
+    grouped = _run(q, k, v, args, page_size, dtype, **options)
+    assert torch.equal(grouped, _run(q, k, v, args, page_size, dtype, rows_per_tile=1, **options))
+    assert torch.equal(grouped, _run(q, k, v, args, page_size, dtype, programs=1, **options))  # a program's items
+    twin = paged_attention_rows_torch(q.to(dtype), k.to(dtype), v.to(dtype), *args, page_size,
+                                      kv_bound=width * page_size)  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped.float(), twin.float(), atol=tol, rtol=tol)
+
+
 def test_default_rows_per_tile_and_bad_arguments():
     assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile (the rows kernel takes them)
     assert default_rows_per_tile(0, 4, num_rows=8, table_rows=8) == 1  # a decode: a row a request
     assert default_rows_per_tile(0, 4, num_rows=512, table_rows=128) == 4  # a prefill in a graph's static table
     assert default_rows_per_tile(0, 3, num_rows=40, table_rows=1) == 5  # SmolLM2's: 5 rows fit
     assert default_rows_per_tile(32, 4) == 4  # a 32-row verify of Llama-3-8B: 8 tiles of 4 rows a request
-    assert default_rows_per_tile(16, 3) == 4 and default_rows_per_tile(6, 3) == 3  # SmolLM2: 5 rows fit
-    assert default_rows_per_tile(7, 4) == 1 and default_rows_per_tile(5, 2) == 5
+    assert default_rows_per_tile(16, 3) == 5 and default_rows_per_tile(6, 3) == 5  # SmolLM2: 5 rows fit
+    assert default_rows_per_tile(5, 4) == 4 and default_rows_per_tile(5, 2) == 5  # a 5-row chain: tiles of 4 and 1
     q, k, v, args, _ = _batch(1, 4, 4, 2, 16, 20, CHAIN)
     with pytest.raises(ValueError, match="rows_per_tile"):
         _run(q, k, v, args, 4, torch.float32, rows_per_tile=9)
