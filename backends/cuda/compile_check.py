@@ -136,13 +136,14 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
             # SmolLM2's 9 heads are not 16-divisible, Llama's 32 are: both specializations of num_heads
             out.append((attention._paged_attention_kernel, signature, sets,
                         (*aligned, "num_heads") if heads % 16 == 0 else aligned))  # fmt: skip
-            # the tile kernel (engine/attention_tiles.py): decode tiles of one row (rows_per_tile and tail 1,
-            # constants to the JIT) and verify tiles
+            # the tile kernel (engine/attention_tiles.py): decode tiles of one row (rows_per_tile, tail, group_rows and
+            # tiles_per_group 1, constants to the JIT) and verify tiles
             tile_signature = {k: v for k, v in signature.items() if k != "counter_ptr"}
-            tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32)
+            tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32, group_rows=i32, tiles_per_group=i32)
             tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "FUSED_COMBINE", "BLOCK_C")}
             tile.update(BLOCK_Q=tiles.TILE_LINES)
-            tile_sets = [{**tile, "rows_per_tile": 1, "tail": 1}, {**tile}]
+            one_row = {"rows_per_tile": 1, "tail": 1, "group_rows": 1, "tiles_per_group": 1}
+            tile_sets = [{**tile, **one_row}, {**tile}]
             if page_one:
                 tile_sets = [{**t, "page_size": 1} for t in tile_sets]
             tile_aligned = tuple(a for a in aligned if a != "counter_ptr")
