@@ -32,7 +32,9 @@ to 6,000 keys (`attention_bench-H100-tiles16-bitwise-*.json`). Tested on the int
 (item ``n_shared + t * R + r``: row ``r``'s chunks ``n_shared + t, n_shared + t + tail, ...``; ``tail`` is a
 bound, so the last ones often find no chunk); ``P`` programs take every ``P``-th item. A row of one chunk stores
 its output; a row of several stores each chunk's ``(max, sum, accumulator)`` and `attention_triton`'s combine kernel
-merges them (a second launch). ``rows_per_tile`` (``R``) and ``P`` are launch choices: they move work, never bits.
+merges them (a second launch). A tile's rows are consecutive rows of one group: a request's ``N`` verify rows under
+the default launch (``group_rows`` ``N``, ``ceil(N / R)`` tiles a group, so no tile straddles two requests), else a
+tile's own ``R`` rows. ``rows_per_tile`` (``R``), the groups and ``P`` are launch choices: they move work, never bits.
 
 `paged_attention_tiles_triton` has `attention_triton.paged_attention_rows_triton`'s contract; its
 torch twin is `attention_triton.paged_attention_rows_torch`.
