@@ -262,6 +262,15 @@ if triton is not None:
                                       HEAD_DIM)  # fmt: skip
 
 
+def discard_chunk_states(requested: bool | None, hints: bool, scratch_address: int, head_dim: int) -> bool:
+    """Whether the merge drops the chunk states from L2 once read (``requested``; None: `DISCARD_STATES`): only where
+    the PTX hints run (``hints``: `attention_triton._ptx_hints`, outside the interpreter) and on whole 128-byte lines
+    of one (row, head, chunk) state: an aligned scratch and states of a multiple of 32 floats (a head of 16 or 48
+    would put a line across two states, or none: `_merge_chunks` takes ``BLOCK_D // 32`` lines)."""
+    wanted = DISCARD_STATES if requested is None else requested
+    return bool(wanted and hints and scratch_address % 128 == 0 and head_dim % 32 == 0)
+
+
 def default_tile_programs(device: torch.device, tiles: int, kv_heads: int, rows_per_tile: int, items: int) -> int:
     """Programs per (tile, KV head) of the default launch; speed only (any count gives the same bits).
 
@@ -421,10 +430,7 @@ def paged_attention_tiles_triton(
     block_m = max(16, triton.next_power_of_2(max(num_extra, 1)))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     hints = q.is_cuda and not interpret and _ptx_hints(q.device.index if q.device.index is not None else 0)
-    discard = (DISCARD_STATES if discard_states is None else discard_states) and hints
-    # whole 128-byte lines of one (row, head, chunk) only: an aligned scratch, states of a multiple of 32 floats (a head
-    # of 16 or 48 would put a line across two states, or none: `_merge_chunks` takes BLOCK_D // 32 lines)
-    discard = discard and part_acc.data_ptr() % 128 == 0 and head_dim % 32 == 0
+    discard = discard_chunk_states(discard_states, hints, part_acc.data_ptr(), head_dim)
     stride_et = extra_slots.stride(0) if num_extra else 0
     _paged_attention_tile_kernel[(tiles, num_kv_heads, programs)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, extra_slots,

@@ -208,8 +208,9 @@ def eagle_rows_forward(
                                     out_dtype=torch.float32)  # fmt: skip
         return logits, out
     lm_head = draft.gemms.lm_head
-    if _int8_for(lm_head, picked.shape[0]) is not None:
-        small = _linear(ops, ops.rms_norm(picked, head.norm.weight, eps), lm_head, torch.float32)  # [R, Vd]
+    q = _int8_for(lm_head, picked.shape[0])
+    if q is not None:
+        small = int8_linear(ops.rms_norm(picked, head.norm.weight, eps), q, torch.float32)  # [R, Vd]
     else:
         _, small = ops.norm_linear(picked, None, head.norm.weight, eps, _dense(lm_head), out_dtype=torch.float32)
     if draft_vocab:
@@ -335,11 +336,13 @@ class DraftWeight:
     dense: torch.Tensor
 
 
-def draft_weights_choice() -> str:
-    """``SPECCYCLE_DRAFT_WEIGHTS`` (one of `DRAFT_WEIGHTS`, else refused with the choices), ``auto`` when unset."""
-    choice = os.environ.get("SPECCYCLE_DRAFT_WEIGHTS") or "auto"
+def draft_weights_choice(asked: str | None = None) -> str:
+    """``asked`` (`FastOptions`' ``draft_weights``), else ``SPECCYCLE_DRAFT_WEIGHTS``, else ``auto``; refused with the
+    choices unless one of `DRAFT_WEIGHTS`."""
+    choice = asked or os.environ.get("SPECCYCLE_DRAFT_WEIGHTS") or "auto"
     if choice not in DRAFT_WEIGHTS:
-        raise ValueError(f"SPECCYCLE_DRAFT_WEIGHTS={choice!r}: choose one of {', '.join(DRAFT_WEIGHTS)}, or unset it")
+        source = "draft_weights" if asked else "SPECCYCLE_DRAFT_WEIGHTS"
+        raise ValueError(f"{source}={choice!r}: choose one of {', '.join(DRAFT_WEIGHTS)}, or leave it unset")
     return choice
 
 
@@ -362,8 +365,7 @@ class HeadGemms:
     @classmethod
     def of(cls, head, ops: type[TorchOps], draft_weights: str, device: torch.device) -> HeadGemms:
         c = head.config
-        if draft_weights not in DRAFT_WEIGHTS:
-            raise ValueError(f"draft_weights={draft_weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
+        draft_weights = draft_weights_choice(draft_weights)
         folds = ops.fold_head and c.version != 1
         if draft_weights == "auto":  # the fast path's half-precision heads on CUDA (a float32 head: a parity run)
             half = head.dtype in (torch.bfloat16, torch.float16)
@@ -424,10 +426,8 @@ class FastOptions:
         # the library of the fast path's GEMMs (`blas_scope`), CUDA only
         blas = blas_choice()  # refused before anything is swapped, on any device
         self.blas = blas if self.device.type == "cuda" else None
-        # an EAGLE head's GEMM weights (`HeadGemms`): None takes `draft_weights_choice`
-        self.draft_weights = draft_weights or draft_weights_choice()
-        if self.draft_weights not in DRAFT_WEIGHTS:
-            raise ValueError(f"draft_weights={self.draft_weights!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
+        # an EAGLE head's GEMM weights (`HeadGemms`): None takes the environment's or auto
+        self.draft_weights = draft_weights_choice(draft_weights)
 
     def runner(self, compute, pool: PagedKVPool, vocab_size: int, hidden_in=None, hidden_dtype=torch.float32,
                min_rows: int = 1, summarize: bool = False) -> ForwardGraphs:  # fmt: skip

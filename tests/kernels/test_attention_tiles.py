@@ -202,6 +202,19 @@ def test_verify_rows_of_two_requests_in_tiles_that_do_not_straddle_them(dtype):
     torch.testing.assert_close(grouped.float(), twin.float(), atol=tol, rtol=tol)
 
 
+def test_the_discard_takes_whole_lines_of_one_state():
+    """`attention_tiles.discard_chunk_states`: only with the PTX hints, an aligned scratch and heads of a multiple of
+    32 floats (a 16-wide head failed to compile on an H100, a 48-wide one would drop a line shared with the next
+    chunk's state); ``discard_states=False`` turns it off, None takes `DISCARD_STATES`."""
+    from speccycle.engine.attention_tiles import DISCARD_STATES, discard_chunk_states
+
+    assert discard_chunk_states(None, True, 0, 128) is DISCARD_STATES and discard_chunk_states(True, True, 256, 64)
+    assert not discard_chunk_states(True, False, 0, 128)  # no hints: the interpreter, ROCm, before sm_90
+    assert not discard_chunk_states(False, True, 0, 128)
+    assert not discard_chunk_states(True, True, 64, 128)  # a scratch off a 128-byte line
+    assert not any(discard_chunk_states(True, True, 0, d) for d in (16, 48, 80))
+
+
 def test_default_rows_per_tile_and_bad_arguments():
     assert default_rows_per_tile(0, 4) == 1  # decode rows: one a tile (the rows kernel takes them)
     assert default_rows_per_tile(0, 4, num_rows=8, table_rows=8) == 1  # a decode: a row a request
