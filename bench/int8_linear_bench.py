@@ -42,7 +42,8 @@ COPY_BYTES = 256 << 20  # bfloat16 bytes of a shape's copies together: past the 
 SWEEP = [(n, k, s, w, st) for n in (32, 64, 128) for k in (128, 256, 512) for s in (1, 2, 4) for w in (4, 8)
          for st in (3, 5)]  # fmt: skip
 # (block_n, groups a K step, splits, num_warps, num_stages) of the int4 kernel swept with ``--sweep``
-SWEEP4 = [(n, g, s, 4, st) for n in (16, 32, 64) for g in (1, 2, 4) for s in (1, 2, 4) for st in (3, 5)]
+SWEEP4 = [(n, g, s, 4, st, 1) for n in (32, 64) for g in (1, 2, 4) for s in (1, 2, 4) for st in (3, 5)]
+SWEEP4 += [(n, g, s, 4, st, 2) for n in (16, 32, 64) for g in (1, 2) for s in (1, 2, 4) for st in (2, 4)]
 
 
 def cold_us(call, weights: list) -> float:
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--forms", default="int8,int4", help="packed forms to time (and --sweep)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    import triton
     from speccycle.engine.int4_linear import Int4Config, Int4Grouped, int4_linear_torch
     from speccycle.engine.int4_linear import int4_linear_triton as int4_linear
     from speccycle.engine.int8_linear import Int8Config, Int8Rowwise, int8_config, int8_linear_torch
@@ -91,22 +93,27 @@ def main() -> None:
                 err4 = (int4_linear(x, packed4[0]).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-9)
                 result["check"].setdefault(name + "/int4", {})[r] = err4
                 if args.sweep:
-                    for bn, g, s, w, st in SWEEP4:
-                        if (k // 128) % (s * g) or bn > n:
+                    for bn, g, s, w, st, mode in SWEEP4:
+                        if (k // 128) % (s * g) or bn > n or (mode == 2 and r > 4):
                             continue
-                        c = Int4Config(block_m=16 if r <= 16 else 32, block_n=bn, groups=g, splits=s, num_warps=w,
-                                       num_stages=st)  # fmt: skip
-                        label = f"n{bn}-g{g}-s{s}-w{w}-st{st}"
+                        bm = (16 if r <= 16 else 32) if mode < 2 else triton.next_power_of_2(r)
+                        c = Int4Config(block_m=bm, block_n=bn, groups=g, splits=s, num_warps=w,
+                                       num_stages=st, mode=mode)  # fmt: skip
+                        label = f"m{mode}-n{bn}-g{g}-s{s}-w{w}-st{st}"
                         try:
                             t = round(cold_us(lambda wt, x=x, c=c: int4_linear(x, wt, config=c), packed4), 2)
                         except Exception as exc:  # out of shared memory or registers: skip the tile
                             print(f"[int4] {name} {label}: {type(exc).__name__}", flush=True)
                             continue
                         us.setdefault("sweep4", {}).setdefault(label, {})[r] = t
-                    lab = min(us["sweep4"], key=lambda lab: us["sweep4"][lab].get(r, 1e9))
-                    us.setdefault("best4", {})[r] = [lab, us["sweep4"][lab][r]]
-                    print(f"[int4] {name:8s} rows {r:3d}: default {us['int4'][r]:7.1f} best {lab} "
-                          f"{us['sweep4'][lab][r]:.1f}", flush=True)  # fmt: skip
+                    for mode in ("m0", "m1", "m2", ""):
+                        labs = [lab for lab in us["sweep4"] if lab.startswith(mode) and r in us["sweep4"][lab]]
+                        if not labs:
+                            continue
+                        lab = min(labs, key=lambda lab: us["sweep4"][lab][r])
+                        us.setdefault("best4", {}).setdefault(mode or "all", {})[r] = [lab, us["sweep4"][lab][r]]
+                        print(f"[int4] {name:8s} rows {r:3d}: default {us['int4'][r]:7.1f} best {lab} "
+                              f"{us['sweep4'][lab][r]:.1f}", flush=True)  # fmt: skip
             if not packed:
                 print(f"[int4] {name:8s} rows {r:3d}: cublaslt {us['cublaslt'][r]:7.1f} int4 {us['int4'][r]:7.1f} "
                       f"(rel err {err4:.1e})", flush=True)  # fmt: skip

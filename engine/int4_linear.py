@@ -56,8 +56,9 @@ def group_size(k: int) -> int:
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [N, K]`` -> ``(packed [N, K / 2] uint8, scale [N, K / group] bfloat16)``: symmetric per group, the
-    integers rounded against the stored (bfloat16) scale; an all-zero group gets scale 1."""
+    """``weight [N, K]`` -> ``(packed [N, K / 2] uint8, scale [K / group, N] bfloat16)``: symmetric per group, the
+    integers rounded against the stored (bfloat16) scale; an all-zero group gets scale 1. The scales are stored a
+    group's row at a time, so a program's columns read theirs in one coalesced load."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group, group)
     scale = w.abs().amax(dim=2) / QMAX
@@ -65,13 +66,13 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     q = torch.round(w / scale.float()[:, :, None]).clamp_(-QMAX, QMAX).to(torch.int16) + 8  # 1..15
     half = group // 2
     packed = (q[:, :, :half] | (q[:, :, half:] << 4)).to(torch.uint8)  # byte j: columns j (low), j + half (high)
-    return packed.reshape(n, k // 2).contiguous(), scale.contiguous()
+    return packed.reshape(n, k // 2).contiguous(), scale.t().contiguous()
 
 
 @attrs.frozen(eq=False)
 class Int4Grouped:
     """An ``[N, K]`` weight in 4-bit groups (`quantize_int4`): ``packed [N, K / 2]`` uint8 and a bfloat16 ``scale``
-    ``[N, K / group]``."""
+    ``[K / group, N]``."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -86,7 +87,7 @@ class Int4Grouped:
                 f"Int4Grouped: packed must be a 2-D uint8 tensor with a contiguous last dimension of "
                 f"whole {g // 2}-byte groups; got {p.dtype} {tuple(p.shape)}, strides {p.stride()}"
             )
-        want = (p.shape[0], 2 * p.shape[1] // g)
+        want = (2 * p.shape[1] // g, p.shape[0])
         if s.dtype != torch.bfloat16 or tuple(s.shape) != want or s.stride(1) != 1:
             raise ValueError(f"Int4Grouped: scale must be bfloat16 {list(want)}, contiguous; got {s.dtype} "
                              f"{tuple(s.shape)}")  # fmt: skip
@@ -124,7 +125,7 @@ class Int4Grouped:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q = self.integers().float().reshape(self.shape[0], -1, self.group)
-        return (q * self.scale.float()[:, :, None]).reshape(self.shape).to(dtype)
+        return (q * self.scale.float().t()[:, :, None]).reshape(self.shape).to(dtype)
 
 
 @attrs.frozen
@@ -137,6 +138,7 @@ class Int4Config:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    mode: int = 0
 
 
 # As `int8_linear.int8_config`: wide launches (at least this many programs a row block) one split and short steps,
@@ -171,7 +173,7 @@ def int4_linear_torch(
     g = weight.group
     q = weight.integers().float().reshape(n, k // g, g)
     a_g = a.float().reshape(a.shape[0], k // g, g)
-    y = (torch.einsum("tgk,ngk->tgn", a_g, q) * weight.scale.float().t()[None]).sum(dim=1)
+    y = (torch.einsum("tgk,ngk->tgn", a_g, q) * weight.scale.float()[None]).sum(dim=1)
     if x is not None:
         return x.copy_((x.float() + y).to(x.dtype))
     y = y.to(a.dtype)
@@ -186,6 +188,7 @@ if triton is not None:
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, stride_a, stride_q, stride_s, stride_x, stride_o,
         k_split, SPLITS: tl.constexpr, ADD: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
         ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+        MODE: tl.constexpr = 0,
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest, as `int8_linear`'s): its split's ``k_split`` columns
         in steps of ``GROUPS`` groups, each group's two halves unpacked from one byte tile."""
@@ -197,7 +200,21 @@ if triton is not None:
         k_lo = split * k_split
         a_rows = a_ptr + rows_m[:, None] * stride_a
         q_cols = q_ptr + cols_n[None, :].to(tl.int64) * stride_q
-        for k0 in range(k_lo, k_lo + k_split, GROUP * GROUPS):
+        if MODE == 2:
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, HALF], dtype=tl.float32)
+            q_rows = q_ptr + cols_n[:, None].to(tl.int64) * stride_q
+            for k0 in range(k_lo, k_lo + k_split, GROUP * GROUPS):
+                for g in tl.static_range(GROUPS):
+                    kg = k0 + g * GROUP
+                    b = tl.load(q_rows + (kg // 2 + offs)[None, :], mask=mask_n[:, None], other=0x88)  # [BLOCK_N, HALF]
+                    s = tl.load(s_ptr + (kg // GROUP) * stride_s + cols_n, mask=mask_n, other=0.0).to(tl.float32)
+                    lo = ((b & 15).to(tl.float32) - 8.0) * s[:, None]
+                    hi = ((b >> 4).to(tl.float32) - 8.0) * s[:, None]
+                    a_lo = tl.load(a_rows + (kg + offs)[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+                    a_hi = tl.load(a_rows + (kg + HALF + offs)[None, :], mask=mask_m[:, None], other=0.0).to(tl.float32)
+                    acc3 += a_lo[:, None, :] * lo[None, :, :] + a_hi[:, None, :] * hi[None, :, :]
+            acc = tl.sum(acc3, axis=2)
+        for k0 in range(k_lo, k_lo + k_split * (MODE != 2), GROUP * GROUPS):
             for g in tl.static_range(GROUPS):
                 kg = k0 + g * GROUP
                 b = tl.load(q_cols + (kg // 2 + offs)[:, None], mask=mask_n[None, :], other=0x88)  # [HALF, BLOCK_N]
@@ -211,10 +228,14 @@ if triton is not None:
                 else:
                     lo = lo.to(a_lo.dtype)
                     hi = hi.to(a_lo.dtype)
-                part = _mma(a_lo, lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, IEEE)
-                part = _mma(a_hi, hi, part, INTERPRET, IEEE)
-                s = tl.load(s_ptr + cols_n * stride_s + kg // GROUP, mask=mask_n, other=0.0).to(tl.float32)
-                acc += part * s[None, :]
+                s = tl.load(s_ptr + (kg // GROUP) * stride_s + cols_n, mask=mask_n, other=0.0).to(tl.float32)
+                if MODE == 1:
+                    acc = _mma(a_lo, (lo.to(tl.float32) * s[None, :]).to(a_lo.dtype), acc, INTERPRET, IEEE)
+                    acc = _mma(a_hi, (hi.to(tl.float32) * s[None, :]).to(a_lo.dtype), acc, INTERPRET, IEEE)
+                else:
+                    part = _mma(a_lo, lo, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), INTERPRET, IEEE)
+                    part = _mma(a_hi, hi, part, INTERPRET, IEEE)
+                    acc += part * s[None, :]
         if SPLITS == 1:
             _store_tile(acc, x_ptr, out_ptr, rows_m, mask_m, cols_n, mask_n, stride_x, stride_o, ADD, ACT)
         else:
@@ -256,7 +277,8 @@ def _run(a, weight: Int4Grouped, x, out, config: Int4Config) -> None:
         weight.packed.stride(0), weight.scale.stride(0), 0 if x is None else x.stride(0), out.stride(0), k // splits,
         SPLITS=splits, ADD=x is not None, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         IEEE=a.dtype == torch.float32, ACT=ACT_CODES[a.dtype], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP=weight.group, GROUPS=config.groups, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP=weight.group, GROUPS=config.groups, MODE=config.mode, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _int8_sum_kernel[(rows, triton.cdiv(n, SUM_BLOCK))](

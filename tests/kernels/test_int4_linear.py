@@ -94,15 +94,15 @@ def test_int4_packing_holds_the_integers_and_half_a_step():
     q = w.integers()
     assert q.dtype == torch.int8 and int(q.abs().max()) == 7 and int(q.min()) >= -7
     groups = q.reshape(6, 2, 128).abs().amax(dim=2)
-    assert bool((groups[torch.arange(6) != 2] == 7).all()) and int(groups[2, 0]) == 0 and float(w.scale[2, 0]) == 1.0
-    step = w.scale.float().repeat_interleave(128, dim=1)
+    assert bool((groups[torch.arange(6) != 2] == 7).all()) and int(groups[2, 0]) == 0 and float(w.scale[0, 2]) == 1.0
+    step = w.scale.float().t().repeat_interleave(128, dim=1)
     assert bool(((w.dequantize() - dense.float()).abs() <= 0.5 * step * (1 + 2**-7) + 1e-12).all())
     lo, hi = (w.packed[:, :64] & 15).to(torch.int8) - 8, (w.packed[:, :64] >> 4).to(torch.int8) - 8
     assert torch.equal(lo, q[:, :64]) and torch.equal(hi, q[:, 64:128])
     again = Int4Grouped.from_weight(w.dequantize())
     assert torch.equal(again.packed, w.packed) and torch.equal(again.scale, w.scale)
     packed, scale = quantize_int4(dense, 64)
-    assert packed.shape == (6, 128) and scale.shape == (6, 4) and scale.dtype == torch.bfloat16
+    assert packed.shape == (6, 128) and scale.shape == (4, 6) and scale.dtype == torch.bfloat16
     assert w.nbytes == 6 * 128 + 2 * 6 * 2
 
 
