@@ -162,7 +162,7 @@ if triton is not None:
         tiles_per_group,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = 0,
     ):  # fmt: skip
         """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
         pdl_start(PDL)

@@ -231,7 +231,7 @@ if triton is not None:
         UPCAST: tl.constexpr,
         FUSED_COMBINE: tl.constexpr,
         BLOCK_C: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
         ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
@@ -374,7 +374,7 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         BLOCK_M: tl.constexpr,
         DISCARD: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         """One program per (row, query head) of a row of several chunks: merges its chunks' states.
 

@@ -164,7 +164,7 @@ if triton is not None:
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o, k_split,
         SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
         ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
         side by side, and a launch of one row block streams the weight in order)."""
@@ -204,7 +204,7 @@ if triton is not None:
     @triton.jit
     def _int8_sum_kernel(part_ptr, s_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
                          ADD: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):  # fmt: skip
+                         PDL: tl.constexpr = 0):  # fmt: skip
         """``out[r, c] = round(x[r, c] + (part[0, r, c] + ... + part[SPLITS - 1, r, c]) * scale[c])``."""
         pdl_start(PDL)
         row = tl.program_id(0)

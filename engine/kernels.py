@@ -228,7 +228,7 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pdl_start(PDL)
         row = tl.program_id(0)
@@ -295,7 +295,7 @@ if triton is not None:
         COPY: tl.constexpr,
         HEADS: tl.constexpr,
         BLOCK_HEADS: tl.constexpr,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = 0,
     ):
         pdl_start(PDL)
         row = tl.program_id(0)
@@ -364,7 +364,7 @@ if triton is not None:
     @triton.jit
     def _silu_mul_kernel(
         x_ptr, out_ptr, stride_x, stride_o, inter, src_ptr, stride_src, hidden, eps,
-        BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+        BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = 0,
     ):  # fmt: skip
         pdl_start(PDL)
         row = tl.program_id(0)
@@ -383,7 +383,7 @@ if triton is not None:
     @triton.jit
     def _eagle_input_kernel(
         ids_ptr, embed_ptr, hidden_ptr, embed_gain_ptr, hidden_gain_ptr, out_ptr, res_ptr,
-        stride_e, stride_h, stride_o, stride_r, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+        stride_e, stride_h, stride_o, stride_r, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
     ):  # fmt: skip
         """One program per row: the token's embedding row and the hidden row, each RMS-normed with its gain
         into the two halves of ``out``, and the hidden row copied to ``res`` (`eagle_input_torch`)."""

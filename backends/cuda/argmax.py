@@ -39,7 +39,7 @@ def _argmax_chunk_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
     NONE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -84,7 +84,7 @@ def _argmax_reduce_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
     NONE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

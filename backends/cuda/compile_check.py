@@ -309,7 +309,7 @@ def compile_all(target_names: list[str]) -> list[str]:
             require_compiled(kernel)
             for constexprs in constexpr_sets:
                 if "PDL" in kernel.arg_names:  # launched with programmatic dependent launch on CUDA (`pdl`)
-                    constexprs = {**constexprs, "PDL": name == "cuda"}
+                    constexprs = {**constexprs, "PDL": 2 if name == "cuda" else 0}
                 try:
                     _compile(kernel, signature, constexprs, aligned, target)
                 except Exception as err:  # every failure is reported, not just the first

@@ -39,15 +39,23 @@ except ImportError:  # pragma: no cover - a triton without grid dependency contr
     gdc_wait = gdc_launch_dependents = None
 
 ENV = "SPECCYCLE_PDL"
-CHOICES = ("1", "0")
+# ``SPECCYCLE_PDL`` -> the kernels' ``PDL``: 0 off; 1 wait (the next kernel is scheduled once this one's programs have
+# exited, before its completion is signalled); 2 wait and signal at once (the next kernel is scheduled as soon as every
+# program of this one is running)
+LEVELS = {"0": 0, "wait": 1, "1": 2}
+
+
+def pdl_level() -> int:
+    """``SPECCYCLE_PDL`` (unset: ``1``) as the kernels' ``PDL`` level (`LEVELS`); refused with the choices otherwise."""
+    value = os.environ.get(ENV, "1")
+    if value not in LEVELS:
+        raise ValueError(f"{ENV}={value!r}: choose 1 (programmatic dependent launch where the GPU has it, with the "
+                         "early signal), wait (without it) or 0 (off)")  # fmt: skip
+    return LEVELS[value]
 
 
 def pdl_wanted() -> bool:
-    """``SPECCYCLE_PDL``: unset or ``1`` on, ``0`` off; refused with the choices otherwise."""
-    value = os.environ.get(ENV, "1")
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: choose 1 (programmatic dependent launch where the GPU has it) or 0 (off)")
-    return value == "1"
+    return pdl_level() > 0
 
 
 @functools.cache
@@ -58,19 +66,22 @@ def _device_has_pdl(index: int) -> bool:
 def pdl_options(like: torch.Tensor) -> dict:
     """The launch keywords of a kernel with a ``PDL`` constexpr whose tensors live where ``like`` does: ``PDL`` and
     Triton's ``launch_pdl`` both true where PDL runs (see the module docstring), ``PDL`` false elsewhere."""
-    if not pdl_wanted() or gdc_wait is None or not like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return {"PDL": False}
+    level = pdl_level()
+    if not level or gdc_wait is None or not like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return {"PDL": 0}
     index = like.device.index if like.device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _device_has_pdl(index) else {"PDL": False}
+    return {"PDL": level, "launch_pdl": True} if _device_has_pdl(index) else {"PDL": 0}
 
 
 if triton is not None and gdc_wait is not None:
 
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
-        """A PDL-launched kernel's first statement: wait for the kernel ahead, then let the next one be scheduled."""
-        if PDL:
+        """A PDL-launched kernel's first statement: wait for the kernel ahead, then (level 2) let the next one be
+        scheduled."""
+        if PDL >= 1:
             gdc_wait()
+        if PDL >= 2:
             gdc_launch_dependents()
 
 elif triton is not None:  # pragma: no cover - pdl_options never sets PDL here

@@ -46,24 +46,26 @@ def test_every_pdl_kernel_waits_first():
         body = node.body[1:] if docstring else node.body
         assert ast.unparse(body[0]) == "pdl_start(PDL)", f"{name} does not begin with pdl_start(PDL)"
         default = node.args.defaults[-1] if node.args.args[-1].arg == "PDL" else None
-        assert default is not None and ast.unparse(default) == "False", f"{name}: PDL must be last, default False"
+        assert default is not None and ast.unparse(default) == "0", f"{name}: PDL must be last, default 0 (off)"
 
 
 def test_pdl_options_only_where_it_runs(monkeypatch):
     monkeypatch.delenv("SPECCYCLE_PDL", raising=False)
-    assert pdl.pdl_options(torch.zeros(1)) == {"PDL": False}  # CPU tensors: the interpreter
+    assert pdl.pdl_options(torch.zeros(1)) == {"PDL": 0}  # CPU tensors: the interpreter
     if torch.cuda.is_available() and pdl.gdc_wait is not None:
         on = torch.cuda.get_device_capability() >= (9, 0) and torch.version.hip is None
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        want = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+        want = {"PDL": 2, "launch_pdl": True} if on else {"PDL": 0}
         assert pdl.pdl_options(torch.zeros(1, device="cuda")) == want
+        monkeypatch.setenv("SPECCYCLE_PDL", "wait")
+        assert pdl.pdl_options(torch.zeros(1, device="cuda")) == ({"PDL": 1, "launch_pdl": True} if on else {"PDL": 0})
         monkeypatch.setenv("SPECCYCLE_PDL", "0")
-        assert pdl.pdl_options(torch.zeros(1, device="cuda")) == {"PDL": False}
+        assert pdl.pdl_options(torch.zeros(1, device="cuda")) == {"PDL": 0}
 
 
 def test_a_bad_setting_is_refused_with_the_choices(monkeypatch):
     monkeypatch.setenv("SPECCYCLE_PDL", "yes")
-    with pytest.raises(ValueError, match=r"SPECCYCLE_PDL='yes': choose 1 .* or 0"):
+    with pytest.raises(ValueError, match=r"SPECCYCLE_PDL='yes': choose 1 .* wait .* or 0"):
         pdl.pdl_options(torch.zeros(1))
     monkeypatch.setenv("SPECCYCLE_PDL", "0")
     assert not pdl.pdl_wanted()
