@@ -6,7 +6,8 @@ with ``launch_pdl=True`` may be scheduled before the kernel ahead of it has fini
 ``gdc_wait`` (the PTX ``griddepcontrol.wait``) until that kernel's writes are visible. This times chains of tiny
 Triton kernels, alone and between cuBLAS GEMMs of SmolLM2's decode shapes, with and without PDL (and with the
 kernel ahead signalling its dependents early, ``gdc_launch_dependents``), in CUDA graphs, and checks each chain's
-result.
+result. (End to end the fast path did not gain from it: docs/fast_engine.md, "Programmatic dependent launch, tried
+and removed".)
 
     python -m bench.pdl_bench --out $OUT
 

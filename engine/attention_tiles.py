@@ -47,7 +47,6 @@ import os
 
 import torch
 
-from ..backends.cuda.pdl import pdl_options
 from .attention_triton import (
     BLOCK_N,
     CHUNK,
@@ -64,7 +63,6 @@ from .attention_triton import (
 if triton is not None:
     import triton.language as tl
 
-    from ..backends.cuda.pdl import pdl_start
     from .attention_triton import _paged_attention_combine_kernel, _row_chunks, _row_keys
 
 # Lines of a tile's query block: the rows kernel's query block (`attention_triton`: 16 lines, the heads of
@@ -162,10 +160,9 @@ if triton is not None:
         tiles_per_group,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = 0,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(tile, KV head, p)``; program ``p`` takes items ``p, p + P, ...`` (module docstring)."""
-        pdl_start(PDL)
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         lines = tl.arange(0, BLOCK_Q)
@@ -444,7 +441,7 @@ def paged_attention_tiles_triton(
         GROUP=group, BLOCK_Q=tile_lines, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=block_n, CHUNK=chunk, MAX_CHUNKS=max_chunks, BLOCK_M=block_m,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16), UPCAST=interpret,
-        num_warps=num_warps, **launch_options(num_stages, maxnreg), **pdl_options(q),
+        num_warps=num_warps, **launch_options(num_stages, maxnreg),
     )  # fmt: skip
     if chunk_bound > 1:  # rows of several chunks: `attention_triton`'s merge, one program per (row, head)
         _paged_attention_combine_kernel[(num_rows, num_heads)](
@@ -452,6 +449,5 @@ def paged_attention_tiles_triton(
             num_extra, page_size, table_width, num_heads, chunk_bound, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), CHUNK=chunk, MAX_CHUNKS=max_chunks,
             BLOCK_C=triton.next_power_of_2(max_chunks), BLOCK_M=block_m, DISCARD=discard, num_warps=combine_warps,
-            **pdl_options(q),
         )  # fmt: skip
     return out

@@ -53,13 +53,9 @@ import os
 
 import torch
 
-from ..backends.cuda.pdl import pdl_options
-
 try:  # a CPU install may lack triton; the torch twin still works
     import triton
     import triton.language as tl
-
-    from ..backends.cuda.pdl import pdl_start
 except ImportError:  # pragma: no cover - exercised on installs without triton
     triton = None
 
@@ -231,7 +227,6 @@ if triton is not None:
         UPCAST: tl.constexpr,
         FUSED_COMBINE: tl.constexpr,
         BLOCK_C: tl.constexpr,
-        PDL: tl.constexpr = 0,
     ):
         """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
         ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
@@ -244,7 +239,6 @@ if triton is not None:
         visible first); the one that sees all others arrived merges the group's heads and puts the
         counter back to 0 for the next launch. Programs past the row's chunks do nothing.
         """
-        pdl_start(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         first_chunk = tl.program_id(2)
@@ -374,14 +368,12 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         BLOCK_M: tl.constexpr,
         DISCARD: tl.constexpr,
-        PDL: tl.constexpr = 0,
     ):
         """One program per (row, query head) of a row of several chunks: merges its chunks' states.
 
         All ``BLOCK_C`` (a constant, ``MAX_CHUNKS`` rounded up) chunk lanes are reduced in one fixed
         tree, absent chunks contributing exact zeros, so the result depends on the row's own chunks only.
         """
-        pdl_start(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         _, _, _, _, total = _row_keys(row, prefix_ptr, extra_ptr, stride_et, num_extra, page_size, table_width, BLOCK_M)
@@ -642,7 +634,6 @@ def paged_attention_rows_triton(
         BLOCK_C=block_c,
         num_warps=warps,
         **launch_options(num_stages, maxnreg),
-        **pdl_options(q),
     )
     if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](
@@ -667,7 +658,6 @@ def paged_attention_rows_triton(
             BLOCK_C=block_c,
             BLOCK_M=block_m,
             DISCARD=False,
-            **pdl_options(q),
             num_warps=warps,
         )
     return out

@@ -34,7 +34,6 @@ import os
 import attrs
 import torch
 
-from ..backends.cuda.pdl import pdl_options
 from .drafters.eagle_pack import quantize_rowwise
 from .splitk_linear import check_add_target
 
@@ -42,7 +41,6 @@ try:
     import triton
     import triton.language as tl
 
-    from ..backends.cuda.pdl import pdl_start
     from .linear_triton import _mma, _round
     from .splitk_linear import _store_partial, _sum_partials, _tile_rows_cols
 except ImportError:  # pragma: no cover - installs without triton use the torch reference
@@ -164,11 +162,9 @@ if triton is not None:
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o, k_split,
         SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
         ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr = 0,
     ):  # fmt: skip
         """Program ``(n block, m block, split)`` (``n`` fastest: the programs of one weight slab's rows run
         side by side, and a launch of one row block streams the weight in order)."""
-        pdl_start(PDL)
         rows_m, mask_m, cols_n, mask_n = _tile_rows_cols(tl.program_id(1), tl.program_id(0), rows, N, BLOCK_M, BLOCK_N)
         split = tl.program_id(2)
         offs_k = tl.arange(0, BLOCK_K)
@@ -203,10 +199,8 @@ if triton is not None:
 
     @triton.jit
     def _int8_sum_kernel(part_ptr, s_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
-                         ADD: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = 0):  # fmt: skip
+                         ADD: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         """``out[r, c] = round(x[r, c] + (part[0, r, c] + ... + part[SPLITS - 1, r, c]) * scale[c])``."""
-        pdl_start(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
@@ -254,12 +248,12 @@ def _run(a, weight: Int8Rowwise, x, out, config: Int8Config) -> None:
         SPLITS=splits, ADD=x is not None, EVEN_K=k % config.block_k == 0,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", IEEE=a.dtype == torch.float32, ACT=ACT_CODES[a.dtype],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(a),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _int8_sum_kernel[(rows, triton.cdiv(n, SUM_BLOCK))](
             part, weight.scale, out if x is None else x, out, rows, n, 0 if x is None else x.stride(0), out.stride(0),
-            SPLITS=splits, ADD=x is not None, ACT=ACT_CODES[a.dtype], BLOCK=SUM_BLOCK, num_warps=4, **pdl_options(a),
+            SPLITS=splits, ADD=x is not None, ACT=ACT_CODES[a.dtype], BLOCK=SUM_BLOCK, num_warps=4,
         )  # fmt: skip
 
 

@@ -32,7 +32,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..backends.cuda.pdl import pdl_options
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
@@ -49,8 +48,6 @@ from .linear_triton import (
 try:
     import triton
     import triton.language as tl
-
-    from ..backends.cuda.pdl import pdl_start
 except ImportError:  # pragma: no cover - installs without triton use TorchOps
     triton = None
 
@@ -228,9 +225,7 @@ if triton is not None:
         eps,
         HAS_RESIDUAL: tl.constexpr,
         BLOCK: tl.constexpr,
-        PDL: tl.constexpr = 0,
     ):
-        pdl_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -295,9 +290,7 @@ if triton is not None:
         COPY: tl.constexpr,
         HEADS: tl.constexpr,
         BLOCK_HEADS: tl.constexpr,
-        PDL: tl.constexpr = 0,
     ):
-        pdl_start(PDL)
         row = tl.program_id(0)
         # heads head0 .. head0 + HEADS - 1, all of one kind (HEADS divides H and Hkv): 0..H-1 Q, H..H+Hkv-1 K,
         # then V. Elementwise but for the folded norm's RMS, computed once a program (it was once a head).
@@ -364,9 +357,8 @@ if triton is not None:
     @triton.jit
     def _silu_mul_kernel(
         x_ptr, out_ptr, stride_x, stride_o, inter, src_ptr, stride_src, hidden, eps,
-        BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = 0,
+        BLOCK: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        pdl_start(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -383,11 +375,10 @@ if triton is not None:
     @triton.jit
     def _eagle_input_kernel(
         ids_ptr, embed_ptr, hidden_ptr, embed_gain_ptr, hidden_gain_ptr, out_ptr, res_ptr,
-        stride_e, stride_h, stride_o, stride_r, hidden, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
+        stride_e, stride_h, stride_o, stride_r, hidden, eps, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """One program per row: the token's embedding row and the hidden row, each RMS-normed with its gain
         into the two halves of ``out``, and the hidden row copied to ``res`` (`eagle_input_torch`)."""
-        pdl_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -418,7 +409,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     if rows:
         _rms_norm_kernel[(rows,)](
             x, x, weight, x, y, x.stride(0), 0, 0, y.stride(0), hidden, eps,
-            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(hidden), **pdl_options(x),
+            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(hidden),
         )  # fmt: skip
     return y
 
@@ -437,7 +428,7 @@ def add_rms_norm_triton(
     if rows:
         _rms_norm_kernel[(rows,)](
             x, residual, weight, h, y, x.stride(0), residual.stride(0), h.stride(0), y.stride(0), hidden, eps,
-            HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden), **pdl_options(x),
+            HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(hidden),
         )  # fmt: skip
     return h, y
 
@@ -485,7 +476,7 @@ def rope_write_kv_triton(
             qkv if copy_src_to is None else copy_src_to, 0 if copy_src_to is None else copy_src_to.stride(0),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
             NORM=norm_src is not None, BLOCK_H=_block_h(norm_src), COPY=copy_src_to is not None,
-            HEADS=heads, BLOCK_HEADS=triton.next_power_of_2(heads), enable_fp_fusion=False, **pdl_options(qkv),
+            HEADS=heads, BLOCK_HEADS=triton.next_power_of_2(heads), enable_fp_fusion=False,
         )  # fmt: skip
     return q
 
@@ -523,7 +514,7 @@ def silu_mul_triton(gate_up: torch.Tensor, norm_src: torch.Tensor | None = None,
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), inter, *_norm_args(gate_up, norm_src, eps),
-            BLOCK=block, NORM=norm_src is not None, BLOCK_H=_block_h(norm_src), **pdl_options(gate_up),
+            BLOCK=block, NORM=norm_src is not None, BLOCK_H=_block_h(norm_src),
         )  # fmt: skip
     return out
 
@@ -548,7 +539,7 @@ def eagle_input_triton(
         _eagle_input_kernel[(rows,)](
             input_ids.contiguous(), embed_weight, hidden, embed_gain, hidden_gain, out, res,
             embed_weight.stride(0), hidden.stride(0), out.stride(0), res.stride(0), width, eps,
-            BLOCK=triton.next_power_of_2(width), **pdl_options(hidden),
+            BLOCK=triton.next_power_of_2(width),
         )  # fmt: skip
     return out, res
 

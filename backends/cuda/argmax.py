@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from .launch import ROWS_PER_PROGRAM, interpreted, next_power_of_2, target_programs
-from .pdl import pdl_options, pdl_start
 
 _NONE = 2147483647  # an index past any vocabulary: "no candidate"
 _BLOCK = 1024
@@ -39,9 +38,7 @@ def _argmax_chunk_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
     NONE: tl.constexpr,
-    PDL: tl.constexpr = 0,
 ):
-    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_inside = rows < num_rows
     part = tl.program_id(1)
@@ -76,17 +73,8 @@ def _argmax_chunk_kernel(
 
 @triton.jit
 def _argmax_reduce_kernel(
-    value_ptr,
-    index_ptr,
-    out_ptr,
-    num_rows,
-    num_chunks,
-    BLOCK_R: tl.constexpr,
-    BLOCK: tl.constexpr,
-    NONE: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    value_ptr, index_ptr, out_ptr, num_rows, num_chunks, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, NONE: tl.constexpr
 ):
-    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_inside = rows < num_rows
     parts = tl.arange(0, BLOCK)
@@ -135,18 +123,7 @@ def vocab_argmax(logits: torch.Tensor, num_chunks: int | None = None) -> torch.T
     if num_chunks == 1:
         values = torch.empty(rows, dtype=torch.float32, device=logits.device)
         _argmax_chunk_kernel[(row_programs, 1)](
-            logits,
-            rows,
-            logits.stride(0),
-            vocab,
-            chunk,
-            values,
-            out,
-            1,
-            BLOCK_R=block_r,
-            BLOCK=block,
-            NONE=_NONE,
-            **pdl_options(logits),
+            logits, rows, logits.stride(0), vocab, chunk, values, out, 1, BLOCK_R=block_r, BLOCK=block, NONE=_NONE
         )
         return out
     values = torch.empty(rows * num_chunks, dtype=torch.float32, device=logits.device)
@@ -163,18 +140,9 @@ def vocab_argmax(logits: torch.Tensor, num_chunks: int | None = None) -> torch.T
         BLOCK_R=block_r,
         BLOCK=block,
         NONE=_NONE,
-        **pdl_options(logits),
     )
     reduce_r = min(next_power_of_2(rows), ROWS_PER_PROGRAM if interpreted() else 16)
     _argmax_reduce_kernel[(triton.cdiv(rows, reduce_r),)](
-        values,
-        indices,
-        out,
-        rows,
-        num_chunks,
-        BLOCK_R=reduce_r,
-        BLOCK=next_power_of_2(num_chunks),
-        NONE=_NONE,
-        **pdl_options(logits),
+        values, indices, out, rows, num_chunks, BLOCK_R=reduce_r, BLOCK=next_power_of_2(num_chunks), NONE=_NONE
     )
     return out

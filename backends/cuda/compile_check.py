@@ -295,9 +295,7 @@ def _compile(kernel, signature, constexprs, aligned, target, **launch):
 def compile_all(target_names: list[str]) -> list[str]:
     """Compile every kernel for each named target; returns the failures (empty when all compile).
 
-    The fast engine path's kernels are compiled for ``cuda`` only (that path runs on CUDA devices). A kernel with a
-    ``PDL`` constexpr (`pdl.pdl_start`) is compiled with it on for ``cuda`` (Hopper's grid dependency control) and
-    off for ``hip``.
+    The fast engine path's kernels are compiled for ``cuda`` only (that path runs on CUDA devices).
     """
     failures = []
     for name in target_names:
@@ -308,8 +306,6 @@ def compile_all(target_names: list[str]) -> list[str]:
         for kernel, signature, constexpr_sets, aligned in entries:
             require_compiled(kernel)
             for constexprs in constexpr_sets:
-                if "PDL" in kernel.arg_names:  # launched with programmatic dependent launch on CUDA (`pdl`)
-                    constexprs = {**constexprs, "PDL": 2 if name == "cuda" else 0}
                 try:
                     _compile(kernel, signature, constexprs, aligned, target)
                 except Exception as err:  # every failure is reported, not just the first
