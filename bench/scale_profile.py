@@ -4,7 +4,8 @@
 
 One engine per config (chain of 4, forced tau 3; 32-node tree, forced tau 4; as `gpu_bench --parts
 scale`): a warm-up, then one `generate` under torch.profiler; per cycle the kernel time and the top
-kernels, and the same for one autoregressive step at the same row padding. Writes
+kernels, and the same for one autoregressive step at the same row padding (``ar``) and, with the chain, for the
+plain decode of one row a step that the overhead factor is measured against (``ar1``, `FastGreedyDecoder`). Writes
 ``OUT/scale_profile.json`` (with one fused cycle's time by phase and kernel kind, `cycle_breakdown`), one
 text file of top kernels per config and one timeline per config: every kernel of the profiled call in
 launch order (start, idle gap before it, duration, name), so a cycle's draft levels, verify, accept and
@@ -94,6 +95,7 @@ def main() -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.drafters.eagle import EagleDraft
     from speccycle.engine.engine import Engine
+    from speccycle.engine.fast import FastGreedyDecoder, FastOptions
     from speccycle.engine.kv_pool import PagedKVPool
     from speccycle.engine.llama import LlamaModel
     from speccycle.engine.weights_gguf import LlamaConfig
@@ -117,9 +119,12 @@ def main() -> None:
         pool = PagedKVPool(num_pages=80, page_size=16, device="cuda")
         engine = Engine(model, pool, lambda e, pool=pool: EagleDraft(head, model, pool), spec, fast=True)
         engine.fused_cycles.force_acceptance(tau)
-        for way in ("ar", "fused"):
+        plain = FastGreedyDecoder(engine.target, engine.pool, FastOptions("cuda", min_target_rows=1))
+        for way in ("ar1", "ar", "fused") if label == "chain4" else ("ar", "fused"):
 
-            def run(way=way, engine=engine):
+            def run(way=way, engine=engine, plain=plain):
+                if way == "ar1":
+                    return plain.decode([prompt], args.new_tokens)
                 if way == "ar":
                     return engine.generate_autoregressive([prompt], args.new_tokens)
                 return engine.generate([prompt], args.new_tokens)
@@ -129,7 +134,7 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 out = run()
                 torch.cuda.synchronize()
-            steps = args.new_tokens if way == "ar" else out[1].verifies
+            steps = out[1].verifies if way == "fused" else args.new_tokens
             total, per_name = kernel_times(prof)
             top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:40]
             lines = [f"{t / steps:9.1f} {n / steps:9.2f}  {name[:150]}" for name, (t, n) in top]
@@ -143,7 +148,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             print("\n".join(lines[:12]), flush=True)
-        del engine, pool
+        del engine, pool, plain
         torch.cuda.empty_cache()
     (args.out / "scale_profile.json").write_text(json.dumps({"benchmark": "scale_profile", "rows": rows}, indent=1))
 
