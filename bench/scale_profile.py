@@ -5,22 +5,24 @@
 One engine per config (chain of 4, forced tau 3; 32-node tree, forced tau 4; as `gpu_bench --parts
 scale`): a warm-up, then one `generate` under torch.profiler; per cycle the kernel time and the top
 kernels, and the same for one autoregressive step at the same row padding (``ar``) and, with the chain, for the
-plain decode of one row a step that the overhead factor is measured against (``ar1``, `FastGreedyDecoder`). Writes
-``OUT/scale_profile.json`` (with one fused cycle's time by phase and kernel kind, `cycle_breakdown`), one
-text file of top kernels per config and one timeline per config: every kernel of the profiled call in
-launch order (start, idle gap before it, duration, name), so a cycle's draft levels, verify, accept and
-extend can be read apart.
+plain decode of one row a step that the overhead factor is measured against (``ar1``, `FastGreedyDecoder`).
+Writes ``OUT/scale_profile.json`` (device, commit, date; one fused cycle's time by phase and kernel kind,
+`cycle_breakdown`), one text file of top kernels per config and one timeline per config: every kernel of the
+profiled call in launch order (start, idle gap before it, duration, name), so a cycle's draft levels, verify,
+accept and extend can be read apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import statistics
 from pathlib import Path
 
 import torch
 
+from .common import commit, device_name
 from .decode_profile import kernel_times
 from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
 
@@ -150,7 +152,10 @@ def main() -> None:
             print("\n".join(lines[:12]), flush=True)
         del engine, pool, plain
         torch.cuda.empty_cache()
-    (args.out / "scale_profile.json").write_text(json.dumps({"benchmark": "scale_profile", "rows": rows}, indent=1))
+    record = {"benchmark": "scale_profile", "device": device_name("cuda"), "commit": commit(),
+              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+              "rows": rows}  # fmt: skip
+    (args.out / "scale_profile.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
