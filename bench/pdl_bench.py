@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import write_result
+from .row_linear_bench import graph_us
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -41,26 +42,6 @@ def _step_kernel(x_ptr, y_ptr, n, WAIT: tl.constexpr, SIGNAL: tl.constexpr, BLOC
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Median µs of one replay of a graph of ``fn`` (after a warm-up capture)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -93,7 +74,7 @@ def main() -> None:
         for label, pdl, signal in (("plain", False, False), ("pdl", True, False), ("pdl+signal", True, True)):
             key = f"{'gemm+' if gemm else ''}{label}"
             run = chain(pdl, signal, gemm)
-            us = graph_us(run)
+            us = graph_us(run, reps=1)
             per = us / (count * (1.5 if gemm else 1))
             result["us_per_kernel"][key] = round(per, 3)
             result["checks"][key] = bool((x == float(count)).all().item())
