@@ -346,6 +346,22 @@ def draft_weights_choice(asked: str | None = None) -> str:
     return choice
 
 
+def int8_form(head, name: str, weight: torch.Tensor) -> Int8Rowwise:
+    """The int8 form of the head's GEMM weight ``name`` (``weight``), made once per head: engines accelerated over one
+    head share it (an 8B-shaped head's forms are 0.42 GB). Made again when the weight is another tensor or was
+    changed in place since (its version counter)."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        version = None
+    key = (weight.data_ptr(), version, tuple(weight.shape), weight.dtype, weight.device)
+    cache = head.__dict__.setdefault("int8_forms", {})
+    held = cache.get(name)
+    if held is None or held[0] != key:
+        held = cache[name] = (key, Int8Rowwise.from_weight(weight))
+    return held[1]
+
+
 @attrs.frozen(eq=False)
 class HeadGemms:
     """The weights an EAGLE head's fast forward multiplies by: the head's tensors, or (``int8``) `DraftWeight`s (their
@@ -380,7 +396,7 @@ class HeadGemms:
         weights = dict(fc=head.fc, qkv=head.qkv, o=head.o, gate_up=gate_up, down=head.down,
                        lm_head=None if c.target_lm_head else head.lm_head)  # fmt: skip
         if draft_weights == "int8":
-            weights = {n: None if w is None else DraftWeight(Int8Rowwise.from_weight(w), w) for n, w in weights.items()}
+            weights = {n: None if w is None else DraftWeight(int8_form(head, n, w), w) for n, w in weights.items()}
         return cls(draft_weights, **weights)
 
     @property

@@ -714,6 +714,24 @@ def test_fast_engine_with_an_int8_draft_is_lossless(weights):
     assert pool.num_free_pages == pool.num_pages
 
 
+def test_engines_over_one_head_share_its_int8_forms():
+    """`fast.int8_form`: a second `HeadGemms` over the same head reuses the int8 forms (no second copy); a weight
+    changed in place since is quantized again."""
+    from speccycle.engine.fast import HeadGemms
+
+    head = _int8_grid_head(torch.bfloat16)
+    first = HeadGemms.of(head, FoldedNormOps, "int8", torch.device("cpu"))
+    second = HeadGemms.of(head, FoldedNormOps, "int8", torch.device("cpu"))
+    for name in ("fc", "qkv", "o", "gate_up", "down", "lm_head"):
+        assert getattr(first, name).int8 is getattr(second, name).int8
+    before = first.qkv.int8
+    with torch.no_grad():
+        head.qkv.mul_(2)
+    third = HeadGemms.of(head, FoldedNormOps, "int8", torch.device("cpu"))
+    assert third.qkv.int8 is not before and torch.equal(third.qkv.int8.q, before.q)
+    assert torch.allclose(third.qkv.int8.scale, 2 * before.scale) and third.o.int8 is first.o.int8
+
+
 def test_draft_weights_choice_and_refusals(monkeypatch):
     """``auto`` takes int8 on CUDA for a half-precision EAGLE-3 head under folded ops, the head's dtype elsewhere
     (CPU, float32 heads, unfolded ops, EAGLE-1); int8 asked where the folded EAGLE-3 layer does not run is refused
