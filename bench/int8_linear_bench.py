@@ -42,7 +42,8 @@ COPY_BYTES = 256 << 20  # bfloat16 bytes of a shape's copies together: past the 
 SWEEP = [(n, k, s, w, st) for n in (32, 64, 128) for k in (128, 256, 512) for s in (1, 2, 4) for w in (4, 8)
          for st in (3, 5)]  # fmt: skip
 # (block_n, groups a K step, splits, num_warps, num_stages) of the int4 GEMV swept with ``--sweep``
-SWEEP4 = [(n, g, s, w, st) for n in (32, 64, 128) for g in (1, 2) for s in (1, 2, 4, 8) for w in (4, 8) for st in (1, 3)]
+SWEEP4 = [(n, g, s, w, st, pf) for pf in (False, True) for n in (64, 128, 256) for g in (1,) for s in (1, 2, 4, 8)
+          for w in (4, 8) for st in (1, 3)]  # fmt: skip
 
 
 def cold_us(call, weights: list) -> float:
@@ -92,11 +93,11 @@ def main() -> None:
                 err4 = (int4_linear(x, packed4[0]).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-9)
                 result["check"].setdefault(name + "/int4", {})[r] = err4
                 if args.sweep:
-                    for bn, g, s, w, st in SWEEP4:
+                    for bn, g, s, w, st, pf in SWEEP4:
                         if (k // 128) % (s * g) or bn > n:
                             continue
-                        c = Int4Config(block_n=bn, groups=g, splits=s, num_warps=w, num_stages=st)
-                        label = f"n{bn}-g{g}-s{s}-w{w}-st{st}"
+                        c = Int4Config(block_n=bn, groups=g, splits=s, num_warps=w, num_stages=st, prefetch=pf)
+                        label = f"n{bn}-g{g}-s{s}-w{w}-st{st}" + ("-pf" if pf else "")
                         try:
                             t = round(cold_us(lambda wt, x=x, c=c: int4_linear(x, wt, config=c), packed4), 2)
                         except Exception as exc:  # out of registers: skip the launch

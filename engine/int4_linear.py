@@ -146,6 +146,7 @@ class Int4Config:
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False
 
 
 # Programs a launch wants before K is split: fewer column blocks than this take 2, 4 or 8 splits of K.
@@ -244,6 +245,19 @@ if triton is not None:
         return t - 136.0 * (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))[None, :]
 
     @triton.jit
+    def _group_step(a0, kg, offs, ok0, ok1, ok2, ok3, w, s, stride_a, acc0, acc1, acc2, acc3, ASM: tl.constexpr,
+                    ROWS: tl.constexpr, WG: tl.constexpr):  # fmt: skip
+        """A group's words ``w`` and scales ``s`` into the block's (up to four) rows' accumulators."""
+        v0, v1, v2, v3, v4, v5, v6, v7 = _unpack(w, ASM)
+        acc0 += _group_row(a0, kg, offs, ok0, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
+        if ROWS > 1:
+            acc1 += _group_row(a0 + stride_a, kg, offs, ok1, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
+        if ROWS > 2:
+            acc2 += _group_row(a0 + 2 * stride_a, kg, offs, ok2, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
+            acc3 += _group_row(a0 + 3 * stride_a, kg, offs, ok3, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
     def _row_out(acc, r, rows, cols_n, mask_n, x_ptr, out_ptr, part_ptr, split, N, stride_x, stride_o,
                  SPLITS: tl.constexpr, ADD: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
@@ -258,7 +272,7 @@ if triton is not None:
     def _int4_gemv_kernel(
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, stride_a, stride_q, stride_s, stride_x, stride_o,
         k_split, SPLITS: tl.constexpr, ADD: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Program ``(n block, split, row block)``: its split's ``k_split`` columns in steps of ``GROUPS`` groups, up
         to ``ROWS`` (1..4) rows from ``row block * ROWS``."""
@@ -279,20 +293,25 @@ if triton is not None:
         acc2 = tl.zeros([BLOCK_N, WG], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N, WG], dtype=tl.float32)
         k_lo = split * k_split
-        for k0 in range(k_lo, k_lo + k_split, GROUP * GROUPS):
-            for g in tl.static_range(GROUPS):
-                kg = k0 + g * GROUP
-                w = tl.load(q_rows + kg // 8, mask=mask_n[:, None], other=0)
-                s = tl.load(s_ptr + (kg // GROUP) * stride_s + cols_n, mask=mask_n, other=0.0).to(tl.float32)
-                v0, v1, v2, v3, v4, v5, v6, v7 = _unpack(w, ASM)
-                acc0 += _group_row(a0, kg, offs, ok0, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
-                if ROWS > 1:
-                    acc1 += _group_row(a0 + stride_a, kg, offs, ok1, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
-                if ROWS > 2:
-                    a2 = a0 + 2 * stride_a
-                    acc2 += _group_row(a2, kg, offs, ok2, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
-                    a3 = a0 + 3 * stride_a
-                    acc3 += _group_row(a3, kg, offs, ok3, v0, v1, v2, v3, v4, v5, v6, v7, WG) * s[:, None]
+        k_hi = k_lo + k_split
+        if PREFETCH:  # one group a step, the next step's words and scales loaded before this step's products
+            w = tl.load(q_rows + k_lo // 8, mask=mask_n[:, None], other=0)
+            s = tl.load(s_ptr + (k_lo // GROUP) * stride_s + cols_n, mask=mask_n, other=0.0)
+            for kg in range(k_lo, k_hi, GROUP):
+                more = cols_n * 0 + kg + GROUP < k_hi  # [BLOCK_N]: a next step
+                w_next = tl.load(q_rows + (kg + GROUP) // 8, mask=(mask_n & more)[:, None], other=0)
+                s_next = tl.load(s_ptr + (kg // GROUP + 1) * stride_s + cols_n, mask=mask_n & more, other=0.0)
+                acc0, acc1, acc2, acc3 = _group_step(a0, kg, offs, ok0, ok1, ok2, ok3, w, s.to(tl.float32), stride_a,
+                                                     acc0, acc1, acc2, acc3, ASM, ROWS, WG)  # fmt: skip
+                w, s = w_next, s_next
+        else:
+            for k0 in range(k_lo, k_hi, GROUP * GROUPS):
+                for g in tl.static_range(GROUPS):
+                    kg = k0 + g * GROUP
+                    w = tl.load(q_rows + kg // 8, mask=mask_n[:, None], other=0)
+                    s = tl.load(s_ptr + (kg // GROUP) * stride_s + cols_n, mask=mask_n, other=0.0).to(tl.float32)
+                    acc0, acc1, acc2, acc3 = _group_step(a0, kg, offs, ok0, ok1, ok2, ok3, w, s, stride_a, acc0, acc1,
+                                                         acc2, acc3, ASM, ROWS, WG)  # fmt: skip
         _row_out(acc0, r0, rows, cols_n, mask_n, x_ptr, out_ptr, part_ptr, split, N, stride_x, stride_o, SPLITS, ADD,
                  ACT)  # fmt: skip
         if ROWS > 1:
@@ -341,7 +360,7 @@ def _run(a, weight: Int4Grouped, x, out, config: Int4Config) -> None:
         weight.packed.stride(0), weight.scale.stride(0), 0 if x is None else x.stride(0), out.stride(0), k // splits,
         SPLITS=splits, ADD=x is not None, ASM=a.is_cuda and os.environ.get("TRITON_INTERPRET") != "1",
         ACT=ACT_CODES[a.dtype], ROWS=block_rows, BLOCK_N=config.block_n, GROUP=weight.group, GROUPS=config.groups,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PREFETCH=config.prefetch, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _int8_sum_kernel[(rows, triton.cdiv(n, SUM_BLOCK))](
@@ -407,13 +426,13 @@ def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]
             g = group_size(k)
             c = int4_config(rows, n, k, g)
             sets.append(dict(SPLITS=c.splits, ADD=add, ASM=True, ACT=1 if dt == "bf16" else 0, ROWS=rows,
-                             BLOCK_N=c.block_n, GROUP=g, GROUPS=c.groups))  # fmt: skip
+                             BLOCK_N=c.block_n, GROUP=g, GROUPS=c.groups, PREFETCH=c.prefetch))  # fmt: skip
         out.append((_int4_gemv_kernel, signature, sets, aligned))
         if dt == "bf16":  # the draft LM head's float32 logits
             c = int4_config(1, 32000, 4096, 128)
             wide = dict(signature, out_ptr="*fp32")
             lm_head = dict(SPLITS=c.splits, ADD=False, ASM=True, ACT=1, ROWS=1, BLOCK_N=c.block_n, GROUP=128,
-                           GROUPS=c.groups)  # fmt: skip
+                           GROUPS=c.groups, PREFETCH=c.prefetch)  # fmt: skip
             out.append((_int4_gemv_kernel, wide, [lm_head], aligned))
         out.append((_int8_sum_kernel,  # the split partials, unscaled
                     dict(part_ptr="*fp32", s_ptr="*fp32", x_ptr=p, out_ptr=p, rows="i32", N="i32", stride_x="i32",
