@@ -1,18 +1,16 @@
-"""An 8B-shaped EAGLE-3 head's GEMMs in bfloat16 (cuBLAS / cuBLASLt), weight-only int8 (`engine.int8_linear`) and
-weight-only int4 (`engine.int4_linear`, groups of 128).
+"""An 8B-shaped EAGLE-3 head's GEMMs in bfloat16 (cuBLAS / cuBLASLt) and in weight-only int8 (`engine.int8_linear`).
 
 The head drafts at a decode's few rows (1 for a chain, the tree's frontier of K for a tree, a verify's accepted
 rows for an extend), so its GEMMs read weights: int8 halves the bytes. Per shape (`SHAPES`: the head's ``fc``
 12288 -> 4096, QKV 8192 -> 6144, O, gate-up, down, and a 32,000-token draft LM head) and row count this times
 ``F.linear`` in bfloat16 with torch's default BLAS library and with cuBLASLt (the fast path's, `fast.blas_scope`),
-and the packed kernels (``--forms``) with their default tiles (`int8_config`, `int4_config`) and, with ``--sweep``,
-the tiles of `SWEEP` / `SWEEP4`. Weights are cold: each graph replay calls a shape once per copy of its weight, the
-copies together larger than L2 (`COPY_BYTES`). It sums a draft level (QKV, O, gate-up, down, LM head) per library
-and checks each kernel against its torch reference.
+and `int8_linear.int8_linear_triton` with its default tile (`int8_config`) and, with ``--sweep``, the tiles of
+`SWEEP`. Weights are cold: each graph replay calls a shape once per copy of its weight, the copies together
+larger than L2 (`COPY_BYTES`). It sums a draft level (QKV, O, gate-up, down, LM head) per library and checks the
+kernel against `int8_linear_torch`.
 
     python -m bench.int8_linear_bench --out $OUT
     python -m bench.int8_linear_bench --out $OUT --rows 1,4 --sweep
-    python -m bench.int8_linear_bench --out $OUT --rows 1,4 --forms int4 --sweep
 
 Writes ``int8_linear_bench-<date>.json`` (device, date, commit) into ``--out`` (default bench/results).
 """
@@ -41,9 +39,6 @@ COPY_BYTES = 256 << 20  # bfloat16 bytes of a shape's copies together: past the 
 # (block_n, block_k, splits, num_warps, num_stages) swept with ``--sweep``
 SWEEP = [(n, k, s, w, st) for n in (32, 64, 128) for k in (128, 256, 512) for s in (1, 2, 4) for w in (4, 8)
          for st in (3, 5)]  # fmt: skip
-# (block_n, groups a K step, splits, num_warps, num_stages) of the int4 GEMV swept with ``--sweep``
-SWEEP4 = [(n, g, s, w, st, pf) for pf in (False, True) for n in (64, 128, 256) for g in (1,) for s in (1, 2, 4, 8)
-          for w in (4, 8) for st in (1, 3)]  # fmt: skip
 
 
 def cold_us(call, weights: list) -> float:
@@ -55,16 +50,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,5,16,32")
     parser.add_argument("--sweep", action="store_true", help="time every tile of SWEEP too")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--forms", default="int8,int4", help="packed forms to time (and --sweep)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    import triton
-    from speccycle.engine.int4_linear import Int4Config, Int4Grouped, int4_linear_torch
-    from speccycle.engine.int4_linear import int4_linear_triton as int4_linear
     from speccycle.engine.int8_linear import Int8Config, Int8Rowwise, int8_config, int8_linear_torch
     from speccycle.engine.int8_linear import int8_linear_triton as int8_linear
-
-    forms = args.forms.split(",")
 
     rows = [int(r) for r in args.rows.split(",")]
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -76,9 +65,8 @@ def main() -> None:
         dense = [
             torch.randn((n, k), generator=gen, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)
         ]
-        packed = [Int8Rowwise.from_weight(w) for w in dense] if "int8" in forms else []
-        packed4 = [Int4Grouped.from_weight(w) for w in dense] if "int4" in forms else []
-        us = result["us"][name] = {"cublas": {}, "cublaslt": {}, "int8": {}, "int4": {}}
+        packed = [Int8Rowwise.from_weight(w) for w in dense]
+        us = result["us"][name] = {"cublas": {}, "cublaslt": {}, "int8": {}}
         result["default_config"][name] = {}
         for r in rows:
             x = torch.randn((r, k), generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -86,34 +74,6 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library(library)
                 us[key][r] = round(cold_us(lambda w, x=x: F.linear(x, w), dense), 2)
             torch.backends.cuda.preferred_blas_library(default)
-            err = err4 = float("nan")
-            if packed4:
-                us["int4"][r] = round(cold_us(lambda w, x=x: int4_linear(x, w), packed4), 2)
-                ref = int4_linear_torch(x, packed4[0]).float()
-                err4 = (int4_linear(x, packed4[0]).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-9)
-                result["check"].setdefault(name + "/int4", {})[r] = err4
-                if args.sweep:
-                    for bn, g, s, w, st, pf in SWEEP4:
-                        if (k // 128) % (s * g) or bn > n:
-                            continue
-                        c = Int4Config(block_n=bn, groups=g, splits=s, num_warps=w, num_stages=st, prefetch=pf)
-                        label = f"n{bn}-g{g}-s{s}-w{w}-st{st}" + ("-pf" if pf else "")
-                        try:
-                            t = round(cold_us(lambda wt, x=x, c=c: int4_linear(x, wt, config=c), packed4), 2)
-                        except Exception as exc:  # out of registers: skip the launch
-                            print(f"[int4] {name} {label}: {type(exc).__name__}", flush=True)
-                            continue
-                        us.setdefault("sweep4", {}).setdefault(label, {})[r] = t
-                    labs = [lab for lab in us.get("sweep4", {}) if r in us["sweep4"][lab]]
-                    if labs:
-                        lab = min(labs, key=lambda lab: us["sweep4"][lab][r])
-                        us.setdefault("best4", {})[r] = [lab, us["sweep4"][lab][r]]
-                        print(f"[int4] {name:8s} rows {r:3d}: default {us['int4'][r]:7.1f} best {lab} "
-                              f"{us['sweep4'][lab][r]:.1f}", flush=True)  # fmt: skip
-            if not packed:
-                print(f"[int4] {name:8s} rows {r:3d}: cublaslt {us['cublaslt'][r]:7.1f} int4 {us['int4'][r]:7.1f} "
-                      f"(rel err {err4:.1e})", flush=True)  # fmt: skip
-                continue
             config = int8_config(r, n, k)
             result["default_config"][name][r] = attrs.asdict(config)
             us["int8"][r] = round(cold_us(lambda w, x=x: int8_linear(x, w), packed), 2)
@@ -139,14 +99,13 @@ def main() -> None:
                 us.setdefault("best", {})[r] = [lab, us["sweep"][lab][r]]
                 best = f" best {lab} {us['sweep'][lab][r]:.1f}"
             gbs = n * k / (us["int8"][r] * 1e3)
-            int4 = f" int4 {us['int4'][r]:7.1f} (rel err {err4:.1e})" if packed4 else ""
             print(f"[int8] {name:8s} rows {r:3d}: cublas {us['cublas'][r]:7.1f} cublaslt {us['cublaslt'][r]:7.1f} "
-                  f"int8 {us['int8'][r]:7.1f} ({gbs:6.0f} GB/s, err {err:.1e}){best}{int4}", flush=True)  # fmt: skip
-        del dense, packed, packed4
+                  f"int8 {us['int8'][r]:7.1f} ({gbs:6.0f} GB/s, rel err {err:.1e}){best}", flush=True)  # fmt: skip
+        del dense, packed
         torch.cuda.empty_cache()
     level = result["level_us"] = {}
-    for key in ("cublas", "cublaslt", "int8", "int4"):
-        if all(name in shapes for name in LEVEL) and all(result["us"][name][key] for name in LEVEL):
+    for key in ("cublas", "cublaslt", "int8"):
+        if all(name in shapes for name in LEVEL):
             level[key] = {r: round(sum(result["us"][name][key][r] for name in LEVEL), 1) for r in rows}
     print(f"[int8] a draft level's GEMMs (µs): {level}", flush=True)
     write_result("int8_linear_bench", result, "cuda", args.out)

@@ -51,7 +51,6 @@ from .graphs import (
     row_layout,
     unpack_rows,
 )
-from .int4_linear import Int4Grouped, int4_linear, int4_linear_add
 from .int8_linear import Int8Rowwise, int8_linear, int8_linear_add
 from .kernels import TorchOps, default_ops
 from .kv_pool import LayerKV, PagedKVPool
@@ -209,9 +208,9 @@ def eagle_rows_forward(
                                     out_dtype=torch.float32)  # fmt: skip
         return logits, out
     lm_head = draft.gemms.lm_head
-    q = _packed_for(lm_head, picked.shape[0])
+    q = _int8_for(lm_head, picked.shape[0])
     if q is not None:
-        small = _packed_linear(ops.rms_norm(picked, head.norm.weight, eps), q, torch.float32)  # [R, Vd]
+        small = int8_linear(ops.rms_norm(picked, head.norm.weight, eps), q, torch.float32)  # [R, Vd]
     else:
         _, small = ops.norm_linear(picked, None, head.norm.weight, eps, _dense(lm_head), out_dtype=torch.float32)
     if draft_vocab:
@@ -276,7 +275,7 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     their concatenation (`kernels.eagle_input_triton`, which also copies the residual stream), the O and
     down GEMMs adding into that copy in place, the post-attention norm folded into the gate-up GEMM (its
     row factor applied by the SiLU-mul kernel): 9 kernels up to the final norm instead of 14. Its GEMMs read
-    ``draft.gemms`` (`HeadGemms`: the head's weights, or their int8 or int4 forms)."""
+    ``draft.gemms`` (`HeadGemms`: the head's weights, or their int8 forms)."""
     head, target, w = draft.head, draft.target_model, draft.gemms
     c = head.config
     rows, eps = inputs.input_ids.shape[0], c.rms_norm_eps
@@ -294,55 +293,46 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     return _linear_add(ops, residual, act, w.down)  # [T, H]
 
 
-def _packed_for(weight, rows: int) -> Int8Rowwise | Int4Grouped | None:
-    """The packed (int8 or int4) form to multiply ``rows`` rows by, or None: the weight's dense tensor
-    (`DraftWeight`)."""
-    return weight.packed if isinstance(weight, DraftWeight) and rows <= PACKED_MAX_ROWS else None
+def _int8_for(weight, rows: int) -> Int8Rowwise | None:
+    """The int8 form to multiply ``rows`` rows by, or None: the weight's dense tensor (`DraftWeight`)."""
+    return weight.int8 if isinstance(weight, DraftWeight) and rows <= INT8_MAX_ROWS else None
 
 
 def _dense(weight) -> torch.Tensor:
     return weight.dense if isinstance(weight, DraftWeight) else weight
 
 
-def _packed_linear(x: torch.Tensor, q, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return int4_linear(x, q, out_dtype) if isinstance(q, Int4Grouped) else int8_linear(x, q, out_dtype)
-
-
 def _linear(ops, x: torch.Tensor, weight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    q = _packed_for(weight, x.shape[0])
-    return _packed_linear(x, q, out_dtype) if q is not None else ops.linear(x, _dense(weight), out_dtype)
+    q = _int8_for(weight, x.shape[0])
+    return int8_linear(x, q, out_dtype) if q is not None else ops.linear(x, _dense(weight), out_dtype)
 
 
 def _linear_add(ops, x: torch.Tensor, a: torch.Tensor, weight) -> torch.Tensor:
-    q = _packed_for(weight, a.shape[0])
-    if q is None:
-        return ops.linear_add(x, a, _dense(weight))
-    return int4_linear_add(x, a, q) if isinstance(q, Int4Grouped) else int8_linear_add(x, a, q)
+    q = _int8_for(weight, a.shape[0])
+    return int8_linear_add(x, a, q) if q is not None else ops.linear_add(x, a, _dense(weight))
 
 
 # ---- a draft head's GEMM weights -------------------------------------------------------------------
 # What an EAGLE head's GEMMs read on the fast path (`FastOptions.draft_weights`, ``SPECCYCLE_DRAFT_WEIGHTS``): ``int8``
-# (`engine.int8_linear`: the head's weights in `drafters.eagle_pack`'s int8-rowwise form, half the bytes), ``int4``
-# (`engine.int4_linear`: 4-bit groups, a quarter of the bytes; opt-in), ``dtype`` (the head's own) or ``auto`` (the
-# default: int8 on CUDA for a bfloat16 or float16 EAGLE-3 head under an op set that folds it, such as
-# `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere, float32 heads included). The draft only
-# proposes, so each keeps the output the target's; what a packed form can cost is acceptance.
-DRAFT_WEIGHTS = ("auto", "int8", "int4", "dtype")
-PACKED = {"int8": Int8Rowwise, "int4": Int4Grouped}  # draft_weights -> the packed form `HeadGemms` makes
-# Rows up to which a draft GEMM reads the packed form: a draft step's (1 a chain, K a tree's level, per request) and
-# an extend's. Above, the head's own weights through cuBLAS: `int8_linear`'s 64-row tiles lost to it (an 8B-shaped
-# head's draft level at 48 / 64 / 128 rows 322 / 319 / 513 µs against 207 / 204 / 225, H200, bench/results/
+# (`engine.int8_linear`: the head's weights in `drafters.eagle_pack`'s int8-rowwise form, half the bytes), ``dtype``
+# (the head's own) or ``auto`` (the default: int8 on CUDA for a bfloat16 or float16 EAGLE-3 head under an op set that
+# folds it, such as `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere, float32 heads included). The
+# draft only proposes, so each keeps the output the target's.
+DRAFT_WEIGHTS = ("auto", "int8", "dtype")
+# Rows up to which a draft GEMM reads the int8 form: a draft step's (1 a chain, K a tree's level, per request) and an
+# extend's. Above, the head's own weights through cuBLAS: `int8_linear`'s 64-row tiles lost to it (an 8B-shaped head's
+# draft level at 48 / 64 / 128 rows 322 / 319 / 513 µs against 207 / 204 / 225, H200, bench/results/
 # int8_linear_bench-H200-session20-manyrows-*), while at 32 it still won (196 against 285, H100,
 # int8_linear_bench-H100-session20-default-*).
-PACKED_MAX_ROWS = 32
+INT8_MAX_ROWS = 32
 
 
 @attrs.frozen(eq=False)
 class DraftWeight:
-    """A head's GEMM weight twice: its packed form (`int8_linear.Int8Rowwise` or `int4_linear.Int4Grouped`, read up to
-    `PACKED_MAX_ROWS` rows) and the head's own tensor (``dense``, not a copy: read above)."""
+    """A head's GEMM weight twice: its `int8_linear.Int8Rowwise` form (read up to `INT8_MAX_ROWS` rows) and the head's
+    own tensor (``dense``, not a copy: read above)."""
 
-    packed: Int8Rowwise | Int4Grouped
+    int8: Int8Rowwise
     dense: torch.Tensor
 
 
@@ -374,10 +364,10 @@ def int8_form(head, name: str, weight: torch.Tensor) -> Int8Rowwise:
 
 @attrs.frozen(eq=False)
 class HeadGemms:
-    """The weights an EAGLE head's fast forward multiplies by: the head's tensors, or (``int8``, ``int4``)
-    `DraftWeight`s (their packed forms beside them). ``gate_up`` is the folded one (`fold_head_weights`) where the ops
+    """The weights an EAGLE head's fast forward multiplies by: the head's tensors, or (``int8``) `DraftWeight`s (their
+    `int8_linear.Int8Rowwise` forms beside them). ``gate_up`` is the folded one (`fold_head_weights`) where the ops
     fold the head; ``lm_head`` is None for a head over the target's LM head (the target's weight, never quantized). A
-    deeper head's layers past the first keep the head's dtype (`_eagle_extra_layer`). ``kind``: ``int8``, ``int4`` or
+    deeper head's layers past the first keep the head's dtype (`_eagle_extra_layer`). ``kind``: ``int8`` or
     ``dtype``."""
 
     kind: str
@@ -396,9 +386,9 @@ class HeadGemms:
         if draft_weights == "auto":  # the fast path's half-precision heads on CUDA (a float32 head: a parity run)
             half = head.dtype in (torch.bfloat16, torch.float16)
             draft_weights = "int8" if folds and half and torch.device(device).type == "cuda" else "dtype"
-        if draft_weights in PACKED and not folds:
+        if draft_weights == "int8" and not folds:
             raise ValueError(
-                f"draft_weights={draft_weights!r} runs the folded EAGLE-3 layer (an op set with fold_head, such as "
+                f"draft_weights='int8' runs the folded EAGLE-3 layer (an op set with fold_head, such as "
                 f"kernels.FoldedNormOps, CUDA's default); this head is EAGLE-{c.version} under {ops.__name__}: "
                 "pass draft_weights='dtype' (or SPECCYCLE_DRAFT_WEIGHTS=dtype)"
             )
@@ -407,15 +397,12 @@ class HeadGemms:
                        lm_head=None if c.target_lm_head else head.lm_head)  # fmt: skip
         if draft_weights == "int8":
             weights = {n: None if w is None else DraftWeight(int8_form(head, n, w), w) for n, w in weights.items()}
-        elif draft_weights in PACKED:
-            form = PACKED[draft_weights]
-            weights = {n: None if w is None else DraftWeight(form.from_weight(w), w) for n, w in weights.items()}
         return cls(draft_weights, **weights)
 
     @property
-    def packed_bytes(self) -> int:
-        """Bytes of the packed forms (held beside the head's own weights; 0 for ``dtype``)."""
-        return sum(w.packed.nbytes for w in attrs.astuple(self, recurse=False)[1:] if isinstance(w, DraftWeight))
+    def int8_bytes(self) -> int:
+        """Bytes of the int8 forms (held beside the head's own weights; 0 for ``dtype``)."""
+        return sum(w.int8.nbytes for w in attrs.astuple(self, recurse=False)[1:] if isinstance(w, DraftWeight))
 
 
 # ---- options -------------------------------------------------------------------------------------
@@ -427,11 +414,10 @@ class FastOptions:
     ``graph_pool``: the CUDA graph memory pool of the engine these options accelerate (`accelerate`
     makes one set of options per engine): its target, draft and decode graphs are captured into it,
     and it keeps them alive until the engine and its options are dropped (`graphs.GraphPool`).
-    ``draft_weights``: what an EAGLE head's GEMMs read, ``int8`` (`engine.int8_linear`, half the bytes), ``int4``
-    (`engine.int4_linear`, a quarter), ``dtype`` (the head's own weights) or ``auto`` (int8 on CUDA for a
-    half-precision EAGLE-3 head, folded ops); None: `draft_weights_choice` (``SPECCYCLE_DRAFT_WEIGHTS``, else
-    auto). The output is the target's either way; a packed form may move acceptance (measured in
-    docs/fast_engine.md).
+    ``draft_weights``: what an EAGLE head's GEMMs read, ``int8`` (`engine.int8_linear`, half the bytes),
+    ``dtype`` (the head's own weights) or ``auto`` (int8 on CUDA for a half-precision EAGLE-3 head, folded ops);
+    None: `draft_weights_choice` (``SPECCYCLE_DRAFT_WEIGHTS``, else auto). The output is the target's either
+    way; int8 may move acceptance (measured in docs/fast_engine.md).
     """
 
     def __init__(

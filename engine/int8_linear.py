@@ -158,19 +158,6 @@ if triton is not None:
             return y
 
     @triton.jit
-    def _store_tile(y, x_ptr, out_ptr, rows_m, mask_m, cols_n, mask_n, stride_x, stride_o, ADD: tl.constexpr,
-                    ACT: tl.constexpr):  # fmt: skip
-        """``out[rows, cols] = round(x[rows, cols] + y)`` (``x`` with ``ADD``), ``y`` the scaled float32 product,
-        rounded once to the activations' dtype (`_to_activation`) and stored as ``out``'s (this module's and
-        `int4_linear`'s one-split epilogue)."""
-        mask = mask_m[:, None] & mask_n[None, :]
-        if ADD:
-            x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + cols_n[None, :], mask=mask, other=0.0)
-            y = x.to(tl.float32) + y
-        tl.store(out_ptr + rows_m[:, None].to(tl.int64) * stride_o + cols_n[None, :],
-                 _round(_to_activation(y, ACT), out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-
-    @triton.jit
     def _int8_linear_kernel(
         a_ptr, q_ptr, s_ptr, x_ptr, out_ptr, part_ptr, rows, N, K, stride_a, stride_q, stride_x, stride_o, k_split,
         SPLITS: tl.constexpr, ADD: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr,
@@ -201,22 +188,23 @@ if triton is not None:
             acc = _mma(a, w, acc, INTERPRET, IEEE)  # [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]
         if SPLITS == 1:
             y = acc * tl.load(s_ptr + cols_n, mask=mask_n, other=0.0)[None, :]
-            _store_tile(y, x_ptr, out_ptr, rows_m, mask_m, cols_n, mask_n, stride_x, stride_o, ADD, ACT)
+            mask = mask_m[:, None] & mask_n[None, :]
+            if ADD:
+                x = tl.load(x_ptr + rows_m[:, None].to(tl.int64) * stride_x + cols_n[None, :], mask=mask, other=0.0)
+                y = x.to(tl.float32) + y
+            tl.store(out_ptr + rows_m[:, None].to(tl.int64) * stride_o + cols_n[None, :],
+                     _round(_to_activation(y, ACT), out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         else:
             _store_partial(part_ptr, acc, split, rows, rows_m, mask_m, cols_n, mask_n, N)
 
     @triton.jit
     def _int8_sum_kernel(part_ptr, s_ptr, x_ptr, out_ptr, rows, N, stride_x, stride_o, SPLITS: tl.constexpr,
-                         ADD: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                         SCALED: tl.constexpr = True):  # fmt: skip
-        """``out[r, c] = round(x[r, c] + (part[0, r, c] + ... + part[SPLITS - 1, r, c]) * scale[c])`` (without
-        ``SCALED``, no ``scale``: `int4_linear`'s partials are scaled group by group)."""
+                         ADD: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """``out[r, c] = round(x[r, c] + (part[0, r, c] + ... + part[SPLITS - 1, r, c]) * scale[c])``."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
-        y = _sum_partials(part_ptr, rows, row, N, cols, mask, SPLITS)
-        if SCALED:
-            y = y * tl.load(s_ptr + cols, mask=mask, other=0.0)
+        y = _sum_partials(part_ptr, rows, row, N, cols, mask, SPLITS) * tl.load(s_ptr + cols, mask=mask, other=0.0)
         if ADD:
             y = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32) + y
         y = _round(_to_activation(y, ACT), out_ptr.dtype.element_ty)
@@ -339,7 +327,6 @@ def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]
         out.append((_int8_sum_kernel,
                     dict(part_ptr="*fp32", s_ptr="*fp32", x_ptr=p, out_ptr=p, rows="i32", N="i32", stride_x="i32",
                          stride_o="i32"),
-                    [dict(SPLITS=2, ADD=add, ACT=1 if dt == "bf16" else 0, BLOCK=SUM_BLOCK, SCALED=True)
-                     for add in (False, True)],
+                    [dict(SPLITS=2, ADD=add, ACT=1 if dt == "bf16" else 0, BLOCK=SUM_BLOCK) for add in (False, True)],
                     ("part_ptr", "s_ptr", "x_ptr", "out_ptr", "N", "stride_x", "stride_o")))  # fmt: skip
     return out

@@ -99,7 +99,7 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     from ...engine import attention_tiles as tiles
     from ...engine import attention_triton as attention
     from ...engine import cycle_kernels as cycle
-    from ...engine import int4_linear, int8_linear, linear_triton
+    from ...engine import int8_linear, linear_triton
     from ...engine import kernels as fused
 
     i64, i32, f32 = "*i64", "i32", "*fp32"
@@ -233,7 +233,6 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
                     ("x_ptr", "out_ptr", "stride_x", "stride_o", "inter", "src_ptr")))  # fmt: skip
     out += linear_triton.compile_specs()  # the row-invariant GEMMs at both models' tiles
     out += int8_linear.compile_specs()  # a draft head's int8 GEMMs at the 8B head's tiles
-    out += int4_linear.compile_specs()  # and its int4 GEMMs (and SmolLM2 head's 64-column groups)
     # the decode step's bookkeeping (`engine.decode_step`), at a decode graph's 8 rows and 128 rows, page sizes 16 and 1
     from ...engine import decode_step
 

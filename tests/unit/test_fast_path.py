@@ -647,54 +647,42 @@ def test_blas_scope_sets_the_library_for_the_fast_forwards_and_puts_it_back(monk
     assert fast.blas_choice() == fast.DEFAULT_BLAS == "cublaslt"
 
 
-def _int8_grid_head(dtype=torch.float32, form: str = "int8"):
-    """An EAGLE-3 head whose GEMM weights lie on the grid of ``form`` (int8-rowwise, or int4 groups: its MLP 64 wide,
-    TINY's 48 being no whole number of groups) and whose post-attention gain is 1 (so the folded gate-up is the
-    gate-up): its packed forms are exact, and the packed path computes what the reference does."""
+def _int8_grid_head(dtype=torch.float32):
+    """An EAGLE-3 head whose GEMM weights lie on the int8-rowwise grid and whose post-attention gain is 1 (so the
+    folded gate-up is the gate-up): its int8 forms are exact, and the int8 path computes what the reference does."""
     from speccycle.engine.drafters.eagle_pack import dequantize_rowwise, quantize_rowwise
-    from speccycle.engine.int4_linear import Int4Grouped
 
     config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3))
-    if form == "int4":
-        config = attrs.evolve(config, intermediate_size=64)
     head = EagleHead.random(config, seed=7, dtype=dtype, target_vocab=TINY.vocab_size)
     with torch.no_grad():
         for w in (head.fc, head.qkv, head.o, head.gate_up, head.down, head.lm_head):
-            on_grid = Int4Grouped.from_weight(w).dequantize() if form == "int4" else None
-            w.copy_(dequantize_rowwise(*quantize_rowwise(w)) if on_grid is None else on_grid)
+            w.copy_(dequantize_rowwise(*quantize_rowwise(w)))
         head.post_norm.weight.fill_(1.0)
     return head
 
 
 @pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
-@pytest.mark.parametrize("form,max_rows", [("int8", 32), ("int8", 4), ("int4", 32), ("int4", 4)],
-                         ids=["int8", "int8-extend-dense", "int4", "int4-extend-dense"])  # fmt: skip
-def test_packed_draft_weights_compute_the_heads_draft(form, max_rows, monkeypatch):
-    """``draft_weights='int8'`` / ``'int4'`` (`fast.HeadGemms`, `engine.int8_linear`, `engine.int4_linear`): on a head
-    whose weights are on the form's grid, the fast extend and tree step give the reference draft's logits and hidden
-    states (float32: IEEE products); with `fast.PACKED_MAX_ROWS` at 4 the 6-row extend takes the dense weights and the
-    4-row step the packed ones."""
+@pytest.mark.parametrize("max_rows", [32, 4], ids=["int8", "extend-dense"])
+def test_int8_draft_weights_compute_the_heads_draft(max_rows, monkeypatch):
+    """``draft_weights='int8'`` (`fast.HeadGemms`, `engine.int8_linear`): on a head whose weights are on the int8 grid,
+    the fast extend and tree step give the reference draft's logits and hidden states (float32: IEEE products); with
+    `fast.INT8_MAX_ROWS` at 4 the 6-row extend takes the dense weights and the 4-row step the int8 ones."""
     from speccycle.engine import fast
-    from speccycle.engine.fast import PACKED, DraftWeight, HeadGemms
+    from speccycle.engine.fast import DraftWeight, HeadGemms
 
-    monkeypatch.setattr(fast, "PACKED_MAX_ROWS", max_rows)
+    monkeypatch.setattr(fast, "INT8_MAX_ROWS", max_rows)
 
-    head = _int8_grid_head(form=form)
+    head = _int8_grid_head()
     featured = LlamaModel(TINY, random_llama_weights(TINY, seed=0, scale=0.3), feature_layers=(1, 2, 3))
     pool_ref, pool_fast = PagedKVPool(num_pages=32, page_size=4), PagedKVPool(num_pages=32, page_size=4)
-    options = FastOptions("cpu", graphs=False, ops=FoldedNormOps, max_rows=16, draft_weights=form)
-    ref = EagleDraft(head, featured, pool_ref, cache_name=form)
-    fast = FastEagleDraft(EagleDraft(head, featured, pool_fast, cache_name=form), pool_fast, options)
-    assert isinstance(fast.gemms, HeadGemms) and fast.gemms.kind == form
+    options = FastOptions("cpu", graphs=False, ops=FoldedNormOps, max_rows=16, draft_weights="int8")
+    ref = EagleDraft(head, featured, pool_ref, cache_name="int8")
+    fast = FastEagleDraft(EagleDraft(head, featured, pool_fast, cache_name="int8"), pool_fast, options)
+    assert isinstance(fast.gemms, HeadGemms) and fast.gemms.kind == "int8"
     dense = (head.fc, head.qkv, head.o, head.folded_gate_up, head.down, head.lm_head)  # the folded gate-up: the ops'
     held = [getattr(fast.gemms, n) for n in ("fc", "qkv", "o", "gate_up", "down", "lm_head")]
     assert all(isinstance(w, DraftWeight) and w.dense is d for w, d in zip(held, dense))  # the head's own, no copy
-    assert all(isinstance(w.packed, PACKED[form]) for w in held)
-    if form == "int8":  # a byte a weight, a float32 scale a row
-        assert fast.gemms.packed_bytes == sum(w.numel() + 4 * w.shape[0] for w in dense)
-    else:  # half a byte a weight, a bfloat16 scale a group
-        want = sum(d.numel() // 2 + 2 * d.numel() // w.packed.group for w, d in zip(held, dense))
-        assert fast.gemms.packed_bytes == want
+    assert fast.gemms.int8_bytes == sum(w.numel() + 4 * w.shape[0] for w in dense)  # a byte a weight, a scale a row
     outs = []
     for draft, pool in ((ref, pool_ref), (fast, pool_fast)):
         batch = extend_batch(pool, [0], [tokens_of(0, 6)], [0])
@@ -708,20 +696,18 @@ def test_packed_draft_weights_compute_the_heads_draft(form, max_rows, monkeypatc
 
 
 @pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
-@pytest.mark.parametrize("form", ["int8", "int4"])
-def test_fast_engine_with_a_packed_draft_is_lossless(form, weights):
-    """An engine whose EAGLE-3 head drafts from int8 or int4 weights (a random head, not on the grid: its drafts differ
-    from the head's) still gives its autoregressive output, and frees every page."""
+def test_fast_engine_with_an_int8_draft_is_lossless(weights):
+    """An engine whose EAGLE-3 head drafts from int8 weights (a random head, not on the grid: its drafts differ from
+    the head's) still gives its autoregressive output, and frees every page."""
     prompts = [tokens_of(13, 6) * 2]
     spec = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)
     model = LlamaModel(TINY, weights, feature_layers=(1, 2, 3))
     pool = PagedKVPool(num_pages=64, page_size=4)
-    config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3),
-                          intermediate_size=64)  # fmt: skip
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3))
     head = EagleHead.random(config, seed=9, target_vocab=TINY.vocab_size)
     engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec)
-    accelerate(engine, graphs=False, ops=FoldedNormOps, draft_weights=form)
-    assert engine.draft.gemms.kind == form
+    accelerate(engine, graphs=False, ops=FoldedNormOps, draft_weights="int8")
+    assert engine.draft.gemms.kind == "int8"
     ar = engine.generate_autoregressive(prompts, 8)
     results, stats = engine.generate(prompts, 8, checked=True)
     assert [list(r.output) for r in results] == ar and stats.verifies > 0
@@ -762,18 +748,14 @@ def test_draft_weights_choice_and_refusals(monkeypatch):
     assert HeadGemms.of(half, FoldedNormOps, "dtype", cuda).lm_head is half.lm_head
     with pytest.raises(ValueError, match="pass draft_weights='dtype'"):
         HeadGemms.of(head, TorchOps, "int8", cpu)
-    with pytest.raises(ValueError, match="draft_weights='int4' runs the folded EAGLE-3 layer"):
-        HeadGemms.of(head, TorchOps, "int4", cpu)
-    with pytest.raises(ValueError, match="K divisible by 32; got K=48"):  # TINY's MLP: no whole int4 groups
-        HeadGemms.of(head, FoldedNormOps, "int4", cpu)
     eagle1 = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3)
     with pytest.raises(ValueError, match="EAGLE-1"):
         HeadGemms.of(eagle1, FoldedNormOps, "int8", cuda)
     assert HeadGemms.of(eagle1, FoldedNormOps, "auto", cuda).kind == "dtype"
-    with pytest.raises(ValueError, match="choose one of auto, int8, int4, dtype"):
+    with pytest.raises(ValueError, match="choose one of auto, int8, dtype"):
         FastOptions("cpu", graphs=False, draft_weights="fp8")
     monkeypatch.setenv("SPECCYCLE_DRAFT_WEIGHTS", "fp8")
-    with pytest.raises(ValueError, match="SPECCYCLE_DRAFT_WEIGHTS='fp8': choose one of auto, int8, int4, dtype"):
+    with pytest.raises(ValueError, match="SPECCYCLE_DRAFT_WEIGHTS='fp8': choose one of auto, int8, dtype"):
         FastOptions("cpu", graphs=False)
     monkeypatch.setenv("SPECCYCLE_DRAFT_WEIGHTS", "int8")
     assert draft_weights_choice() == "int8" and FastOptions("cpu", graphs=False).draft_weights == "int8"
@@ -781,28 +763,26 @@ def test_draft_weights_choice_and_refusals(monkeypatch):
     assert FastOptions("cpu", graphs=False).draft_weights == "auto"
 
 
-@pytest.mark.parametrize("form", ["int8", "int4"])
-def test_packed_draft_gemms_take_the_dense_weight_above_packed_max_rows(form, monkeypatch):
-    """`fast.PACKED_MAX_ROWS`: up to it a `DraftWeight` is multiplied by its packed form's kernel (int8 or int4), above
-    it the head's own tensor goes to the op set's GEMM (where cuBLAS beats the packed kernels' large tiles); plain
-    tensors always go to the op set."""
+def test_int8_draft_gemms_take_the_dense_weight_above_int8_max_rows(monkeypatch):
+    """`fast.INT8_MAX_ROWS`: up to it a `DraftWeight` is multiplied in int8, above it the head's own tensor goes to the
+    op set's GEMM (where cuBLAS beats the int8 kernel's large tiles); plain tensors always go to the op set."""
     from speccycle.engine import fast
+    from speccycle.engine.int8_linear import Int8Rowwise
 
     calls = []
-    for name in ("int8", "int4"):
-        monkeypatch.setattr(fast, f"{name}_linear", lambda x, q, dt=None, n=name: calls.append((n, len(x))) or x)
-        monkeypatch.setattr(fast, f"{name}_linear_add", lambda x, a, q, n=name: calls.append((n + "+", len(a))) or x)
+    monkeypatch.setattr(fast, "int8_linear", lambda x, q, out_dtype=None: calls.append(("int8", x.shape[0])) or x)
+    monkeypatch.setattr(fast, "int8_linear_add", lambda x, a, q: calls.append(("int8+", a.shape[0])) or x)
 
     class Ops:
         linear = staticmethod(lambda x, w, out_dtype=None: calls.append(("dense", x.shape[0], w)) or x)
         linear_add = staticmethod(lambda x, a, w: calls.append(("dense+", a.shape[0], w)) or x)
 
-    dense = torch.randn(8, 64)
-    weight = fast.DraftWeight(fast.PACKED[form].from_weight(dense), dense)
-    limit = fast.PACKED_MAX_ROWS
+    dense = torch.randn(8, 4)
+    weight = fast.DraftWeight(Int8Rowwise.from_weight(dense), dense)
+    limit = fast.INT8_MAX_ROWS
     for rows in (1, limit, limit + 1):
-        fast._linear(Ops, torch.zeros(rows, 64), weight)
-        fast._linear_add(Ops, torch.zeros(rows, 8), torch.zeros(rows, 64), weight)
-    fast._linear(Ops, torch.zeros(1, 64), dense)
-    assert calls == [(form, 1), (form + "+", 1), (form, limit), (form + "+", limit), ("dense", limit + 1, dense),
+        fast._linear(Ops, torch.zeros(rows, 4), weight)
+        fast._linear_add(Ops, torch.zeros(rows, 8), torch.zeros(rows, 4), weight)
+    fast._linear(Ops, torch.zeros(1, 4), dense)
+    assert calls == [("int8", 1), ("int8+", 1), ("int8", limit), ("int8+", limit), ("dense", limit + 1, dense),
                      ("dense+", limit + 1, dense), ("dense", 1, dense)]  # fmt: skip
