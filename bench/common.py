@@ -33,12 +33,10 @@ def device_name(device: str = "cpu") -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-def write_result(name: str, payload: dict, device: str = "cpu", directory: str | Path | None = None) -> Path:
-    """Write ``<directory>/<name>-<date>.json`` (default ``bench/results``) with device, date, commit, torch, and the
-    ``SPECCYCLE_*`` settings of the environment (the attention kernel, the BLAS library, ...) where any is set."""
-    directory = Path(directory) if directory is not None else RESULTS
-    directory.mkdir(parents=True, exist_ok=True)
-    now = _dt.datetime.now(_dt.timezone.utc)
+def result_record(name: str, payload: dict, device: str = "cpu", now: _dt.datetime | None = None) -> dict:
+    """A benchmark record: ``payload`` under the benchmark's name, device, date, commit, torch, and the ``SPECCYCLE_*``
+    settings of the environment (the attention kernel, the BLAS library, ...) where any is set."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
     record = {
         "benchmark": name,
         "device": device_name(device),
@@ -50,8 +48,16 @@ def write_result(name: str, payload: dict, device: str = "cpu", directory: str |
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECCYCLE_") and k != "SPECCYCLE_COMMIT"}
     if settings:
         record.setdefault("settings", settings)
+    return record
+
+
+def write_result(name: str, payload: dict, device: str = "cpu", directory: str | Path | None = None) -> Path:
+    """Write ``<directory>/<name>-<date>.json`` (default ``bench/results``): `result_record`'s record."""
+    directory = Path(directory) if directory is not None else RESULTS
+    directory.mkdir(parents=True, exist_ok=True)
+    now = _dt.datetime.now(_dt.timezone.utc)
     path = directory / f"{name}-{now.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(json.dumps(result_record(name, payload, device, now), indent=2) + "\n")
     return path
 
 

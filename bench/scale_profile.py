@@ -15,14 +15,13 @@ accept and extend can be read apart.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import statistics
 from pathlib import Path
 
 import torch
 
-from .common import commit, device_name
+from .common import result_record
 from .decode_profile import kernel_times
 from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
 
@@ -154,9 +153,7 @@ def main() -> None:
             print("\n".join(lines[:12]), flush=True)
         del engine, pool, plain
         torch.cuda.empty_cache()
-    record = {"benchmark": "scale_profile", "device": device_name("cuda"), "commit": commit(),
-              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-              "rows": rows}  # fmt: skip
+    record = result_record("scale_profile", {"rows": rows}, "cuda")
     (args.out / "scale_profile.json").write_text(json.dumps(record, indent=1))
 
 
