@@ -4,7 +4,7 @@ The tile attention kernel is latency-bound and its residency (programs a multipr
 registers a thread, so register pressure decides its speed (session 17: its preamble's int64 key counts held
 ~45 registers; in int32, 32 tree-verify rows went from 26.0 to 17.8 µs on an H100, figures below). This
 compiles kernels for ``sm_90`` with the Triton on this machine, at the constexpr sets of
-`backends.cuda.compile_check` (real models' shapes), under each register cap of ``--maxnreg``, and reads
+`engine.compile_check` (real models' shapes), under each register cap of ``--maxnreg``, and reads
 ``ptxas -v`` (Triton's own ptxas and flags): registers a thread, spill stores and loads, stack frame. The GPU
 machine's Triton may allocate differently (3.6 there: the tile kernel took ~231 registers where this machine's
 3.9 takes 210): compare variants with each other, on one Triton.
@@ -64,17 +64,18 @@ def ptxas_report(ptx: str) -> dict:
 
 def measure(names: list[str] | None, caps: list[int], num_warps: int = 4, num_stages: int | None = None,
             where: dict | None = None) -> list[dict]:  # fmt: skip
-    """One row per (kernel of `compile_check._engine_kernels` named in ``names``, constexpr set holding every item
+    """One row per (kernel of `compile_check.engine_specs` named in ``names``, constexpr set holding every item
     of ``where``, register cap; 0 or None: no cap)."""
-    from ..backends.cuda import compile_check
+    from ..backends.cuda.compile_specs import TARGETS, compile_kernel, require_compiled
+    from ..engine import compile_check
 
     os.environ.pop("TRITON_INTERPRET", None)  # the JIT must compile, not interpret
     rows = []
-    for kernel, signature, sets, aligned in compile_check._engine_kernels():
+    for kernel, signature, sets, aligned in compile_check.engine_specs():
         name = kernel.__name__
         if names and name not in names:
             continue
-        compile_check.require_compiled(kernel)
+        require_compiled(kernel)
         for constexprs in sets:
             if where and any(constexprs.get(k, _MISSING) != v for k, v in where.items()):
                 continue
@@ -84,8 +85,7 @@ def measure(names: list[str] | None, caps: list[int], num_warps: int = 4, num_st
                     launch["num_stages"] = num_stages
                 if cap:
                     launch["maxnreg"] = cap
-                compiled = compile_check._compile(kernel, signature, constexprs, aligned, compile_check.TARGETS["cuda"],
-                                                  **launch)  # fmt: skip
+                compiled = compile_kernel(kernel, signature, constexprs, aligned, TARGETS["cuda"], **launch)
                 shown = {k: v for k, v in constexprs.items() if isinstance(v, (bool, int, float, str))}
                 rows.append({"kernel": name, "constexprs": shown, "maxnreg": cap or None, **launch,
                              **ptxas_report(compiled.asm["ptx"])})  # fmt: skip

@@ -302,7 +302,7 @@ def int8_linear_add(x: torch.Tensor, a: torch.Tensor, weight: Int8Rowwise) -> to
 
 def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
     """The kernels at an 8B-shaped EAGLE-3 head's tiles (`int8_config`), one split and two, plain and adding, for
-    `backends.cuda.compile_check`: (kernel, argument types, constexpr sets, arguments the JIT marks 16-divisible)."""
+    `engine.compile_check`: (kernel, argument types, constexpr sets, arguments the JIT marks 16-divisible)."""
     out = []
     for dt in ("bf16", "fp32"):
         p = "*" + dt

@@ -656,7 +656,7 @@ def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions
 
 
 def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
-    """The kernels at SmolLM2-135M's and Llama-3-8B's tiles (and an EAGLE-3 QKV), for `backends.cuda.compile_check`.
+    """The kernels at SmolLM2-135M's and Llama-3-8B's tiles (and an EAGLE-3 QKV), for `engine.compile_check`.
 
     (kernel, argument types, constexpr sets, arguments the JIT marks 16-divisible); ``rows`` is never
     specialized (``do_not_specialize``), so one compiled kernel serves every row count.

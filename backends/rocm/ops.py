@@ -2,7 +2,7 @@
 
 Triton compiles the same kernels for AMD GPUs, so `RocmBackend` inherits every op of `CudaBackend`
 (all of them are plain loads, stores, reductions and a CTA barrier; nothing NVIDIA-specific; each
-compiles for ``gfx942``, see `speccycle.backends.cuda.compile_check`). One choice differs: the
+compiles for ``gfx942``, see `speccycle.backends.cuda.compile_specs`). One choice differs: the
 ``K == 1`` draft step.
 
 **The FP8 gate.** On CUDA the chain draft takes the argmax of the logits and skips the full-vocabulary

@@ -1,16 +1,17 @@
-"""Compile every cycle kernel for a GPU target without the GPU: NVIDIA Hopper and AMD MI300.
+"""Compile every Triton kernel of the project for a GPU target without the GPU: NVIDIA Hopper and AMD MI300.
 
 The interpreter (how CI runs the kernels) checks what a kernel computes, not that the Triton compiler
 accepts it. This compiles each kernel, at the block sizes the backend picks on a GPU, down to a cubin
 for ``sm_90`` and a code object for ``gfx942`` (the ROCm backend's "kernels that port"), using the
-compilers that ship inside the triton wheel. The fast engine path's kernels (`engine.attention_triton`,
-`engine.kernels`, `engine.linear_triton`) are compiled for ``sm_90`` too, at the constexprs, dtypes and argument
-specializations of real models (SmolLM2-135M: 9 / 3 heads of 64; Llama-3-8B: 32 / 8 of 128): the
-JIT marks 16-divisible pointers and integers and turns an integer equal to 1 (``page_size`` 1) into a
-constant, and Triton's layout passes have failed on one combination and not another. Run it without
-``TRITON_INTERPRET``:
+compilers that ship inside the triton wheel. The cycle kernels' specs are the CUDA backend's own
+(`backends.cuda.compile_specs.kernel_specs`); the fast engine path's kernels (`engine.attention_triton`,
+`engine.kernels`, `engine.linear_triton`, ...: `engine_specs`) are compiled for ``sm_90`` too, at the
+constexprs, dtypes and argument specializations of real models (SmolLM2-135M: 9 / 3 heads of 64;
+Llama-3-8B: 32 / 8 of 128): the JIT marks 16-divisible pointers and integers and turns an integer equal
+to 1 (``page_size`` 1) into a constant, and Triton's layout passes have failed on one combination and
+not another. Run it without ``TRITON_INTERPRET``:
 
-    python -m speccycle.backends.cuda.compile_check [cuda] [hip]
+    python -m speccycle.engine.compile_check [cuda] [hip]
 """
 
 from __future__ import annotations
@@ -18,90 +19,20 @@ from __future__ import annotations
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from . import accept, argmax, dflash, kv, topk, tree
-
-NONE = 2147483647
-TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "hip": GPUTarget("hip", "gfx942", 64)}
-
-
-def _kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]]]]:
-    """(kernel, pointer and scalar types, constexpr sets) at the shapes of a real vocabulary and tree."""
-    i64, i32, f32 = "*i64", "i32", "*fp32"
-    return [
-        (argmax._argmax_chunk_kernel,
-         dict(logits_ptr="*bf16", num_rows=i32, row_stride=i32, vocab_size=i32, chunk=i32, value_ptr=f32,
-              index_ptr="*i32", num_chunks=i32),
-         [dict(BLOCK_R=1, BLOCK=1024, NONE=NONE), dict(BLOCK_R=32, BLOCK=32, NONE=NONE)]),
-        (argmax._argmax_reduce_kernel,
-         dict(value_ptr=f32, index_ptr="*i32", out_ptr=i64, num_rows=i32, num_chunks=i32),
-         [dict(BLOCK_R=16, BLOCK=64, NONE=NONE)]),
-        (topk._topk_block_kernel,
-         dict(logits_ptr="*bf16", num_rows=i32, row_stride=i32, vocab_size=i32, max_ptr=f32, sum_ptr=f32,
-              cand_value_ptr=f32, cand_index_ptr="*i32", num_blocks=i32),
-         [dict(K=4, BLOCK_R=1, BLOCK=2048, NONE=NONE)]),
-        (topk._topk_merge_kernel,
-         dict(max_ptr=f32, sum_ptr=f32, cand_value_ptr=f32, cand_index_ptr="*i32", probs_ptr=f32, ids_ptr=i64,
-              map_ptr=i64, num_rows=i32, num_blocks=i32),
-         [dict(K=4, BLOCK_R=8, BLOCK_B=32, BLOCK_C=128, NONE=NONE, HAS_MAP=has_map) for has_map in (False, True)]),
-        (tree._expand_frontier_kernel,
-         dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, cum_ptr=f32, keep_ptr=i64, new_scores_ptr=f32,
-              new_tokens_ptr=i64, bs=i32),
-         [dict(K=8, BLOCK_B=1, BLOCK=64, INNER=32)]),
-        (tree._advance_frontier_kernel,
-         dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, frontier_cand_ptr=i64, path_ptr=i64,
-              next_own_ptr=i64, hidden_ptr="*bf16", cum_ptr=f32, parents_ptr=i64, scores_ptr=f32, tokens_ptr=i64,
-              cand_ptr=i64, new_path_ptr=i64, new_hidden_ptr="*bf16", level_base=i32, depth=i32, stride_own=i32,
-              width=i32),
-         [dict(K=4, BLOCK=16, INNER=16, BLOCK_D=8, BLOCK_H=256, HAS_NEXT=True),
-          dict(K=8, BLOCK=64, INNER=32, BLOCK_D=8, BLOCK_H=256, HAS_NEXT=False)]),
-        (tree._rerank_kernel,
-         dict(root_ptr=i64, cand_tokens_ptr=i64, cand_scores_ptr=f32, cand_parents_ptr=i64, row_of_ptr="*i32",
-              tokens_ptr=i64, parents_ptr=i64, scores_ptr=f32, bs=i32, num_cands=i32, num_rows=i32),
-         [dict(BLOCK_B=1, BLOCK=128, INNER=32)]),
-        (tree._tree_mask_kernel,
-         dict(parents_ptr=i64, out_ptr="*u8", bs=i32, n=i32, num_bytes=i32),
-         [dict(BLOCK_B=1, BLOCK=64, PACKED=False), dict(BLOCK_B=1, BLOCK=64, PACKED=True)]),
-        (tree._verify_greedy_kernel,
-         dict(tokens_ptr=i64, parents_ptr=i64, predict_ptr=i64, index_ptr=i64, len_ptr=i64, bs=i32, n=i32,
-              width=i32),
-         [dict(BLOCK_B=1, BLOCK=64)]),
-        (accept._gather_accepted_kernel,
-         dict(rows_ptr="*bf16", accept_index_ptr=i64, out_ptr="*bf16", num_entries=i32, features=i32),
-         [dict(BLOCK_E=4, BLOCK_F=1024)]),
-        (accept._fill_bonus_kernel,
-         dict(tokens_ptr=i64, accept_len_ptr=i64, out_ptr=i64, bs=i32, stride=i32),
-         [dict(BLOCK=64)]),
-        (kv._slots_kernel,
-         dict(page_table_ptr=i64, table_stride=i32, max_pages=i32, positions_ptr=i64, out_ptr=i64, bs=i32,
-              width=i32, page_size=i32),
-         [dict(BLOCK_R=16, BLOCK=64)]),
-        (kv._plan_kernel,
-         dict(accept_index_ptr=i64, accept_len_ptr=i64, slots_ptr=i64, src_ptr=i64, dst_ptr=i64, n=i32, width=i32),
-         [dict(BLOCK=16)]),
-        (dflash._verify_block_kernel,
-         dict(cand_ptr=i64, target_ptr=i64, correct_ptr=i64, bonus_ptr=i64, block_size=i32),
-         [dict(BLOCK=8)]),
-        (kv._move_kv_kernel,
-         dict(buf_ptr="*i16", src_ptr=i64, dst_ptr=i64, num_moves=i32, slot_stride=i32, group_stride="i64",
-              inner=i32, row_numel=i32),
-         [dict(BLOCK_M=512, BLOCK_E=16)]),
-    ]  # fmt: skip
+from ..backends.cuda.compile_specs import TARGETS, compile_kernel, kernel_specs, require_compiled
+from . import attention_tiles as tiles
+from . import attention_triton as attention
+from . import cycle_kernels as cycle
+from . import decode_step, int8_linear, linear_triton
+from . import kernels as fused
 
 
-def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
+def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
     """The fast path's kernels: (kernel, types, constexpr sets, arguments the JIT marks 16-divisible).
 
     A constexpr set may fix a runtime argument (``page_size=1``): the JIT makes an integer 1 a constant.
     """
-    from ...engine import attention_tiles as tiles
-    from ...engine import attention_triton as attention
-    from ...engine import cycle_kernels as cycle
-    from ...engine import int8_linear, linear_triton
-    from ...engine import kernels as fused
-
     i64, i32, f32 = "*i64", "i32", "*fp32"
     out = []
     for dt in ("fp32", "bf16"):
@@ -234,8 +165,6 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     out += linear_triton.compile_specs()  # the row-invariant GEMMs at both models' tiles
     out += int8_linear.compile_specs()  # a draft head's int8 GEMMs at the 8B head's tiles
     # the decode step's bookkeeping (`engine.decode_step`), at a decode graph's 8 rows and 128 rows, page sizes 16 and 1
-    from ...engine import decode_step
-
     out.append((decode_step._decode_rows_kernel,
                 dict(pos_ptr=i64, num_valid_ptr=i64, table_ptr=i64, request_ptr=i64, slot_ptr=i64, prefix_ptr=i64,
                      rows=i32, stride_t=i32, width=i32, page_size=i32),
@@ -274,24 +203,6 @@ def _engine_kernels() -> list[tuple[object, dict[str, str], list[dict[str, objec
     return out
 
 
-def require_compiled(kernel) -> None:
-    """Refuse a kernel imported under ``TRITON_INTERPRET=1`` (the interpreter's, which never compiles)."""
-    if type(kernel).__name__ == "InterpretedFunction":
-        raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported: they are interpreted, there is "
-                           "nothing to compile; run in a fresh process without it")  # fmt: skip
-
-
-def _compile(kernel, signature, constexprs, aligned, target, **launch):
-    """Compile one specialization and return Triton's compiled kernel; ``enable_fp_fusion`` in ``constexprs`` is
-    the launch option of that name, ``launch`` more launch options (``num_warps``, ``num_stages``, ``maxnreg``)."""
-    options = {k: constexprs[k] for k in ("enable_fp_fusion",) if k in constexprs}
-    constexprs = {k: v for k, v in constexprs.items() if k not in options}
-    full = {**signature, **{key: "constexpr" for key in constexprs}}
-    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in constexprs}
-    source = ASTSource(kernel, signature=full, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=target, options={**options, **launch})
-
-
 def compile_all(target_names: list[str]) -> list[str]:
     """Compile every kernel for each named target; returns the failures (empty when all compile).
 
@@ -300,14 +211,14 @@ def compile_all(target_names: list[str]) -> list[str]:
     failures = []
     for name in target_names:
         target = TARGETS[name]
-        entries = [(*entry, ()) for entry in _kernels()]
+        entries = kernel_specs()
         if name == "cuda":
-            entries += _engine_kernels()
+            entries += engine_specs()
         for kernel, signature, constexpr_sets, aligned in entries:
             require_compiled(kernel)
             for constexprs in constexpr_sets:
                 try:
-                    _compile(kernel, signature, constexprs, aligned, target)
+                    compile_kernel(kernel, signature, constexprs, aligned, target)
                 except Exception as err:  # every failure is reported, not just the first
                     failures.append(f"{name} {kernel.__name__} {constexprs}: {type(err).__name__}: {err}")
     return failures

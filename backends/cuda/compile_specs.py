@@ -1,0 +1,106 @@
+"""The CUDA backend's kernels at a GPU's block sizes, and how to compile one for a GPU target without the GPU.
+
+The interpreter (how CI runs the kernels) checks what a kernel computes, not that the Triton compiler
+accepts it. `kernel_specs` lists each kernel of this backend with its argument types and the constexpr
+sets the backend picks on a GPU (a real vocabulary and tree); `compile_kernel` compiles one of them down
+to a cubin for ``sm_90`` or a code object for ``gfx942`` (`TARGETS`; the ROCm backend's "kernels that
+port"), with the compilers that ship inside the triton wheel. `engine.compile_check` compiles these and
+the fast engine path's kernels (whose specs sit in the engine) for both targets:
+
+    python -m speccycle.engine.compile_check [cuda] [hip]
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import accept, argmax, dflash, kv, topk, tree
+
+NONE = 2147483647
+TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "hip": GPUTarget("hip", "gfx942", 64)}
+
+
+def kernel_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
+    """(kernel, pointer and scalar types, constexpr sets, arguments the JIT marks 16-divisible: none here) at the
+    shapes of a real vocabulary and tree."""
+    i64, i32, f32 = "*i64", "i32", "*fp32"
+    specs = [
+        (argmax._argmax_chunk_kernel,
+         dict(logits_ptr="*bf16", num_rows=i32, row_stride=i32, vocab_size=i32, chunk=i32, value_ptr=f32,
+              index_ptr="*i32", num_chunks=i32),
+         [dict(BLOCK_R=1, BLOCK=1024, NONE=NONE), dict(BLOCK_R=32, BLOCK=32, NONE=NONE)]),
+        (argmax._argmax_reduce_kernel,
+         dict(value_ptr=f32, index_ptr="*i32", out_ptr=i64, num_rows=i32, num_chunks=i32),
+         [dict(BLOCK_R=16, BLOCK=64, NONE=NONE)]),
+        (topk._topk_block_kernel,
+         dict(logits_ptr="*bf16", num_rows=i32, row_stride=i32, vocab_size=i32, max_ptr=f32, sum_ptr=f32,
+              cand_value_ptr=f32, cand_index_ptr="*i32", num_blocks=i32),
+         [dict(K=4, BLOCK_R=1, BLOCK=2048, NONE=NONE)]),
+        (topk._topk_merge_kernel,
+         dict(max_ptr=f32, sum_ptr=f32, cand_value_ptr=f32, cand_index_ptr="*i32", probs_ptr=f32, ids_ptr=i64,
+              map_ptr=i64, num_rows=i32, num_blocks=i32),
+         [dict(K=4, BLOCK_R=8, BLOCK_B=32, BLOCK_C=128, NONE=NONE, HAS_MAP=has_map) for has_map in (False, True)]),
+        (tree._expand_frontier_kernel,
+         dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, cum_ptr=f32, keep_ptr=i64, new_scores_ptr=f32,
+              new_tokens_ptr=i64, bs=i32),
+         [dict(K=8, BLOCK_B=1, BLOCK=64, INNER=32)]),
+        (tree._advance_frontier_kernel,
+         dict(frontier_ptr=f32, child_p_ptr=f32, child_ids_ptr=i64, frontier_cand_ptr=i64, path_ptr=i64,
+              next_own_ptr=i64, hidden_ptr="*bf16", cum_ptr=f32, parents_ptr=i64, scores_ptr=f32, tokens_ptr=i64,
+              cand_ptr=i64, new_path_ptr=i64, new_hidden_ptr="*bf16", level_base=i32, depth=i32, stride_own=i32,
+              width=i32),
+         [dict(K=4, BLOCK=16, INNER=16, BLOCK_D=8, BLOCK_H=256, HAS_NEXT=True),
+          dict(K=8, BLOCK=64, INNER=32, BLOCK_D=8, BLOCK_H=256, HAS_NEXT=False)]),
+        (tree._rerank_kernel,
+         dict(root_ptr=i64, cand_tokens_ptr=i64, cand_scores_ptr=f32, cand_parents_ptr=i64, row_of_ptr="*i32",
+              tokens_ptr=i64, parents_ptr=i64, scores_ptr=f32, bs=i32, num_cands=i32, num_rows=i32),
+         [dict(BLOCK_B=1, BLOCK=128, INNER=32)]),
+        (tree._tree_mask_kernel,
+         dict(parents_ptr=i64, out_ptr="*u8", bs=i32, n=i32, num_bytes=i32),
+         [dict(BLOCK_B=1, BLOCK=64, PACKED=False), dict(BLOCK_B=1, BLOCK=64, PACKED=True)]),
+        (tree._verify_greedy_kernel,
+         dict(tokens_ptr=i64, parents_ptr=i64, predict_ptr=i64, index_ptr=i64, len_ptr=i64, bs=i32, n=i32,
+              width=i32),
+         [dict(BLOCK_B=1, BLOCK=64)]),
+        (accept._gather_accepted_kernel,
+         dict(rows_ptr="*bf16", accept_index_ptr=i64, out_ptr="*bf16", num_entries=i32, features=i32),
+         [dict(BLOCK_E=4, BLOCK_F=1024)]),
+        (accept._fill_bonus_kernel,
+         dict(tokens_ptr=i64, accept_len_ptr=i64, out_ptr=i64, bs=i32, stride=i32),
+         [dict(BLOCK=64)]),
+        (kv._slots_kernel,
+         dict(page_table_ptr=i64, table_stride=i32, max_pages=i32, positions_ptr=i64, out_ptr=i64, bs=i32,
+              width=i32, page_size=i32),
+         [dict(BLOCK_R=16, BLOCK=64)]),
+        (kv._plan_kernel,
+         dict(accept_index_ptr=i64, accept_len_ptr=i64, slots_ptr=i64, src_ptr=i64, dst_ptr=i64, n=i32, width=i32),
+         [dict(BLOCK=16)]),
+        (dflash._verify_block_kernel,
+         dict(cand_ptr=i64, target_ptr=i64, correct_ptr=i64, bonus_ptr=i64, block_size=i32),
+         [dict(BLOCK=8)]),
+        (kv._move_kv_kernel,
+         dict(buf_ptr="*i16", src_ptr=i64, dst_ptr=i64, num_moves=i32, slot_stride=i32, group_stride="i64",
+              inner=i32, row_numel=i32),
+         [dict(BLOCK_M=512, BLOCK_E=16)]),
+    ]  # fmt: skip
+    return [(*spec, ()) for spec in specs]
+
+
+def require_compiled(kernel) -> None:
+    """Refuse a kernel imported under ``TRITON_INTERPRET=1`` (the interpreter's, which never compiles)."""
+    if type(kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported: they are interpreted, there is "
+                           "nothing to compile; run in a fresh process without it")  # fmt: skip
+
+
+def compile_kernel(kernel, signature, constexprs, aligned, target, **launch):
+    """Compile one specialization and return Triton's compiled kernel; ``enable_fp_fusion`` in ``constexprs`` is
+    the launch option of that name, ``launch`` more launch options (``num_warps``, ``num_stages``, ``maxnreg``)."""
+    options = {k: constexprs[k] for k in ("enable_fp_fusion",) if k in constexprs}
+    constexprs = {k: v for k, v in constexprs.items() if k not in options}
+    full = {**signature, **{key: "constexpr" for key in constexprs}}
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in constexprs}
+    source = ASTSource(kernel, signature=full, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options={**options, **launch})
