@@ -11,9 +11,9 @@ Encoding follows SentencePiece's BPE model, as llama.cpp's ``llm_tokenizer_spm``
 4. a symbol left that is no token (a character outside the vocabulary) becomes its UTF-8 bytes, as
    the ``<0xXX>`` BYTE tokens (byte fallback).
 
-Decoding turns ``▁`` back into spaces and BYTE tokens into their byte; `BaseTokenizer` does the rest
-(streaming, chat templates). A GGUF without a chat template (the base Gemma 3 270M) gets Gemma's
-turn format, `GEMMA_CHAT_TEMPLATE`.
+Decoding turns ``▁`` back into spaces and BYTE tokens into their byte; `tokenizer_base.BaseTokenizer`
+does the rest (streaming, chat templates). A GGUF without a chat template (the base Gemma 3 270M) gets
+Gemma's turn format, `GEMMA_CHAT_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from .errors import TokenizerError
 from .gguf_file import GGUFFile
-from .tokenizer import BaseTokenizer
+from .tokenizer_base import BaseTokenizer
 
 SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
