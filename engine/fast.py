@@ -314,7 +314,7 @@ def _linear_add(ops, x: torch.Tensor, a: torch.Tensor, weight) -> torch.Tensor:
 
 # ---- a draft head's GEMM weights -------------------------------------------------------------------
 # What an EAGLE head's GEMMs read on the fast path (`FastOptions.draft_weights`, ``SPECCYCLE_DRAFT_WEIGHTS``): ``int8``
-# (`engine.int8_linear`: the head's weights in `drafters.eagle_pack`'s int8-rowwise form, half the bytes), ``dtype``
+# (`engine.int8_linear`: the head's weights in `drafters.eagle_storage`'s int8-rowwise form, half the bytes), ``dtype``
 # (the head's own) or ``auto`` (the default: int8 on CUDA for a bfloat16 or float16 EAGLE-3 head under an op set that
 # folds it, such as `kernels.FoldedNormOps`, CUDA's default; the head's dtype elsewhere, float32 heads included). The
 # draft only proposes, so each keeps the output the target's.

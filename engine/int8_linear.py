@@ -8,7 +8,7 @@ the weights are half the bytes. A draft may be approximate (the verify decides e
 the target's whatever the draft computes); what int8 costs is acceptance, which the real model measures
 (``bench/gpu_bench.py --parts real``: tau with the head in its dtype and in int8).
 
-**The format** is `drafters.eagle_pack`'s ``int8-rowwise`` storage (symmetric, one float32 scale per output
+**The format** is `drafters.eagle_storage`'s ``int8-rowwise`` storage (symmetric, one float32 scale per output
 row), so a head shipped in that storage runs on about the integers it was stored as: `Int8Rowwise.from_weight`
 quantizes the head's loaded (dequantized, bfloat16) weight again, which gives back the stored integers but where
 bfloat16's rounding (2^-9 of a value and of its row's largest) crosses half a step: one step off, on ~4 values in
@@ -34,7 +34,7 @@ import os
 import attrs
 import torch
 
-from .drafters.eagle_pack import quantize_rowwise
+from .drafters.eagle_storage import quantize_rowwise
 from .splitk_linear import check_add_target
 
 try:
@@ -68,7 +68,7 @@ class Int8Rowwise:
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> Int8Rowwise:
-        """`eagle_pack.quantize_rowwise` of a floating ``[N, K]`` weight, on its device."""
+        """`eagle_storage.quantize_rowwise` of a floating ``[N, K]`` weight, on its device."""
         q, scale = quantize_rowwise(weight)
         return cls(q, scale)
 

@@ -489,7 +489,7 @@ def head_readme(result: dict, head_path: Path) -> str:
     """What ships beside a head: how it was trained (from its file's metadata) and what it measured."""
     from safetensors import safe_open
 
-    from ..engine.drafters.eagle_pack import STORAGE_KEY
+    from ..engine.drafters.eagle_storage import STORAGE_KEY
 
     with safe_open(str(head_path), framework="pt") as f:
         meta = f.metadata() or {}

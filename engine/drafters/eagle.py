@@ -19,7 +19,7 @@ names), each with its own layer of the draft cache; ``hidden`` is then the last 
 Weights live in one safetensors file; its metadata key ``speccycle.eagle`` holds the `EagleConfig`
 as JSON, and ``speccycle.eagle.lm_head`` says where the logits come from (``own`` or ``target``).
 `EagleHead.random` builds one with random weights for tests. ``speccycle.eagle.storage`` (absent in a
-plain file) names a compact storage, ``int8-rowwise`` (`eagle_pack`): ``load`` dequantizes it.
+plain file) names a compact storage, ``int8-rowwise`` (`eagle_storage`): ``load`` dequantizes it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ..errors import ModelLoadError
 from ..kv_pool import PagedKVPool
 from ..llama import DecoderLayer, LlamaModel, RMSNorm, apply_rope, rope_cos_sin
 from ..weights_gguf import decoder_layer_shapes
+from .eagle_storage import PACK_KEY, STORAGE_KEY, STORAGES, pack_state, unpack_state
 
 METADATA_KEY = "speccycle.eagle"
 LM_HEAD_KEY = "speccycle.eagle.lm_head"  # "own" (EAGLE-3's reduced vocabulary) or "target" (the target's norm and head)
@@ -243,14 +244,12 @@ class EagleHead(nn.Module):
         return {k: v.detach().contiguous() for k, v in out.items()}
 
     def save(self, path: str | os.PathLike, storage: str | None = None) -> None:
-        """Write the head file; ``storage`` ``"int8-rowwise"``: packed (`eagle_pack`), None: as the weights are."""
+        """Write the head file; ``storage`` ``"int8-rowwise"``: packed (`eagle_storage`), None: as the weights are."""
         from safetensors.torch import save_file
 
         if storage is None:
             save_file(self.state(), str(path), metadata=file_metadata(self.config))
             return
-        from .eagle_pack import PACK_KEY, STORAGE_KEY, STORAGES, pack_state
-
         if storage not in STORAGES:
             raise ValueError(f"unknown EAGLE head storage {storage!r}: choose one of {', '.join(STORAGES)} or None")
         tensors, record = pack_state(self.state())
@@ -273,8 +272,6 @@ class EagleHead(nn.Module):
         meta = metadata.get(METADATA_KEY)
         if meta is None:
             raise ModelLoadError(f"{path} has no '{METADATA_KEY}' metadata: it was not saved by EagleHead.save")
-        from .eagle_pack import STORAGE_KEY, unpack_state
-
         weights = unpack_state(weights, metadata.get(STORAGE_KEY), path)  # int8 storage -> float32; else as stored
         return cls(EagleConfig(**json.loads(meta)), weights, dtype, device)
 

@@ -6,7 +6,7 @@ measured tau) and how it is stored. Heads are looked up by the target's model na
 directory name up to its first dot (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``),
 so any quantization of the same model finds the same head. The lookup is driven by the files alone:
 replacing a head is replacing its file (``python -m speccycle.engine.drafters.eagle_pack NEW --ship``
-writes it there, int8-packed) and its README. A head stored in ``int8-rowwise`` form (`eagle_pack`)
+writes it there, int8-packed) and its README. A head stored in ``int8-rowwise`` form (`eagle_storage`)
 is dequantized on load.
 """
 

@@ -1,4 +1,5 @@
-"""int8 storage of EAGLE head files (`engine/drafters/eagle_pack.py`) and the head shipped in engine/data/eagle.
+"""int8 storage of EAGLE head files (`engine/drafters/eagle_storage.py`, packed by `eagle_pack.py`) and the head
+shipped in engine/data/eagle.
 
 Checked: row-wise quantization stays within half a step of every weight; a packed file loads through
 `EagleHead.load` to the plain file's weights within that bound (norms and the id map exactly), keeps
@@ -21,13 +22,12 @@ from safetensors.torch import save_file
 from speccycle.core import SpecConfig
 from speccycle.engine.drafters import eagle_heads
 from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead, file_metadata
-from speccycle.engine.drafters.eagle_pack import (
+from speccycle.engine.drafters.eagle_pack import main, pack_file
+from speccycle.engine.drafters.eagle_storage import (
     INT8_ROWWISE,
     PACK_KEY,
     STORAGE_KEY,
     dequantize_rowwise,
-    main,
-    pack_file,
     quantize_rowwise,
 )
 from speccycle.engine.engine import Engine

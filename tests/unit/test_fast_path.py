@@ -650,7 +650,7 @@ def test_blas_scope_sets_the_library_for_the_fast_forwards_and_puts_it_back(monk
 def _int8_grid_head(dtype=torch.float32):
     """An EAGLE-3 head whose GEMM weights lie on the int8-rowwise grid and whose post-attention gain is 1 (so the
     folded gate-up is the gate-up): its int8 forms are exact, and the int8 path computes what the reference does."""
-    from speccycle.engine.drafters.eagle_pack import dequantize_rowwise, quantize_rowwise
+    from speccycle.engine.drafters.eagle_storage import dequantize_rowwise, quantize_rowwise
 
     config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3))
     head = EagleHead.random(config, seed=7, dtype=dtype, target_vocab=TINY.vocab_size)
