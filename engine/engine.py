@@ -342,11 +342,9 @@ class Engine:
 
     def _fused_for(self, sampling, checked: bool, on_step):
         """The fused cycles (`engine.fused_cycle`) when they serve this call: not checked, no ``on_step``."""
-        from . import fused_cycle
-
         if self.fused_cycles is None or checked or on_step is not None:
             return None
-        return self.fused_cycles if fused_cycle.serves(self.draft, self.spec, sampling, self.model.device) else None
+        return self.fused_cycles if self.fused_cycles.serves(self.draft, sampling) else None
 
     def _cycle_ports(self, sampling: SamplingParams | None) -> tuple[Ports, object]:
         """The ports and backend of a `generate` call: the host control plane where it serves the call

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..core.ports import ForwardBatch, ModelOutput
 from .drafters.eagle import EagleDraft
 from .drafters.layerskip import LlamaDraft
+from .fused_cycle import FusedCycles
 from .graphs import (
     BUCKETS,
     ForwardGraphs,
@@ -949,8 +950,6 @@ def accelerate(
         engine.draft = FastLlamaDraft(engine.draft, engine.pool, opts)
     engine.fast_decoder = FastGreedyDecoder(engine.target, engine.pool, opts)
     if fused and isinstance(engine.draft, FastEagleDraft):
-        from .fused_cycle import FusedCycles
-
         engine.fused_cycles = FusedCycles(engine.target, engine.draft, engine.pool, engine.spec, opts)
     engine.fast_options = opts
     engine.host_control = opts.device.type == "cuda" if host_control is None else bool(host_control)

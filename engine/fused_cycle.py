@@ -35,7 +35,7 @@ its own inputs; the committed tokens go to an output log and each cycle's commit
 histogram log, both written at indices the state holds.
 
 Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs on the fast path
-with a fast EAGLE draft and a chain config (`serves`); the prefill and the first draft extend run
+with a fast EAGLE draft and a chain config (`FusedCycles.serves`); the prefill and the first draft extend run
 through the state machine (`statemachine.step`) and the loop starts from their `Ready` record. On a
 CPU (tests) the same cycle runs eagerly. Tested: greedy output equal to the engine's autoregressive
 output and the per-cycle accept lengths equal to the state machine's (tests/unit/test_fused_cycle.py).
@@ -102,14 +102,6 @@ def forced_walk(tokens: torch.Tensor, parents: torch.Tensor | None, accept: torc
     walk = torch.full_like(tok, -1)
     walk.scatter_(1, path[:, :-1], torch.where(take, tok.gather(1, path[:, 1:]), -1))  # the sentinel: only -1s
     return walk[:, :N]
-
-
-def serves(draft, spec: SpecConfig, sampling, device: torch.device) -> bool:
-    """Whether a `generate` call can run as fused cycles: greedy without logprobs, a fast EAGLE draft."""
-    from .fast import FastEagleDraft
-
-    plain = sampling is None or (sampling.greedy and not sampling.logprobs)
-    return plain and isinstance(draft, FastEagleDraft)
 
 
 @attrs.frozen
@@ -229,6 +221,12 @@ class FusedCycles:
         # the whole of `run` (setup, graph captures, the loop, the outputs' copies back): what a generate call
         # spends beside it is the prefill and the first draft extend (benchmarks report the split)
         self.run_s = 0.0
+
+    def serves(self, draft, sampling) -> bool:
+        """Whether a `generate` call can run as these fused cycles: greedy without logprobs, and the engine's
+        draft is the fast EAGLE draft they were built over (`fast.accelerate` builds them for one)."""
+        plain = sampling is None or (sampling.greedy and not sampling.logprobs)
+        return plain and draft is self.draft
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
