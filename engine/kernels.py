@@ -35,14 +35,13 @@ import torch.nn.functional as F
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
+    MAX_ROWS,
     linear_rows,
     linear_torch,
-    norm_gate_up_silu_rows,
-    norm_gate_up_silu_torch,
-    norm_linear_rows,
-    norm_linear_torch,
-    norm_qkv_rope_rows,
-    norm_qkv_rope_torch,
+    norm_gate_up_silu_triton,
+    norm_linear_triton,
+    norm_qkv_rope_triton,
+    rows_fit,
 )
 
 try:
@@ -542,6 +541,112 @@ def eagle_input_triton(
             BLOCK=triton.next_power_of_2(width),
         )  # fmt: skip
     return out, res
+
+
+# ---- the fused GEMMs (`engine.linear_triton`'s kernels): torch references, and what the op sets call --------
+# The references are ``F.linear`` around this module's torch ops; the op sets take the kernels up to a row
+# bound and the unfused Triton ops with ``F.linear`` above it.
+def norm_linear_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x (+ residual)``, then ``F.linear(rms_norm(h), weight)``: ``(h, [T, N])``.
+
+    ``sum_out``: a ``[T, K]`` view that also receives ``h`` (a features column block).
+    """
+    if residual is None:
+        h = x
+        if sum_out is not None:
+            sum_out.copy_(x)
+        y = rms_norm_torch(x, norm_weight, eps)
+    else:
+        h, y = add_rms_norm_torch(x, residual, norm_weight, eps, sum_out)
+    return h, linear_torch(y, weight, out_dtype)
+
+
+def norm_gate_up_silu_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear_torch` with the concatenated ``[2I, K]`` gate/up weight, then SiLU-and-mul: ``(h, [T, I])``."""
+    h, gate_up = norm_linear_torch(x, residual, norm_weight, eps, weight, sum_out)
+    return h, silu_mul_torch(gate_up)
+
+
+def norm_qkv_rope_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weight: torch.Tensor,
+    sum_out: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    out_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear_torch` with the Q/K/V weight, then `kernels.rope_write_kv_torch`: ``(h, q [T, H, D])``.
+
+    ``norm_weight`` None: no norm (``x`` is the GEMM's input, ``h`` is ``x``); K and V go to the caches at
+    ``out_slots`` (-1: not written).
+    """
+    if norm_weight is None:
+        if residual is not None or sum_out is not None:
+            raise ValueError("norm_qkv_rope: a residual or sum_out needs the norm (norm_weight)")
+        h, qkv = x, linear_torch(x, weight)
+    else:
+        h, qkv = norm_linear_torch(x, residual, norm_weight, eps, weight, sum_out)
+    q = rope_write_kv_torch(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads, num_kv_heads)
+    return h, q
+
+
+def norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out=None, out_dtype=None, *, max_rows=MAX_ROWS):
+    """`norm_linear_triton` up to ``max_rows`` rows, else the Triton (add +) RMSNorm and ``F.linear``."""
+    if rows_fit(x, weight, max_rows):
+        return norm_linear_triton(x, residual, norm_weight, eps, weight, sum_out, out_dtype)
+    if residual is None:
+        if sum_out is not None:
+            sum_out.copy_(x)
+        h, y = x, rms_norm_triton(x, norm_weight, eps)
+    else:
+        h, y = add_rms_norm_triton(x, residual, norm_weight, eps, sum_out)
+    return h, linear_torch(y, weight, out_dtype)
+
+
+def norm_gate_up_silu_rows(x, residual, norm_weight, eps, weight, sum_out=None, *, max_rows=MAX_ROWS):
+    """`norm_gate_up_silu_triton` up to ``max_rows`` rows, else the unfused Triton ops and ``F.linear``."""
+    if rows_fit(x, weight, max_rows):
+        return norm_gate_up_silu_triton(x, residual, norm_weight, eps, weight, sum_out)
+    h, gate_up = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
+    return h, silu_mul_triton(gate_up)
+
+
+def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table, out_slots,
+                       k_cache, v_cache, num_heads, num_kv_heads, *, max_rows=MAX_ROWS):  # fmt: skip
+    """`norm_qkv_rope_triton` up to ``max_rows`` rows, else `norm_linear_rows` and the RoPE + KV-write kernel."""
+    if rows_fit(x, weight, max_rows):
+        return norm_qkv_rope_triton(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table,
+                                    out_slots, k_cache, v_cache, num_heads, num_kv_heads)  # fmt: skip
+    if norm_weight is None:
+        h, qkv = x, linear_rows(x, weight, max_rows=max_rows)
+    else:
+        h, qkv = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
+    q = rope_write_kv_triton(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads,
+                             num_kv_heads)  # fmt: skip
+    return h, q
 
 
 # ---- op sets -----------------------------------------------------------------------------------

@@ -35,13 +35,16 @@ O, gate-up, down):
 * ``out_dtype``: the output stored as the dtype's rounding, widened (the LM head writes float32
   logits directly: the reference's ``F.linear(...).float()``, one kernel fewer).
 
-The torch references sit beside the kernels (``*_torch``: ``F.linear`` and the `engine.kernels`
-references). They are not bitwise the kernels (cuBLAS or MKL reduce in another order), so the kernels
-are tested equal to them within a tolerance and row-invariant bitwise.
+The torch references are ``F.linear`` (`linear_torch`, here) and, for the fused variants, ``F.linear``
+around `engine.kernels`' torch ops (`kernels.norm_linear_torch`, `kernels.norm_gate_up_silu_torch`,
+`kernels.norm_qkv_rope_torch`, beside the ops they compose). They are not bitwise the kernels (cuBLAS or
+MKL reduce in another order), so the kernels are tested equal to them within a tolerance and
+row-invariant bitwise.
 
-`TritonOps` (in `engine.kernels`) uses these up to `MAX_ROWS` rows and ``F.linear`` (plus the unfused
-Triton ops) above, where cuBLAS is faster; `BatchInvariantOps` uses them for any row count (a parity
-run over a large ragged batch, see ``bench/lossless_sweep.py``).
+`TritonOps` (in `engine.kernels`, through `linear_rows` and `kernels.norm_linear_rows` and its kin) uses
+these up to `MAX_ROWS` rows and ``F.linear`` (plus the unfused Triton ops) above, where cuBLAS is faster;
+`BatchInvariantOps` uses them for any row count (a parity run over a large ragged batch, see
+``bench/lossless_sweep.py``).
 """
 
 from __future__ import annotations
@@ -96,79 +99,6 @@ def linear_torch(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype |
     """``F.linear(x, weight)`` (``[T, K] x [N, K] -> [T, N]``), widened to ``out_dtype`` when given."""
     y = F.linear(x, weight)
     return y if out_dtype is None else y.to(out_dtype)
-
-
-def norm_linear_torch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    sum_out: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = x (+ residual)``, then ``F.linear(rms_norm(h), weight)``: ``(h, [T, N])``.
-
-    ``sum_out``: a ``[T, K]`` view that also receives ``h`` (a features column block).
-    """
-    from .kernels import add_rms_norm_torch, rms_norm_torch
-
-    if residual is None:
-        h = x
-        if sum_out is not None:
-            sum_out.copy_(x)
-        y = rms_norm_torch(x, norm_weight, eps)
-    else:
-        h, y = add_rms_norm_torch(x, residual, norm_weight, eps, sum_out)
-    return h, linear_torch(y, weight, out_dtype)
-
-
-def norm_gate_up_silu_torch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    sum_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_linear_torch` with the concatenated ``[2I, K]`` gate/up weight, then SiLU-and-mul: ``(h, [T, I])``."""
-    from .kernels import silu_mul_torch
-
-    h, gate_up = norm_linear_torch(x, residual, norm_weight, eps, weight, sum_out)
-    return h, silu_mul_torch(gate_up)
-
-
-def norm_qkv_rope_torch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    eps: float,
-    weight: torch.Tensor,
-    sum_out: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
-    out_slots: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_linear_torch` with the Q/K/V weight, then `kernels.rope_write_kv_torch`: ``(h, q [T, H, D])``.
-
-    ``norm_weight`` None: no norm (``x`` is the GEMM's input, ``h`` is ``x``); K and V go to the caches at
-    ``out_slots`` (-1: not written).
-    """
-    from .kernels import rope_write_kv_torch
-
-    if norm_weight is None:
-        if residual is not None or sum_out is not None:
-            raise ValueError("norm_qkv_rope: a residual or sum_out needs the norm (norm_weight)")
-        h, qkv = x, linear_torch(x, weight)
-    else:
-        h, qkv = norm_linear_torch(x, residual, norm_weight, eps, weight, sum_out)
-    q = rope_write_kv_torch(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads, num_kv_heads)
-    return h, q
 
 
 # ---- the Triton kernel ----------------------------------------------------------------------------
@@ -500,7 +430,7 @@ def norm_linear_triton(
     *,
     config: RowLinearConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_linear_torch` in one kernel, row-invariant: ``(h, [T, N])``; ``h`` is ``x`` without a residual."""
+    """`kernels.norm_linear_torch` in one kernel, row-invariant: ``(h, [T, N])``; ``h`` is ``x`` without a residual."""
     _check(x, weight, "norm_linear")
     x, residual, norm_weight, h = _norm_args(x, residual, norm_weight, sum_out, "norm_linear")
     rows, n = x.shape[0], weight.shape[0]
@@ -520,7 +450,7 @@ def norm_gate_up_silu_triton(
     *,
     config: RowLinearConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_gate_up_silu_torch` in one kernel, row-invariant: ``(h, [T, I])`` for a ``[2I, K]`` weight."""
+    """`kernels.norm_gate_up_silu_torch` in one kernel, row-invariant: ``(h, [T, I])`` for a ``[2I, K]`` weight."""
     _check(x, weight, "norm_gate_up_silu")
     if weight.shape[0] % 2:
         raise ValueError(f"norm_gate_up_silu: the gate/up weight needs an even row count; got {weight.shape[0]}")
@@ -552,7 +482,7 @@ def norm_qkv_rope_triton(
     block_k: int | None = None,
     block_half: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_qkv_rope_torch` in one kernel, row-invariant: a program per (``block_half`` columns of a head's
+    """`kernels.norm_qkv_rope_torch` in one kernel, row-invariant: a program per (``block_half`` columns of a head's
     first half, row block) computes them and their partners in the second half (two accumulators),
     rotates Q and K (`kernels.rope_write_kv_triton`'s roundings) and writes Q, and K and V into the
     caches; the ``[T, (H + 2 Hkv) D]`` QKV never exists. ``block_k``, ``block_half``: tile overrides."""
@@ -599,8 +529,9 @@ def norm_qkv_rope_triton(
     return (x if h is None else h), q
 
 
-# ---- what the op sets call: the kernels up to a row bound, the unfused path above -----------------------
-def _fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None) -> bool:
+# ---- what the op sets call: the kernel up to a row bound, F.linear above (the fused GEMMs': `engine.kernels`) ---
+def rows_fit(x: torch.Tensor, weight: torch.Tensor, max_rows: int | None) -> bool:
+    """Whether the row-invariant kernels take this GEMM: at most ``max_rows`` rows (None: any), one of `DTYPES`."""
     return (max_rows is None or x.shape[0] <= max_rows) and x.dtype == weight.dtype and x.dtype in DTYPES
 
 
@@ -608,51 +539,9 @@ def linear_rows(
     x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None, *, max_rows: int | None = MAX_ROWS
 ) -> torch.Tensor:
     """`row_linear` up to ``max_rows`` rows (None: any), ``F.linear`` above."""
-    if _fits(x, weight, max_rows):
+    if rows_fit(x, weight, max_rows):
         return row_linear(x, weight, out_dtype)
     return linear_torch(x, weight, out_dtype)
-
-
-def norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out=None, out_dtype=None, *, max_rows=MAX_ROWS):
-    """`norm_linear_triton` up to ``max_rows`` rows, else the Triton (add +) RMSNorm and ``F.linear``."""
-    if _fits(x, weight, max_rows):
-        return norm_linear_triton(x, residual, norm_weight, eps, weight, sum_out, out_dtype)
-    from .kernels import add_rms_norm_triton, rms_norm_triton
-
-    if residual is None:
-        if sum_out is not None:
-            sum_out.copy_(x)
-        h, y = x, rms_norm_triton(x, norm_weight, eps)
-    else:
-        h, y = add_rms_norm_triton(x, residual, norm_weight, eps, sum_out)
-    return h, linear_torch(y, weight, out_dtype)
-
-
-def norm_gate_up_silu_rows(x, residual, norm_weight, eps, weight, sum_out=None, *, max_rows=MAX_ROWS):
-    """`norm_gate_up_silu_triton` up to ``max_rows`` rows, else the unfused Triton ops and ``F.linear``."""
-    if _fits(x, weight, max_rows):
-        return norm_gate_up_silu_triton(x, residual, norm_weight, eps, weight, sum_out)
-    from .kernels import silu_mul_triton
-
-    h, gate_up = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
-    return h, silu_mul_triton(gate_up)
-
-
-def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table, out_slots,
-                       k_cache, v_cache, num_heads, num_kv_heads, *, max_rows=MAX_ROWS):  # fmt: skip
-    """`norm_qkv_rope_triton` up to ``max_rows`` rows, else `norm_linear_rows` and the RoPE + KV-write kernel."""
-    if _fits(x, weight, max_rows):
-        return norm_qkv_rope_triton(x, residual, norm_weight, eps, weight, sum_out, positions, cos_table, sin_table,
-                                    out_slots, k_cache, v_cache, num_heads, num_kv_heads)  # fmt: skip
-    from .kernels import rope_write_kv_triton
-
-    if norm_weight is None:
-        h, qkv = x, linear_rows(x, weight, max_rows=max_rows)
-    else:
-        h, qkv = norm_linear_rows(x, residual, norm_weight, eps, weight, sum_out, max_rows=max_rows)
-    q = rope_write_kv_triton(qkv, positions, cos_table, sin_table, out_slots, k_cache, v_cache, num_heads,
-                             num_kv_heads)  # fmt: skip
-    return h, q
 
 
 def compile_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:

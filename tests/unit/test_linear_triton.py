@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from speccycle.core.ports import ForwardBatch
+from speccycle.engine import kernels
 from speccycle.engine import linear_triton as lt
 from speccycle.engine.fast import FastOptions, FastTarget
 from speccycle.engine.greedy import extend_batch
@@ -82,7 +83,7 @@ def test_norm_linear_equals_reference_and_is_row_invariant(dtype):
     for residual in (None, r):
         features = torch.zeros(37, 3 * K, dtype=dtype, device=DEVICE)  # h also goes to a strided column block
         h, y = lt.norm_linear_triton(x, residual, norm_w, 1e-5, w, features[:, K : 2 * K], torch.float32)
-        h_ref, y_ref = lt.norm_linear_torch(x, residual, norm_w, 1e-5, w, None, torch.float32)
+        h_ref, y_ref = kernels.norm_linear_torch(x, residual, norm_w, 1e-5, w, None, torch.float32)
         assert torch.equal(h, h_ref) and torch.equal(features[:, K : 2 * K], h_ref)  # the dtype add is torch's
         assert y.dtype == torch.float32
         torch.testing.assert_close(y, y_ref, **_tol(dtype))
@@ -99,7 +100,7 @@ def test_norm_gate_up_silu_equals_reference_and_is_row_invariant(dtype):
     x, r, norm_w, w = _data(dtype, n=2 * 24)  # gate and up: 24 columns each (a masked column block)
     for residual in (None, r):
         h, act = lt.norm_gate_up_silu_triton(x, residual, norm_w, 1e-5, w)
-        h_ref, act_ref = lt.norm_gate_up_silu_torch(x, residual, norm_w, 1e-5, w)
+        h_ref, act_ref = kernels.norm_gate_up_silu_torch(x, residual, norm_w, 1e-5, w)
         assert act.shape == (37, 24) and act.dtype == dtype
         assert torch.equal(h, h_ref)
         torch.testing.assert_close(act.float(), act_ref.float(), **_tol(dtype))
@@ -140,7 +141,7 @@ def test_norm_qkv_rope_equals_reference_and_is_row_invariant(dtype, head_dim):
         h, q = lt.norm_qkv_rope_triton(x, residual, nw, 1e-5, w, sum_out, positions, cos, sin, slots, k_cache,
                                        v_cache, heads, kv_heads)  # fmt: skip
         k_ref, v_ref = _caches(dims, dtype)
-        h_ref, q_ref = lt.norm_qkv_rope_torch(x, residual, nw, 1e-5, w, None, positions, cos, sin, slots, k_ref,
+        h_ref, q_ref = kernels.norm_qkv_rope_torch(x, residual, nw, 1e-5, w, None, positions, cos, sin, slots, k_ref,
                                               v_ref, heads, kv_heads)  # fmt: skip
         assert torch.equal(h, h_ref)
         if sum_out is not None:
