@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import Compacted, Request, SpecConfig
+from .cli_options import add_engine_args, spec_from_args
 from .drafters.eagle import EagleHead
 from .drafters.eagle_tp import ShardedEagleDraft, TPEagleDraft
 from .drafters.layerskip import LlamaDraft
@@ -251,8 +252,6 @@ def load_tp_engine(
 
 # ---- command line ---------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import _engine_args
-
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m speccycle.engine.tp",
         description="Speculative generation with a tensor-parallel target; rank 0 prints and writes results.",
@@ -267,13 +266,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default=None, choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--kv-tokens", type=int, default=32768)
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
-    _engine_args(parser)
+    add_engine_args(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli import _spec
-
     args = _parser().parse_args(argv)
     if args.temperature != 0.0:
         raise ValueError("--temperature > 0 needs sampling verification, which is not in this release; use 0")
@@ -282,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp = init_tp(args.backend, args.device)
     lead = tp.rank == 0
     dtype = getattr(torch, args.dtype or ("bfloat16" if tp.device.type == "cuda" else "float32"))
-    spec = _spec(args, tp.device)
+    spec = spec_from_args(args, tp.device)
     engine = load_tp_engine(
         tp,
         args.model,

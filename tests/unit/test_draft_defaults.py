@@ -15,6 +15,7 @@ import torch
 from speccycle import cli
 from speccycle.core import SpecConfig
 from speccycle.engine import engine as engine_module
+from speccycle.engine.cli_options import resolve_draft, spec_from_args
 from speccycle.engine.engine import EAGLE_CPU_SPEC, EAGLE_GPU_SPEC, Engine, default_spec, eagle_head_dtype
 
 
@@ -30,23 +31,23 @@ def test_default_spec_per_draft_and_device():
 
 
 def test_cli_spec_takes_the_default_unless_a_shape_option_is_given():
-    assert cli._spec(_args("eagle"), "cpu") == EAGLE_CPU_SPEC
-    assert cli._spec(_args("eagle", page_size=1), "cuda") == SpecConfig(5, 4, 16, 1)
-    assert cli._spec(_args("ngram"), "cpu") == SpecConfig(num_steps=16, page_size=16)
+    assert spec_from_args(_args("eagle"), "cpu") == EAGLE_CPU_SPEC
+    assert spec_from_args(_args("eagle", page_size=1), "cuda") == SpecConfig(5, 4, 16, 1)
+    assert spec_from_args(_args("ngram"), "cpu") == SpecConfig(num_steps=16, page_size=16)
     # a shape option given: the old rule (a chain of the default chain's depth, or S=4 under a tree)
-    assert cli._spec(_args("eagle", topk=1), "cpu") == SpecConfig(num_steps=4, page_size=16)
-    assert cli._spec(_args("ngram", topk=1), "cpu") == SpecConfig(num_steps=16, page_size=16)
-    assert cli._spec(_args("eagle", steps=6), "cpu") == SpecConfig(num_steps=6, page_size=16)
-    assert cli._spec(_args("ngram", topk=2, draft_tokens=8), "cpu") == SpecConfig(4, 2, 8, 16)
+    assert spec_from_args(_args("eagle", topk=1), "cpu") == SpecConfig(num_steps=4, page_size=16)
+    assert spec_from_args(_args("ngram", topk=1), "cpu") == SpecConfig(num_steps=16, page_size=16)
+    assert spec_from_args(_args("eagle", steps=6), "cpu") == SpecConfig(num_steps=6, page_size=16)
+    assert spec_from_args(_args("ngram", topk=2, draft_tokens=8), "cpu") == SpecConfig(4, 2, 8, 16)
     parsed = cli.build_parser().parse_args(["bench", "--draft", "eagle"])
     assert parsed.topk is None and parsed.steps is None and parsed.draft_tokens is None
     # --draft auto (the default): the shipped EAGLE head on the embedded model, ngram on a model given by path
     parsed = cli.build_parser().parse_args(["bench"])
     assert parsed.draft == "auto"
-    cli._resolve_draft(parsed)
+    resolve_draft(parsed)
     assert parsed.draft == "eagle"
     parsed = cli.build_parser().parse_args(["generate", "hi", "--model", "other.gguf"])
-    cli._resolve_draft(parsed)
+    resolve_draft(parsed)
     assert parsed.draft == "ngram"
 
 
