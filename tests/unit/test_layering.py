@@ -57,16 +57,20 @@ ALSO_ALLOWED = {("train", "speccycle.bench.common")}
 
 def package_modules(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
     """``{dotted name: (file, is a package's __init__)}`` for the package's ``__init__``, its top-level modules
-    and every module of its subpackages (folders with an ``__init__.py``, nested ones too)."""
+    and every module of its subpackages (folders with an ``__init__.py``, nested ones too). A file whose path
+    has a part that is no identifier (a hidden folder, a copy of the tree under one) or that lies under a
+    folder without an ``__init__.py`` cannot be imported as a module of the package and is not one."""
     modules = {PACKAGE: (root / "__init__.py", True)}
     for path in sorted(root.glob("*.py")):
-        if path.name != "__init__.py":
+        if path.name != "__init__.py" and path.stem.isidentifier():
             modules[f"{PACKAGE}.{path.stem}"] = (path, False)
     for init in sorted(root.glob("*/__init__.py")):
         for path in sorted(init.parent.rglob("*.py")):
             rel = path.relative_to(root)
+            if not all(part.isidentifier() for part in rel.with_suffix("").parts):
+                continue
             if not all((root / Path(*rel.parts[:i]) / "__init__.py").is_file() for i in range(1, len(rel.parts))):
-                continue  # under a folder that is no package: not importable as a module of this package
+                continue
             parts = rel.with_suffix("").parts
             is_init = parts[-1] == "__init__"
             modules[".".join((PACKAGE, *(parts[:-1] if is_init else parts)))] = (path, is_init)
