@@ -4,6 +4,7 @@ A page asks for generated Markdown with a marker on a line of its own:
 
     <!-- speccycle:mermaid -->              the state diagram, `render.to_mermaid()`
     <!-- speccycle:table -->                the transition table, `render.to_markdown()`
+    <!-- speccycle:fusions -->              the declared fusions, `render.fusions_markdown()`
     <!-- speccycle:rows:EVENT -->           the table rows of one event
     <!-- speccycle:ops:EVENT -->            the backend ops those rows call, with their docstrings
     <!-- speccycle:record:CLASS -->         the fields of a record (core/records.py), shapes included
@@ -462,6 +463,7 @@ def _generate(kind: str, arg: str | None) -> str:
         "cli": cli_markdown,
         "demo": demo_markdown,
         "attention-rule": attention_rule,
+        "fusions": _fusions,
     }
     with_arg = {"rows": rows_markdown, "ops": ops_markdown, "record": record_markdown, "example": _example}
     if kind in simple and arg is None:
@@ -481,6 +483,12 @@ def _table() -> str:
     from speccycle.statemachine.render import to_markdown
 
     return to_markdown()
+
+
+def _fusions() -> str:
+    from speccycle.statemachine.render import fusions_markdown
+
+    return fusions_markdown()
 
 
 def _example(name: str) -> str:

@@ -225,7 +225,9 @@ def accept_commit_torch(tokens, parents, predict, walk, verify_slots, cur: dict,
         ext["dst"].copy_(torch.where(moves, dst, -1).reshape(-1))
     ext["input_ids"].copy_(committed.reshape(-1))
     ext["positions"].copy_((L[:, None] + width).reshape(-1))
-    ext["out_slots"].copy_(verify_slots[:, :W].reshape(-1))
+    # row d's slot is verify row d's (L + d); a tree of N < W rows has none past N: those rows write no KV
+    in_block = torch.where(width < N, verify_slots.gather(1, width.clamp(max=N - 1).expand(B, -1)), -1)
+    ext["out_slots"].copy_(in_block.reshape(-1))
     ext["prefix_lens"].copy_((L[:, None] + width + 1).reshape(-1))
     ext["feature_rows"].copy_(flat.reshape(-1))
     ext["last"].copy_(torch.arange(B, device=device) * W + (keep - 1).clamp(min=0))
@@ -313,7 +315,9 @@ if triton is not None:
         ext = b[:, None] * W + w
         tl.store(ext_ids_ptr + ext, committed, mask=depth_ok)
         tl.store(ext_positions_ptr + ext, L[:, None] + w, mask=depth_ok)
-        tl.store(ext_slots_ptr + ext, tl.load(slots_ptr + b[:, None] * N + w, mask=depth_ok, other=-1), mask=depth_ok)
+        # past a tree's N rows (N < W) no slot of the request's block: no KV (never a neighbour's slot)
+        ext_slot = tl.load(slots_ptr + b[:, None] * N + w, mask=depth_ok & (w < N), other=-1)
+        tl.store(ext_slots_ptr + ext, ext_slot, mask=depth_ok)
         tl.store(ext_prefix_ptr + ext, L[:, None] + w + 1, mask=depth_ok)
         tl.store(ext_rows_ptr + ext, flat, mask=depth_ok)
         last = tl.maximum(keep - 1, 0)

@@ -5,7 +5,7 @@ The docs site calls these at build time; nothing in the docs is hand-copied from
 
 from __future__ import annotations
 
-from .table import TABLE, Transition
+from .table import FUSIONS, TABLE, Fusion, Transition
 
 
 def _label(row: Transition) -> str:
@@ -33,4 +33,17 @@ def to_markdown(table: tuple[Transition, ...] = TABLE) -> str:
         out.append(
             f"| `{row.source.__name__}` | `{row.event}` | {guard} | `{row.target.__name__}` | {ops} | {row.doc} |"
         )
+    return "\n".join(out) + "\n"
+
+
+def fusions_markdown(fusions: tuple[Fusion, ...] = FUSIONS) -> str:
+    """The declared fusions as Markdown: the op, the rows whose work it does, the ops it takes over."""
+    out = [
+        "| fused op | rows it does the work of | their ops it takes over | where | what it covers |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for f in fusions:
+        rows = ", ".join(f"`{r.event}` (`{r.run.__name__}`)" for r in f.rows)
+        ops = ", ".join(f"`{op}`" for op in f.replaces_ops)
+        out.append(f"| `{f.op}` | {rows} | {ops} | `{f.module}` | {f.doc} |")
     return "\n".join(out) + "\n"

@@ -159,5 +159,47 @@ TABLE: tuple[Transition, ...] = (
 STATES: tuple[type, ...] = (Admitted, Ready, Drafted, Verified, Accepted, Compacted)
 
 
+@attrs.frozen
+class Fusion:
+    """One op of a backend that does the work of several rows of the table (or of some of their ops).
+
+    ``rows`` are the table rows whose work it does, in cycle order; ``replaces_ops`` the ops of those rows
+    it takes over (a row's forward, and any op not named, still runs as the row says); ``module`` the kernel
+    module that holds the op beside its torch twin (``<op>`` and ``<op>_torch``). A property test holds the
+    op and its twin equal to the rows on random batches (tests/property/test_fusions.py); an executor may
+    run a fusion in place of its rows only for the records and ports ``doc`` says it covers.
+    """
+
+    op: str
+    rows: tuple[Transition, ...]
+    replaces_ops: tuple[str, ...]
+    module: str
+    doc: str = ""
+
+
+def _row(run: Callable) -> Transition:
+    (row,) = (r for r in TABLE if r.run is run)
+    return row
+
+
+FUSIONS: tuple[Fusion, ...] = (
+    Fusion(
+        "accept_commit",
+        rows=(_row(t.verify), _row(t.accept), _row(t.compact)),
+        replaces_ops=("verify_greedy", "verify_greedy_chain", "gather_accepted", "fill_bonus", "plan_kv_move"),
+        module="speccycle.engine.cycle_kernels",
+        doc="After the verify forward: the greedy walk, the cut at stop tokens and max_new_tokens, the bonus, "
+        "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
+        "and the done flag the retire row's guard reads. Greedy requests without stop strings, logprobs or "
+        "recurrent state, a forward draft paired shifted.",
+    ),
+)
+
+
+def fusions_of(row: Transition) -> tuple[Fusion, ...]:
+    """The fusions that do (some of) ``row``'s work."""
+    return tuple(f for f in FUSIONS if row in f.rows)
+
+
 def rows_from(source: type, event: str | None = None) -> tuple[Transition, ...]:
     return tuple(r for r in TABLE if r.source is source and (event is None or r.event == event))
