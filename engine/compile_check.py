@@ -5,7 +5,8 @@ accepts it. This compiles each kernel, at the block sizes the backend picks on a
 for ``sm_90`` and a code object for ``gfx942`` (the ROCm backend's "kernels that port"), using the
 compilers that ship inside the triton wheel. The cycle kernels' specs are the CUDA backend's own
 (`backends.cuda.compile_specs.kernel_specs`); the fast engine path's kernels (`engine.attention_triton`,
-`engine.kernels`, `engine.linear_triton`, ...: `engine_specs`) are compiled for ``sm_90`` too, at the
+`engine.kernels`, `engine.linear_triton`, ... and the fused cycle's bookkeeping, the CUDA backend's
+`compile_specs.cycle_specs`: `engine_specs`) are compiled for ``sm_90`` too, at the
 constexprs, dtypes and argument specializations of real models (SmolLM2-135M: 9 / 3 heads of 64;
 Llama-3-8B: 32 / 8 of 128): the JIT marks 16-divisible pointers and integers and turns an integer equal
 to 1 (``page_size`` 1) into a constant, and Triton's layout passes have failed on one combination and
@@ -20,10 +21,9 @@ import sys
 
 import triton
 
-from ..backends.cuda.compile_specs import TARGETS, compile_kernel, kernel_specs, require_compiled
+from ..backends.cuda.compile_specs import TARGETS, compile_kernel, cycle_specs, kernel_specs, require_compiled
 from . import attention_tiles as tiles
 from . import attention_triton as attention
-from . import cycle_kernels as cycle
 from . import decode_step, int8_linear, linear_triton
 from . import kernels as fused
 
@@ -176,30 +176,7 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                      step_out_ptr=i64, history_ptr=i64, rows=i32, stride_h=i32),
                 [dict(BLOCK=8), dict(BLOCK=128)],
                 ("next_ptr", "pos_ptr", "ids_out_ptr", "pos_out_ptr", "history_ptr", "stride_h")))  # fmt: skip
-    # the fused cycle's bookkeeping (engine/cycle_kernels.py): a chain and a tree, SmolLM2's defaults
-    out.append((cycle._cycle_slots_kernel,
-                dict(table_ptr=i64, table_stride=i32, table_width=i32, L_ptr=i64, done_ptr="*i1", offsets_ptr=i64,
-                     out_ptr=i64, C=i32, page_size=i32),
-                [dict(BLOCK_C=32)], ("table_ptr", "L_ptr", "offsets_ptr", "out_ptr", "page_size")))  # fmt: skip
-    rows_signature = dict(tokens_ptr=i64, parents_ptr=i64, L_ptr=i64, slots_ptr=i64, ids_ptr=i64, positions_ptr=i64,
-                          out_slots_ptr=i64, prefix_ptr=i64, extra_ptr=i64, extra_stride=i32, N=i32)  # fmt: skip
-    out.append((cycle._verify_rows_kernel, rows_signature,
-                [dict(ROUNDS=5, TREE=False, BLOCK_N=8), dict(ROUNDS=5, TREE=True, BLOCK_N=16),
-                 dict(ROUNDS=6, TREE=True, BLOCK_N=32)],
-                ("tokens_ptr", "L_ptr", "extra_ptr", "extra_stride")))  # fmt: skip
-    accept_signature = dict(
-        tokens_ptr=i64, parents_ptr=i64, predict_ptr=i64, walk_ptr=i64, slots_ptr=i64, L_ptr=i64, done_ptr="*i1",
-        out_len_ptr=i64, cycle_ptr=i64, max_new_ptr=i64, stops_ptr=i64, num_stops=i32, out_ptr=i64, out_stride=i32,
-        hist_ptr=i64, next_L_ptr=i64, next_root_ptr=i64, next_done_ptr="*i1", next_out_len_ptr=i64,
-        next_cycle_ptr=i64, next_all_done_ptr="*i1", ext_ids_ptr=i64, ext_positions_ptr=i64, ext_slots_ptr=i64,
-        ext_prefix_ptr=i64, ext_rows_ptr=i64, last_ptr=i64, src_ptr=i64, dst_ptr=i64, B=i32, N=i32, W=i32,
-    )  # fmt: skip
-    out.append((cycle._accept_commit_kernel, accept_signature,
-                [dict(TREE=False, BLOCK_B=2, BLOCK_N=8, BLOCK_W=8, BLOCK_X=8),
-                 dict(TREE=True, BLOCK_B=2, BLOCK_N=16, BLOCK_W=8, BLOCK_X=8),
-                 dict(TREE=True, BLOCK_B=64, BLOCK_N=32, BLOCK_W=8, BLOCK_X=8)],
-                ("tokens_ptr", "out_ptr")))  # fmt: skip
-    out.append((cycle._flag_to_host_kernel, dict(src_ptr="*i1", dst_ptr="*i1"), [{}], ()))
+    out += cycle_specs()  # the fused cycle's bookkeeping (`backends.cuda.cycle`)
     return out
 
 

@@ -49,13 +49,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ..backends.registry import get_backend
-from ..core.config import SpecConfig
-from ..core.ports import ModelOutput
-from ..core.records import Ready
-from ..core.tree import draft_scratch_offsets
-from ..statemachine.transitions import draft_levels
-from .cycle_kernels import (
+from ..backends.cuda.cycle import (
     EXTEND_FIELDS,
     accept_commit,
     accept_commit_torch,
@@ -65,6 +59,12 @@ from .cycle_kernels import (
     verify_rows,
     verify_rows_torch,
 )
+from ..backends.registry import get_backend
+from ..core.config import SpecConfig
+from ..core.ports import ModelOutput
+from ..core.records import Ready
+from ..core.tree import draft_scratch_offsets
+from ..statemachine.transitions import draft_levels
 from .graphs import GraphPool, RowInputs, batch_inputs, bucket
 
 # Cycles the host launches ahead of the one whose "all done" flag it waits for. One is enough to keep the GPU
@@ -163,7 +163,7 @@ class _State:
         cuda = torch.device(device).type == "cuda"
         self.host_done = torch.zeros(1, dtype=torch.bool, pin_memory=cuda)
         self.host_done_np = self.host_done.numpy()
-        # written by a kernel where the GPU reaches the pinned flag (`cycle_kernels.flag_to_host`), else copied
+        # written by a kernel where the GPU reaches the pinned flag (`backends.cuda.cycle.flag_to_host`), else copied
         self.flag_kernel = cuda and flag_to_host(self.sets[0]["all_done"], self.host_done)
         self.out = torch.zeros((batch, max_out + 1), **long)  # the last column: a bin for masked writes
         self.hist = torch.zeros((max_cycles + 1, batch), **long)
@@ -181,7 +181,7 @@ class _State:
         self.no_extra = torch.empty((batch * width, 0), **long)
         # the slots a cycle looks up: its verify rows' (L + i) and its draft scratch's (L + scratch)
         self.slot_offsets = torch.cat([self.offs, self.scratch.reshape(-1)])
-        # the verify forward's row inputs, written by `cycle_kernels.verify_rows` (padding rows: no key, no KV)
+        # the verify forward's row inputs, written by `backends.cuda.cycle.verify_rows` (padding rows: no key, no KV)
         self.verify = dict(
             input_ids=torch.zeros(self.rows_b, **long),
             positions=torch.zeros(self.rows_b, **long),
@@ -190,7 +190,7 @@ class _State:
             prefix_lens=torch.zeros(self.rows_b, **long),
             extra_slots=torch.full((self.rows_b, n), -1, **long),
         )
-        # the draft extend's row inputs and a tree's KV moves, written by `cycle_kernels.accept_commit`
+        # the draft extend's row inputs and a tree's KV moves, written by `backends.cuda.cycle.accept_commit`
         self.extend = {name: torch.zeros(batch * width, **long) for name in EXTEND_FIELDS}
         self.extend["last"] = torch.zeros(batch, **long)
         self.log = dict(out=self.out, hist=self.hist, max_new=self.max_new, stops=self.stops)
@@ -212,8 +212,8 @@ class FusedCycles:
         self._states: dict[int, _State] = {}
         self.replays = 0
         self.forced_tau: float | None = None  # `force_acceptance`
-        # the bookkeeping between the forwards as `cycle_kernels`' kernels where they run (False: their torch
-        # twins, the cycle as it was before them; benchmarks compare the two)
+        # the bookkeeping between the forwards as the kernels of `backends.cuda.cycle` where they run (False: their
+        # torch twins, the cycle as it was before them; benchmarks compare the two)
         self.kernels = True
         # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU;
         # launch_s: the part of host_s spent in `CUDAGraph.replay` itself (the driver's graph launch)
@@ -271,7 +271,7 @@ class FusedCycles:
         predict = backend.greedy_predict(logits[: B * N]).view(B, N)
 
         # accept and commit: the greedy walk, cut at the first stop token and at max_new_tokens; the output
-        # log, the next state, the draft extend's rows and a tree's KV moves (`cycle_kernels.accept_commit`)
+        # log, the next state, the draft extend's rows and a tree's KV moves (`backends.cuda.cycle.accept_commit`)
         walk = predict if self.forced_tau is None else self._forced_walk(st, cur, tokens, parents)
         accept_fn(tokens, parents, predict, walk, verify_slots, cur, nxt, st.log, st.extend, backend)
         ext = st.extend

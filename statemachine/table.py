@@ -187,7 +187,7 @@ FUSIONS: tuple[Fusion, ...] = (
         "accept_commit",
         rows=(_row(t.verify), _row(t.accept), _row(t.compact)),
         replaces_ops=("verify_greedy", "verify_greedy_chain", "gather_accepted", "fill_bonus", "plan_kv_move"),
-        module="speccycle.engine.cycle_kernels",
+        module="speccycle.backends.cuda.cycle",
         doc="After the verify forward: the greedy walk, the cut at stop tokens and max_new_tokens, the bonus, "
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
         "and the done flag the retire row's guard reads. Greedy requests without stop strings, logprobs or "

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import accept, argmax, dflash, kv, topk, tree
+from . import accept, argmax, cycle, dflash, kv, topk, tree
 
 NONE = 2147483647
 TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "hip": GPUTarget("hip", "gfx942", 64)}
@@ -86,6 +86,38 @@ def kernel_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
          [dict(BLOCK_M=512, BLOCK_E=16)]),
     ]  # fmt: skip
     return [(*spec, ()) for spec in specs]
+
+
+def cycle_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
+    """The fused cycle's bookkeeping kernels (`cycle`): a chain and a tree at SmolLM2's defaults, with the
+    arguments the JIT marks 16-divisible. They run on CUDA devices only (the fused cycle is a CUDA graph):
+    `engine.compile_check` compiles them for ``cuda``, beside the fast path's kernels."""
+    i64, i32 = "*i64", "i32"
+    out = []
+    out.append((cycle._cycle_slots_kernel,
+                dict(table_ptr=i64, table_stride=i32, table_width=i32, L_ptr=i64, done_ptr="*i1", offsets_ptr=i64,
+                     out_ptr=i64, C=i32, page_size=i32),
+                [dict(BLOCK_C=32)], ("table_ptr", "L_ptr", "offsets_ptr", "out_ptr", "page_size")))  # fmt: skip
+    rows_signature = dict(tokens_ptr=i64, parents_ptr=i64, L_ptr=i64, slots_ptr=i64, ids_ptr=i64, positions_ptr=i64,
+                          out_slots_ptr=i64, prefix_ptr=i64, extra_ptr=i64, extra_stride=i32, N=i32)  # fmt: skip
+    out.append((cycle._verify_rows_kernel, rows_signature,
+                [dict(ROUNDS=5, TREE=False, BLOCK_N=8), dict(ROUNDS=5, TREE=True, BLOCK_N=16),
+                 dict(ROUNDS=6, TREE=True, BLOCK_N=32)],
+                ("tokens_ptr", "L_ptr", "extra_ptr", "extra_stride")))  # fmt: skip
+    accept_signature = dict(
+        tokens_ptr=i64, parents_ptr=i64, predict_ptr=i64, walk_ptr=i64, slots_ptr=i64, L_ptr=i64, done_ptr="*i1",
+        out_len_ptr=i64, cycle_ptr=i64, max_new_ptr=i64, stops_ptr=i64, num_stops=i32, out_ptr=i64, out_stride=i32,
+        hist_ptr=i64, next_L_ptr=i64, next_root_ptr=i64, next_done_ptr="*i1", next_out_len_ptr=i64,
+        next_cycle_ptr=i64, next_all_done_ptr="*i1", ext_ids_ptr=i64, ext_positions_ptr=i64, ext_slots_ptr=i64,
+        ext_prefix_ptr=i64, ext_rows_ptr=i64, last_ptr=i64, src_ptr=i64, dst_ptr=i64, B=i32, N=i32, W=i32,
+    )  # fmt: skip
+    out.append((cycle._accept_commit_kernel, accept_signature,
+                [dict(TREE=False, BLOCK_B=2, BLOCK_N=8, BLOCK_W=8, BLOCK_X=8),
+                 dict(TREE=True, BLOCK_B=2, BLOCK_N=16, BLOCK_W=8, BLOCK_X=8),
+                 dict(TREE=True, BLOCK_B=64, BLOCK_N=32, BLOCK_W=8, BLOCK_X=8)],
+                ("tokens_ptr", "out_ptr")))  # fmt: skip
+    out.append((cycle._flag_to_host_kernel, dict(src_ptr="*i1", dst_ptr="*i1"), [{}], ()))
+    return out
 
 
 def require_compiled(kernel) -> None:

@@ -31,7 +31,7 @@ try:  # a CPU install may lack triton: the twins still run
     import triton
     import triton.language as tl
 
-    from ..backends.cuda.launch import next_power_of_2, runs_triton
+    from .launch import next_power_of_2, runs_triton
 except ImportError:  # pragma: no cover - exercised on installs without triton
     triton = None
 

@@ -1,4 +1,4 @@
-"""Invariant 14 for the fused cycle's bookkeeping kernels (engine/cycle_kernels.py): each equals its torch twin.
+"""Invariant 14 for the fused cycle's bookkeeping kernels (backends/cuda/cycle.py): each equals its torch twin.
 
 Random batches (chains and trees up to depth ``S``, finished requests, stop tokens, length limits, tokens
 from a small vocabulary so that walks run long and siblings repeat tokens): every output of the kernel,
@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine import cycle_kernels as ck  # noqa: E402
+from speccycle.backends.cuda import cycle as ck  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = TorchBackend()
@@ -164,7 +164,7 @@ def test_the_flag_kernel_launches_only_from_a_gpu_into_pinned_host_memory():
     """`flag_to_host` declines (returns False, writes nothing) unless ``src`` is one CUDA element and ``dst`` one
     pinned host element: the fused cycle then copies the flag as before. On a GPU it is the cycle's last node
     (bench/results/scale_profile-H100-session19); ``test_fast_path``'s CUDA tests run cycles that end by it."""
-    from speccycle.engine.cycle_kernels import flag_to_host
+    from speccycle.backends.cuda.cycle import flag_to_host
 
     src, dst = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)
     assert not flag_to_host(src, dst) and not bool(dst[0])

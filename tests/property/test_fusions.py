@@ -15,17 +15,16 @@ from __future__ import annotations
 import importlib
 import os
 
-import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from speccycle.backends.cuda import cycle
 from speccycle.backends.torch import TorchBackend
 from speccycle.core import Ports, SpecConfig
 from speccycle.core.config import SamplingParams
 from speccycle.core.records import DraftTree, Request, RowOutputs, Verified
 from speccycle.core.shapes import chain_parents
-from speccycle.engine import cycle_kernels
 from speccycle.statemachine import table
 from speccycle.statemachine import transitions as t
 
@@ -151,7 +150,7 @@ def _fused(op, config, tokens, parents, predict, slots, L, done, history, max_ne
     width = max(history) + max(max_new) + W + 1
     log = dict(out=torch.full((B, width + 1), -3), hist=torch.full((4, B), -3), max_new=torch.tensor(max_new),
                stops=torch.tensor(list(stops) + [-1] * (MAX_STOPS - len(stops))))  # fmt: skip
-    ext = {name: torch.full((B * W,), -5, **long) for name in cycle_kernels.EXTEND_FIELDS}
+    ext = {name: torch.full((B * W,), -5, **long) for name in cycle.EXTEND_FIELDS}
     ext["last"] = torch.full((B,), -5, **long)
     on = [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in (tokens, parents, predict, slots)]
     dicts = [{k: v.to(DEVICE) for k, v in d.items()} for d in (cur, nxt, log, ext)]
@@ -229,11 +228,11 @@ def _check_fusion(op, case) -> None:
 
 @given(cycles())
 def test_accept_commit_twin_leaves_what_the_rows_leave(case):
-    _check_fusion(cycle_kernels.accept_commit_torch, case)
+    _check_fusion(cycle.accept_commit_torch, case)
 
 
 @pytest.mark.skipif(not KERNELS, reason="Triton kernels need a GPU or TRITON_INTERPRET=1")
 @settings(max_examples=10)
 @given(cycles())
 def test_accept_commit_kernel_leaves_what_the_rows_leave(case):
-    _check_fusion(cycle_kernels.accept_commit, case)
+    _check_fusion(cycle.accept_commit, case)
