@@ -77,13 +77,13 @@ TILE_LINES = 16
 # int32 preamble (session 17) it takes 165 uncapped and spills 56 bytes at 128 instead of 296 (bench/kernel_registers):
 # 32 tree-verify rows 26.0 -> 17.8 µs at 512 keys on an H100 (bench/results/attention_bench-H100-int32-*).
 # One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
-# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-session16-{old,capall}-*),
+# shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-155a47a-{old,capall}-*),
 # and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys). Session
 # 18 measured again on an H100 (the GPU's Triton 3.6 compiles a verify tile to 231-244 registers uncapped, where
 # this machine's 3.9 gives 165): a lone row equal (8.1 µs capped or not), 6 decode rows 45.9 -> 33.4 µs at 2,048
 # keys with the cap, yet the plain decode 159.6 / 159.5 -> 159.2 / 159.1 tokens/s end to end (gpu_bench-H100-scale-
-# session18-onerowcap-*); and for a verify's tiles 96 or 168 registers, or more or fewer programs, were slower
-# (attention_bench-H100-session18-launch-*). So these stay.
+# 27204c9-onerowcap-*); and for a verify's tiles 96 or 168 registers, or more or fewer programs, were slower
+# (attention_bench-H100-7f815ee-launch-*). So these stay.
 MAXNREG = 128
 # Programs of this kernel resident on one multiprocessor at `MAXNREG`: the default launch of a verify's tiles
 # aims at one wave of them (`default_tile_programs`).
@@ -96,12 +96,12 @@ NUM_STAGES = 1
 COMBINE_WARPS = 1
 # The merge drops the chunk states from L2 once read (`attention_triton._discard_l2`), so they are not written
 # back to memory under the next GEMMs. Speed only (the states are dead: the bitwise suite passes with it,
-# bench/results/attention_bench-H100-session19-discard-bitwise-*); NVIDIA sm_90+ only, never under the interpreter.
+# bench/results/attention_bench-H100-46a9139-discard-bitwise-*); NVIDIA sm_90+ only, never under the interpreter.
 # A 32-row verify's tiles write ~6 MB of them a layer at the 8B shape. On an H100 (bench/neighbour_bench.py, 16 layers
 # of attention, O and gate-up from one graph) the O GEMM after the verify's attention took 16.7 µs with them left
 # dirty and 15.9 with them dropped (14.6-14.9 with no attention before it), the gate-up 89.1 -> 87.8 (86.6); a layer
-# 1.6-2.3 µs less (neighbour_bench-H100-session19/); the 32-node tree's cycle 8,692 -> 8,660 µs (scale_profile-H100-
-# session19/discard-*). A decode row's states are few: no change there.
+# 1.6-2.3 µs less (neighbour_bench-H100-20261126-fc82732/); the 32-node tree's cycle 8,692 -> 8,660 µs
+# (scale_profile-H100-20261126-eefbb4f/discard-*). A decode row's states are few: no change there.
 DISCARD_STATES = True
 
 

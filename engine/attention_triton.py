@@ -419,7 +419,7 @@ NUM_WARPS: int | None = None
 # keys, a 24-row verify 13.6 against 17.4 at 1,024; bench/results/attention_bench-H100-rows-launch-*.json)
 # but not in the engine: old and new alternated twice on one H100 (13 prompts x 256, `fused_bench`), the
 # autoregressive decode went 982.0 / 969.3 / 981.6 / 982.9 -> 959.1 / 960.6 / 972.8 / 971.4 tokens/s and the
-# fused S6 K4 N24 cycles 2,641 / 2,652 -> 2,579 / 2,703 (bench/results/fused_bench-H100-session16-rows-s1/).
+# fused S6 K4 N24 cycles 2,641 / 2,652 -> 2,579 / 2,703 (bench/results/fused_bench-H100-20261126-71cfdab-rows-s1/).
 # The tile kernel keeps its own (`attention_tiles.NUM_STAGES`), which paid end to end at the 8B shape.
 NUM_STAGES: int | None = None
 

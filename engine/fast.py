@@ -323,8 +323,8 @@ DRAFT_WEIGHTS = ("auto", "int8", "dtype")
 # Rows up to which a draft GEMM reads the int8 form: a draft step's (1 a chain, K a tree's level, per request) and an
 # extend's. Above, the head's own weights through cuBLAS: `int8_linear`'s 64-row tiles lost to it (an 8B-shaped head's
 # draft level at 48 / 64 / 128 rows 322 / 319 / 513 µs against 207 / 204 / 225, H200, bench/results/
-# int8_linear_bench-H200-session20-manyrows-*), while at 32 it still won (196 against 285, H100,
-# int8_linear_bench-H100-session20-default-*).
+# int8_linear_bench-H200-45124da-manyrows-*), while at 32 it still won (196 against 285, H100,
+# int8_linear_bench-H100-274181b-default-*).
 INT8_MAX_ROWS = 32
 
 
@@ -883,10 +883,10 @@ BLAS_LIBRARIES = ("cublaslt", "cublas", "torch")
 # The fast path's GEMMs on CUDA: cuBLASLt. On an H100 at the 8B shape it runs a 32-row verify's O and down projections
 # as one kernel each (no split-K reduce) and the 32-node tree's cycle ~2% faster than torch's default (cuBLAS), the
 # chain, the plain decode and SmolLM2 the same (session 18, process-wide: overhead factor 1.456 / 1.452 -> 1.438 /
-# 1.432, bench/results/gpu_bench-H100-scale-session18-blas-*; session 19, scoped: 1.451 -> 1.427 / 1.432, the cycle
-# 8,664 / 8,657 -> 8,476 / 8,499 µs, gpu_bench-H100-scale-session19-blas-*, scale_profile-H100-session19/blas-*); with
-# it the bfloat16 fast path's speculative output is the autoregressive output on all 240 dev prompts (ngram S5,
-# EAGLE S5, S6 K4 N24, S7 K6 N32; gpu_bench-H100-lossless-session19-*).
+# 1.432, bench/results/gpu_bench-H100-scale-20261126-a98c48f-blas-*; session 19, scoped: 1.451 -> 1.427 / 1.432, the
+# cycle 8,664 / 8,657 -> 8,476 / 8,499 µs, gpu_bench-H100-scale-20261126-eefbb4f-blas-*,
+# scale_profile-H100-20261126-eefbb4f/blas-*); with it the bfloat16 fast path's speculative output is the autoregressive
+# output on all 240 dev prompts (ngram S5, EAGLE S5, S6 K4 N24, S7 K6 N32; gpu_bench-H100-lossless-46a9139-*).
 DEFAULT_BLAS = "cublaslt"
 
 

@@ -84,7 +84,7 @@ def forced_walk(tokens: torch.Tensor, parents: torch.Tensor | None, accept: torc
     token), so the walk stops there or at a leaf. A few whole-tensor ops (about 4 + ``steps`` kernels for a
     tree, 3 for a chain) instead of a loop of 7 small ops a step, whose ~70 kernels the real verify's walk
     does not have: at the 8B shape on an H100 the verify phase's small torch kernels went from 117 to 46 µs
-    a 32-node tree cycle (`bench.scale_profile`, bench/results/scale_profile-H100-session16/).
+    a 32-node tree cycle (`bench.scale_profile`, bench/results/scale_profile-H100-20261126-155a47a/).
     """
     B, N = tokens.shape
     offs = torch.arange(N, device=tokens.device)

@@ -3,7 +3,7 @@
 Why: at the Llama-3-8B shape an EAGLE-3 head's step is five GEMMs over ~0.55 GB of bfloat16 weights (QKV, O,
 gate-up, down, a 32,000-row LM head) and little else, at a decode's few rows: the head's time is the time it
 takes to read its weights. A 32-node tree drafts 5 levels a cycle, so on an H100 the head takes ~1.5 ms of a
-~8.5 ms cycle whose verify is a ~6.3 ms decode step (bench/results/scale_profile-H100-session19). Stored as int8
+~8.5 ms cycle whose verify is a ~6.3 ms decode step (bench/results/scale_profile-H100-20261126-eefbb4f). Stored as int8
 the weights are half the bytes. A draft may be approximate (the verify decides every token, so the output is
 the target's whatever the draft computes); what int8 costs is acceptance, which the real model measures
 (``bench/gpu_bench.py --parts real``: tau with the head in its dtype and in int8).
@@ -112,7 +112,7 @@ def int8_config(rows: int, n: int, k: int) -> Int8Config:
 
     From `bench/int8_linear_bench.py --sweep` on an H100 (an 8B-shaped EAGLE-3 head, cold weights, 1 and 4 rows; 108
     tiles of ``block_n`` 32 / 64 / 128, ``block_k`` 128 / 256 / 512, 1 / 2 / 4 splits, 4 / 8 warps, 3 / 5 stages;
-    bench/results/int8_linear_bench-H100-session20-sweep-*): the wide weights (gate-up 896 programs, the LM head 1,000)
+    bench/results/int8_linear_bench-H100-4585721-sweep-*): the wide weights (gate-up 896 programs, the LM head 1,000)
     were fastest at 32 x 128 with 3 stages (44.9 / 49.4 µs against 60 / 61 at 32 x 256), the narrow ones (128-192
     programs) at 32 x 256 with 5 stages, K split in 2 for the QKV (K 8,192), the down (14,336) and the fc (12,288):
     23.8 / 25.8 / 23.3 µs; the O (K 4,096) unsplit: 9.9 µs. Each within 1 µs of its best tile.

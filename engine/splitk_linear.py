@@ -2,9 +2,10 @@
 
 Why: at a verify's 32 rows cuBLAS runs the Llama-3-8B O projection (4096 x 4096, 32 MB) as one program per
 output tile, 64 x 16 columns, the whole K loop each (``nvjet_sm90_tst_64x16_64x16_1x2_h_badd``): 14.8-18.1 µs
-where reading 32 MB takes ~11 µs at the bandwidth a decode step reads (bench/results/scale_profile-H100-session17,
-the tree-32 timelines); at 5 rows it takes a split-K kernel and ~12.6 µs. Splitting K gives ``SPLITS`` times the
-programs, each streaming a ``[BLOCK_N, K / SPLITS]`` slab of the weight.
+where reading 32 MB takes ~11 µs at the bandwidth a decode step reads
+(bench/results/scale_profile-H100-20261126-54b6fcf, the tree-32 timelines); at 5 rows it takes a split-K kernel and
+~12.6 µs. Splitting K gives ``SPLITS`` times the programs, each streaming a ``[BLOCK_N, K / SPLITS]`` slab of the
+weight.
 
 **Deterministic and row-invariant.** Program ``(m block, n block, split)`` multiplies its rows' ``K / SPLITS``
 columns in one fixed order and stores the float32 partial; a second kernel sums each output's ``SPLITS``

@@ -376,7 +376,7 @@ def flag_to_host(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Store the one-element CUDA tensor ``src`` into ``dst``, pinned host memory, with a kernel: a posted write
     through unified addressing, where a copy (``dst.copy_(src, non_blocking=True)``) is a copy-engine node of
     the cycle's graph, on whose completion the next replay waited ~12-16 µs (bench/results/
-    scale_profile-H100-session19: the gap after the graph's last node). Returns whether it launched (a device
+    scale_profile-H100-20261126-eefbb4f: the gap after the graph's last node). Returns whether it launched (a device
     or driver that does not reach ``dst`` from a kernel refuses at launch: the caller copies instead)."""
     if triton is None or not src.is_cuda or dst.is_cuda or not dst.is_pinned() or src.numel() != 1 or dst.numel() != 1:
         return False

@@ -163,7 +163,7 @@ def test_cycle_slots_equal_their_twin(page_size):
 def test_the_flag_kernel_launches_only_from_a_gpu_into_pinned_host_memory():
     """`flag_to_host` declines (returns False, writes nothing) unless ``src`` is one CUDA element and ``dst`` one
     pinned host element: the fused cycle then copies the flag as before. On a GPU it is the cycle's last node
-    (bench/results/scale_profile-H100-session19); ``test_fast_path``'s CUDA tests run cycles that end by it."""
+    (bench/results/scale_profile-H100-20261126-eefbb4f); ``test_fast_path``'s CUDA tests run cycles that end by it."""
     from speccycle.backends.cuda.cycle import flag_to_host
 
     src, dst = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)

@@ -3,7 +3,7 @@ not, ragged rows, columns and K), `Int8Rowwise` recovers the integers a head was
 with what to do, and the default tile follows the H100 sweep's rule.
 
 Under ``TRITON_INTERPRET=1`` at small shapes; on an H100 `bench/int8_linear_bench.py` times it and checks it against
-the reference at the 8B head's shapes (bench/results/int8_linear_bench-H100-session20-*).
+the reference at the 8B head's shapes (bench/results/int8_linear_bench-H100-{20261126-1381642,274181b,4585721}-*).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_bad_weights_and_activations_are_refused():
 
 
 def test_the_default_tile_follows_the_sweep():
-    """bench/results/int8_linear_bench-H100-session20-sweep-*: wide weights 32 x 128, 3 stages, one split; narrow
+    """bench/results/int8_linear_bench-H100-4585721-sweep-*: wide weights 32 x 128, 3 stages, one split; narrow
     ones 32 x 256, 5 stages, K split in 2 from 8,192 columns; 16 / 32 / 64 rows a block."""
     gate_up, lm_head = int8_config(4, 28672, 4096), int8_config(1, 32000, 4096)
     for c in (gate_up, lm_head):
