@@ -13,12 +13,13 @@ def max_tree_nodes(num_steps: int, topk: int) -> int:
     return topk + (num_steps - 1) * topk * topk
 
 
-def _positive(name: str, value: int, upper: int | None = None) -> None:
+def _positive(name: str, value: int, upper: int | None = None, lower: int = 1, why: str = "") -> None:
+    """``value`` an int in ``[lower, upper]``; the message states exactly that range (and ``why``)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1 or (upper is not None and value > upper):
-        allowed = f"[1, {upper}]" if upper is not None else ">= 1"
-        raise ValueError(f"{name}={value} is out of range: allowed {allowed}")
+    if value < lower or (upper is not None and value > upper):
+        allowed = f"[{lower}, {upper}]" if upper is not None else f">= {lower}"
+        raise ValueError(f"{name}={value} is out of range: allowed {allowed}{why}")
 
 
 @attrs.frozen
@@ -53,9 +54,11 @@ class SpecConfig:
                 )
         else:
             upper = 1 + max_tree_nodes(self.num_steps, self.topk)
-            _positive("num_draft_tokens (N)", n, upper)
-            if n < 2:
-                raise ValueError(f"num_draft_tokens (N)={n} is out of range: allowed [2, {upper}]")
+            why = (
+                f" for a tree of num_steps (S)={self.num_steps}, topk (K)={self.topk}: the root and at least one "
+                f"draft node, at most the root and the tree's {upper - 1} nodes"
+            )
+            _positive("num_draft_tokens (N)", n, upper, lower=2, why=why)
 
     @property
     def is_chain(self) -> bool:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 from speccycle.backends.torch import TorchBackend
 from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from speccycle.statemachine import InvariantViolation, step, transitions
@@ -171,3 +175,36 @@ def test_a_draft_vocabulary_map_is_applied_in_the_extend_and_every_level(config)
     sampled = Request(0, (1, 2, 3, 4), SamplingParams(max_new_tokens=8, temperature=1.0, seed=0))
     with pytest.raises(ValueError, match="target vocabulary"):
         generate([sampled], config, ports, backend)
+
+
+@hypothesis.given(
+    num_steps=st.integers(0, 6) | st.sampled_from([64, 65]),
+    topk=st.integers(0, 4) | st.sampled_from([16, 17]),
+    n=st.none() | st.integers(0, 40),
+    page=st.sampled_from([0, 1, 16, 1024, 1025]),
+)
+@hypothesis.example(num_steps=2, topk=2, n=50, page=1)  # the message that said [1, 7]
+def test_every_range_a_spec_config_error_states_is_the_range_it_enforces(num_steps, topk, n, page):
+    """`SpecConfig(num_steps=2, topk=2, num_draft_tokens=50)` said "allowed [1, 7]" where N = 1 was refused
+    too: each bound a message states is accepted, and one past it is refused with the same message."""
+    kwargs = dict(num_steps=num_steps, topk=topk, num_draft_tokens=n, page_size=page)
+    try:
+        SpecConfig(**kwargs)
+        return
+    except ValueError as error:
+        message = str(error)
+    stated = re.match(r"(\w+) \(\w\)=(-?\d+) is out of range: allowed \[(-?\d+), (-?\d+)\]", message)
+    if stated is None:  # the chain's rule, N == S + 1: a value, not a range
+        assert "must equal num_steps (S) + 1" in message, message
+        return
+    field, low, high = stated.group(1), int(stated.group(3)), int(stated.group(4))
+    for value, inside in ((low, True), (high, True), (low - 1, False), (high + 1, False)):
+        try:
+            SpecConfig(**{**kwargs, field: value})
+        except ValueError as other:
+            if inside:  # a bound: refused, if at all, for another field
+                assert not str(other).startswith(f"{field} "), (value, str(other))
+            else:
+                assert str(other).startswith(f"{field} ") and f"allowed [{low}, {high}]" in str(other), str(other)
+        else:
+            assert inside, f"{field}={value} is outside the stated [{low}, {high}] and was accepted"
