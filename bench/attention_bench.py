@@ -92,8 +92,8 @@ VARIANTS = {
     "tiles-s2": dict(kernel="tiles", num_stages=2),
     "tiles-s4": dict(kernel="tiles", num_stages=4),
     "tiles-p4-s1": dict(kernel="tiles", programs=4, num_stages=1),
-    "tiles-s3": dict(kernel="tiles", num_stages=3),  # Triton's default stages (the tile kernel's before session 16)
-    "tiles-s3-p17": dict(kernel="tiles", num_stages=3, programs=17),  # the launch before session 16 at 32 rows
+    "tiles-s3": dict(kernel="tiles", num_stages=3),  # Triton's default stages (the tile kernel's before c6a5d39)
+    "tiles-s3-p17": dict(kernel="tiles", num_stages=3, programs=17),  # the launch before c6a5d39 at 32 rows
     "tiles-p5": dict(kernel="tiles", programs=5),
     "tiles-p17": dict(kernel="tiles", programs=17),
     "tiles-r168": dict(kernel="tiles", maxnreg=168),  # 3 programs a multiprocessor
@@ -104,7 +104,7 @@ VARIANTS = {
     "tiles-p12-r128": dict(kernel="tiles", programs=12, maxnreg=128),
     "tiles-r96": dict(kernel="tiles", maxnreg=96),  # 5
     "tiles-r0": dict(kernel="tiles", maxnreg=0),  # uncapped
-    "tiles-cw4": dict(kernel="tiles", combine_warps=4),  # the merge kernel's warps before session 16 (bits change)
+    "tiles-cw4": dict(kernel="tiles", combine_warps=4),  # the merge kernel's warps before e6b79a9 (bits change)
     "tiles-cw2": dict(kernel="tiles", combine_warps=2),
     # wider tiles (bits change: decode and verify must share them)
     "tiles-l32": dict(kernel="tiles", tile_lines=32),
@@ -115,7 +115,7 @@ VARIANTS = {
     "tiles-l64-r0": dict(kernel="tiles", tile_lines=64, maxnreg=0),
     "tiles-r0-s3": dict(kernel="tiles", maxnreg=0, num_stages=3),
     "tiles-p10-r96": dict(kernel="tiles", programs=10, maxnreg=96),
-    # after the int32 preamble (165 registers uncapped, session 17): uncapped at 3 resident, 5 at 96
+    # after the int32 preamble (165 registers uncapped, fff0a2d): uncapped at 3 resident, 5 at 96
     "tiles-p6-r0": dict(kernel="tiles", programs=6, maxnreg=0),
     "tiles-p20-r96": dict(kernel="tiles", programs=20, maxnreg=96),
     "tiles-p16-r128": dict(kernel="tiles", programs=16, maxnreg=128),

@@ -40,7 +40,7 @@ SHAPES = {  # name: (out features, in features) of Llama-3-8B's GEMMs
 ADD_SHAPES = ("o", "down")  # `kernels.linear_add`: ``x.addmm_(a, w.t())``, cuBLAS's beta = 1
 LAYERS = 32
 # Each timed graph calls a shape once per layer, every layer with its own copy of the weight, so no call finds
-# its weight in L2 (the O weight, 32 MB, fits the H100's 50 MB L2: session 18's figures replayed one copy 20
+# its weight in L2 (the O weight, 32 MB, fits the H100's 50 MB L2: the figures of 02ba531 replayed one copy 20
 # times, warm, and put O at 8.2-8.8 µs at 32 rows against the 14.8-18.1 of a real verify's timeline).
 COPIES = {name: (1 if name == "lm_head" else LAYERS) for name in SHAPES}
 # split-K tiles swept for O and down (`--parts splitk`): (block_m, block_n, splits, num_stages); block_k 128

@@ -310,7 +310,7 @@ class ForcedAcceptance:
         return self.base.verify_greedy(tokens, parents, forced, accept_width)
 
     def verify_greedy_chain(self, tokens, predict, accept_width):
-        # the chain's verify (K == 1; row i's parent is row i - 1): until session 14 it was not wrapped, so the
+        # the chain's verify (K == 1; row i's parent is row i - 1): until dbb4567 it was not wrapped, so the
         # host plane's chain of 4 ran unforced (measured tau 1.0 on random weights) in every scale record
         accept = self._next_accept(accept_width)
         forced = torch.full_like(predict, -1)
@@ -478,7 +478,7 @@ def part_scale(args) -> None:
             decode_tps = (len(results[0].output) - 1) / (seconds - first)
             # against the plain decode (1 row a step: the fastest autoregressive decode, what a user compares
             # with); the padded decode (the verify's row count, bitwise the verify's numerics) flatters the
-            # ratio by what padding costs (5% at N=5, 12% at N=32 at this shape). Until session 13 the
+            # ratio by what padding costs (5% at N=5, 12% at N=32 at this shape). Until 2e31a5b the
             # speedup and overhead_factor fields were against the padded decode.
             speedup, padded_speedup = tps / plain_tps, tps / ar_tps
             row = {"system": f"speculative EAGLE-3-shaped head, {label}", "S": spec.num_steps, "K": spec.topk,

@@ -1,7 +1,7 @@
 """Registers and spills of the fast path's Triton kernels on Hopper, measured without a GPU.
 
 The tile attention kernel is latency-bound and its residency (programs a multiprocessor holds) is set by its
-registers a thread, so register pressure decides its speed (session 17: its preamble's int64 key counts held
+registers a thread, so register pressure decides its speed (before fff0a2d its preamble's int64 key counts held
 ~45 registers; in int32, 32 tree-verify rows went from 26.0 to 17.8 µs on an H100, figures below). This
 compiles kernels for ``sm_90`` with the Triton on this machine, at the constexpr sets of
 `engine.compile_check` (real models' shapes), under each register cap of ``--maxnreg``, and reads

@@ -5,7 +5,8 @@ GEMM takes 18.1 µs and the gate-up 91.3 a layer, where the same kernels at the 
 the padded decode's timeline (`tree32-ar`) and 14.4 and 84.2 alone with cold weights (`blas_rows_bench`); the
 QKV and down GEMMs take the same time in both. The verify's attention is the tile kernel's several-row launch
 (`attention_tiles`: 128 registers, one wave of 4 programs a multiprocessor); the padded decode's is its one-row
-launch. Before session 16's launch change the verify's O took 15.6 (`scale_profile-H100-20261126-155a47a/*-start*`).
+launch. Before the launch change of c6a5d39 and e9dc330 the verify's O took 15.6
+(`scale_profile-H100-20261126-155a47a/*-start*`).
 
 This replays, from one CUDA graph, ``LAYERS`` layers of: the tile attention of a 32-row tree verify (one
 request, ``--ctx`` keys of prefix, an engine's wide page table; each layer its own KV cache), the O GEMM added

@@ -3,7 +3,7 @@
 `Engine.generate` with fused cycles steps the state machine on the host up to `Ready` (the target's
 prefill, the first token, the draft's extend over the prompt) and then hands the batch to
 `FusedCycles.run`. `fused_bench` reports that part as ``outside_cycles_ms_per_prompt`` (7-11 ms of ~80 per
-256-token prompt in session 12, ~10% of the call). This splits it per transition, with a sync after
+256-token prompt at 9d34952, ~10% of the call). This splits it per transition, with a sync after
 each, beside the autoregressive engine's own prefill (one new token) on the same prompts, and counts the
 kernels of each part with the torch profiler on one prompt.
 

@@ -72,14 +72,14 @@ if triton is not None:
 # attention_bench-H100-tiles64-*.json.)
 TILE_LINES = 16
 # Registers a thread may hold in the default launch of tiles of several rows (speed only: the same bits).
-# Uncapped the kernel took ~231 (session 16), so 2 programs of 4 warps fit a multiprocessor; at 128 4 fit, and a
+# Uncapped the kernel took ~231 (at 155a47a), so 2 programs of 4 warps fit a multiprocessor; at 128 4 fit, and a
 # program's chunks are latency-bound (2 key blocks each), so residency pays more than the spills cost. Since the
-# int32 preamble (session 17) it takes 165 uncapped and spills 56 bytes at 128 instead of 296 (bench/kernel_registers):
+# int32 preamble (fff0a2d) it takes 165 uncapped and spills 56 bytes at 128 instead of 296 (bench/kernel_registers):
 # 32 tree-verify rows 26.0 -> 17.8 µs at 512 keys on an H100 (bench/results/attention_bench-H100-int32-*).
 # One-row tiles stay uncapped: on an H100 the cap cost the plain (1-row) decode 0.7% end to end at the 8B
 # shape (156.4 / 156.2 -> 155.3 / 155.3 tokens/s, bench/results/gpu_bench-H100-scale-155a47a-{old,capall}-*),
-# and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys). Session
-# 18 measured again on an H100 (the GPU's Triton 3.6 compiles a verify tile to 231-244 registers uncapped, where
+# and with the int32 preamble a lone decode row is still faster uncapped (7.7 against 8.3 µs at 512 keys). Measured
+# again on an H100 (27204c9; the GPU's Triton 3.6 compiles a verify tile to 231-244 registers uncapped, where
 # this machine's 3.9 gives 165): a lone row equal (8.1 µs capped or not), 6 decode rows 45.9 -> 33.4 µs at 2,048
 # keys with the cap, yet the plain decode 159.6 / 159.5 -> 159.2 / 159.1 tokens/s end to end (gpu_bench-H100-scale-
 # 27204c9-onerowcap-*); and for a verify's tiles 96 or 168 registers, or more or fewer programs, were slower
@@ -305,7 +305,7 @@ def default_rows_per_tile(num_extra: int, group: int, tile_lines: int = TILE_LIN
                           table_rows: int = 0) -> int:  # fmt: skip
     """Rows a tile takes when the caller does not say: rows with extra slots are a verify's (``N`` rows of
     a request, ``N`` extra columns): as many as fit, up to ``N``, the launch cutting each request's ``N`` rows into
-    tiles that never straddle two requests (a 5-row chain's request: a tile of 4 rows and one of 1; until session 20
+    tiles that never straddle two requests (a 5-row chain's request: a tile of 4 rows and one of 1; until c57bf7d
     the largest divisor of ``N`` that fits, which gave a 5-row chain one-row tiles, each reading the whole prefix);
     rows without extra slots one a tile (decode rows, one per request), unless there are more rows than
     the page table has requests (``num_rows > table_rows``): a prefill's or an extend's, consecutive positions of

@@ -58,17 +58,17 @@ def default_spec(draft: str, device: str | torch.device) -> SpecConfig:
 
 # The EAGLE default on a CPU, with the head in bfloat16 where the CPU has bfloat16 instructions
 # (`eagle_head_dtype`). 13 Spec-Bench prompts x 128 tokens, float32 target, 2 cores, interleaved per prompt
-# (session 8, its JSON lost with its machine): S3K2N6 1.80x (tau 2.20), S4K2N6 1.76x, S3 chain 1.69x, S4K3N8
-# 1.68x, S4K2N8 1.61x (f32 head 1.51x), ngram S16 1.66x. Re-measured in session 9 (bench/cpu_drafters.py,
+# (2026-11-25, its JSON lost with its machine): S3K2N6 1.80x (tau 2.20), S4K2N6 1.76x, S3 chain 1.69x, S4K3N8
+# 1.68x, S4K2N8 1.61x (f32 head 1.51x), ngram S16 1.66x. Re-measured at c5c3e5d (bench/cpu_drafters.py,
 # cpu_drafters-*-c5c3e5d.json): S3K2N6 bf16 1.76x (tau 2.20), S4K2N6 bf16 1.72x, S4K2N8 f32 1.46x, ngram
 # 1.64x (AR 23.5 tokens/s); all 13/13 identical to autoregressive.
 EAGLE_CPU_SPEC = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=16)
-# The EAGLE default on a GPU (batch 1, bf16, fused cycles; H100, 13 prompts x 256 tokens, session 8):
-# S5K4N16 1.71x (tau 2.84), S6K4N32 1.65-1.70x (2.99), S5 chain 1.57x (2.28); ngram S5 1.01-1.05x. Session 11
+# The EAGLE default on a GPU (batch 1, bf16, fused cycles; H100, 13 prompts x 256 tokens, 2026-11-25):
+# S5K4N16 1.71x (tau 2.84), S6K4N32 1.65-1.70x (2.99), S5 chain 1.57x (2.28); ngram S5 1.01-1.05x. Later runs
 # (bench/results/fused_bench-H100-20261125-1a67695/): S5K4N16 2.11-2.23x; S5K4N24 2-4% faster on those 13 prompts in
-# four runs but not on all 240 (1.688x against 1.706x, separate runs), so the default stays. Session 12, with the head's
-# 8,192-token draft vocabulary: S6K4N24 beat S5K4N16 at batch 1 (2.48x vs 2.41x end to end; 1.85x vs 1.82x on all
-# 240, 240/240 each) but lost from batch 4 up (6,643 vs 6,967 tokens/s at 4, 11,210 vs 13,045 at 16;
+# four runs but not on all 240 (1.688x against 1.706x, separate runs), so the default stays. With the head of 8cba6c9
+# and its 8,192-token draft vocabulary: S6K4N24 beat S5K4N16 at batch 1 (2.48x vs 2.41x end to end; 1.85x vs 1.82x on
+# all 240, 240/240 each) but lost from batch 4 up (6,643 vs 6,967 tokens/s at 4, 11,210 vs 13,045 at 16;
 # gpu_bench-H100-batch-*-9d34952.json), so the default stays S5K4N16 for engines that batch.
 EAGLE_GPU_SPEC = SpecConfig(num_steps=5, topk=4, num_draft_tokens=16, page_size=16)
 

@@ -3,7 +3,7 @@
 Why. On an H100 with SmolLM2-135M a whole cycle's kernels (S - 1 draft levels, the verify, the draft
 extend) take 1.0-1.5 ms, and the host plane (`engine.host_control`) spent another 1.5-2.7 ms of host
 work between them: the records, the copies, three graph launches and two syncs per cycle, during
-which the GPU waits. Speculation lost to autoregressive decoding (0.57-0.68x, session 6). Here the
+which the GPU waits. Speculation lost to autoregressive decoding (0.57-0.68x, 2026-11-24). Here the
 cycle runs where its data is: one graph replay per cycle, the host only launches, and it checks
 whether every request has finished one cycle behind the GPU (`LOOKAHEAD`), so the GPU never waits for it.
 

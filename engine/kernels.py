@@ -651,7 +651,7 @@ def norm_qkv_rope_rows(x, residual, norm_weight, eps, weight, sum_out, positions
 
 # ---- op sets -----------------------------------------------------------------------------------
 ATTENTION_KERNELS = ("auto", "tiles", "rows")
-# `auto` takes tiles from this head size up. Measured on an H100, bf16, batch 1 (session 9): at the
+# `auto` takes tiles from this head size up. Measured on an H100, bf16, batch 1 (5fa3480): at the
 # Llama-3-8B shape (heads of 128) a 32-row verify's attention fell from 65 to 39 us (512 keys) and 172 to 70
 # (2,048), fused 32-node tree cycles went from 333.6 to 376.6 tokens/s and a decode step lost nothing
 # (bench/results/gpu_bench-H100-scale-tiles-all-*.json against -scale-rows-b-*); with SmolLM2's heads of 64
@@ -780,7 +780,7 @@ CUDA_OPS: type[TorchOps] | None = None  # benchmarks: the op set `default_ops` g
 def default_ops(device: torch.device | str) -> type[TorchOps]:
     """`FoldedNormOps` on CUDA when triton imports, torch otherwise.
 
-    Folded norms: on an H100 (SmolLM2 bf16, session 10, `decode_profile` and `fused_bench-H100-folded-240-*`)
+    Folded norms: on an H100 (SmolLM2 bf16, 00efd53, `decode_profile` and `fused_bench-H100-folded-240-*`)
     the autoregressive decode step went from 278.5 kernels and 1,081 us to 218.5 and 992 us (925 -> 1,008
     tokens/s), 240 prompts x 128 tokens from 851 to 917 tokens/s end to end and fused tree cycles from 1,345 to
     1,419, every output identical to autoregressive in both. `TritonCublasOps` (the norms as kernels) is the

@@ -95,7 +95,7 @@ class PackedLinear:
     ``skinny=True`` (the engine's layers and LM head) lets 1 row run MKL's GEMV and 2 to `SKINNY_MAX_ROWS`
     rows MKL's ``W @ x.T`` instead, each where that is measured faster on this machine (`skinny_pays`, once
     per weight shape and row count): on one 2-core machine the skinny GEMM took ~1 packed 1-row call at 2
-    and 4 rows, on another (AVX-512/AMX, session 6) 2-3x the packed call, while there the GEMV took 0.45-0.7x
+    and 4 rows, on another (AVX-512/AMX, 2026-11-24) 2-3x the packed call, while there the GEMV took 0.45-0.7x
     the packed 1-row call. Such rows are not bitwise the packed rows, like the attention of a verify row
     (docs/engine.md). The default keeps every row bitwise row-count-invariant.
     """

@@ -20,7 +20,7 @@ rounding, not bitwise (cuBLAS sums K in another order).
 
 **Measured, and not used.** Timed with cold weights (one copy per layer, `bench/blas_rows_bench.py`, H100, bfloat16,
 bench/results/blas_rows_bench-H100-cold-*), the premise did not hold: cuBLAS's O projection takes 16.4 µs at one
-row and 14.4-14.7 at 32 (the 18.1 of the session-17 timeline was the verify's context, see
+row and 14.4-14.7 at 32 (the 18.1 of the 54b6fcf timeline was the verify's context, see
 bench/neighbour_bench.py), and the best of 36 split-K tiles 15.2 / 16.3 µs; the down projection 44.3 / 46.0 µs
 (cuBLASLt 42.6 at 32 rows) against 43.2 / 45.6. No op set calls it; the benchmark's ``splitk`` part measures it
 again.

@@ -15,7 +15,7 @@
 # runs the command old, new, old, new (2 rounds) on one warm GPU, each in its own tree with `speccycle`
 # importing from that tree; $AB is old or new, $AB_REP the round, $P the carried Spec-Bench prompts
 # (.gpu/p2/spec_bench_dev.jsonl), $SPECCYCLE_COMMIT the measured commit (the JSONs record it); the old tree is
-# built under $AB_DIR (default /tmp/ab) once per machine and old commit (session 19 found a warm machine's tree
+# built under $AB_DIR (default /tmp/ab) once per machine and old commit (e307a59 found a warm machine's tree
 # from an earlier staging measured under the new label: now it is rebuilt when the old commit changes). Commit first: uncommitted changes count as HEAD's and are labelled
 # with HEAD's commit.
 set -euo pipefail

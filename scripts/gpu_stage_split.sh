@@ -5,7 +5,7 @@
 #   bash scripts/gpu_stage_split.sh             # .gpu/p1a and .gpu/p1b (~25 MB each)
 #
 # The device carries the tracked tree with every call; once it passed ~16.5 MB, the tree plus .gpu/p1 no longer
-# fit the 64 MiB a call carries (session 16). Stage with three calls back to back on one warm machine:
+# fit the 64 MiB a call carries (2026-11-26). Stage with three calls back to back on one warm machine:
 #
 #   carry .gpu/p1a: bash .gpu/p1a/stash.sh
 #   carry .gpu/p1b: bash .gpu/p1b/stash.sh       # joins the halves into /root/models/part00

@@ -145,7 +145,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--trees",
         default="4x2x8,5x4x16,6x4x32,7x6x32,6x8x64",
-        help="trees SxKxN ('' for none); 7x6x32: the best 32-node shape for the shipped head (session 16)",
+        help="trees SxKxN ('' for none); 7x6x32: the best 32-node shape for the shipped head",
     )
     e.add_argument("--no-lossless-check", action="store_true", help="skip the autoregressive reference run")
     e.add_argument("--eval-json", default=None, help="for --stage plot: the eval.json to draw")

@@ -3,7 +3,7 @@
 `engine.fused_cycle` runs a greedy EAGLE cycle as one CUDA graph. Between its forwards sat some 150
 small torch kernels per cycle (slot lookups, the tree's depths and mask, the verify rows' inputs, the
 greedy walk, the stop cut, the output log, the next state, the draft extend's inputs): each ~1-2 us of
-GPU time plus a gap, together more than the forwards they connect (session 8's profile: 585 kernels a
+GPU time plus a gap, together more than the forwards they connect (the profile before them, 2026-11-25: 585 kernels a
 tree cycle against a decode step's 278). Here each stretch between two forwards is one kernel:
 
 * `cycle_slots`: the slots of ``L[b] + offsets[c]`` (the verify rows and the draft scratch) through the

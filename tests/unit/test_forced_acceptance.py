@@ -2,7 +2,7 @@
 
 The host plane verifies a chain (K == 1) with `verify_greedy_chain` and a tree with `verify_greedy`; a wrapper
 that forces only one of them leaves the other's rows unforced (tau 1.0 on random weights), which is what the
-scale records' host-plane chain rows showed until session 14.
+scale records' host-plane chain rows showed until dbb4567.
 """
 
 import math

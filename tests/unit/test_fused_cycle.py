@@ -96,7 +96,7 @@ def test_forced_acceptance_takes_the_forced_lengths(engines, name, tau, expected
     prefill's, then 6 cycles of 3 or 9 of 2). The walk follows the tree's first-child path and stops at a
     leaf, so a tree commits the forced length only where that path is deep enough: a depth-1 child always is
     (EAGLE-2's rescoring keeps the best first-level node), deeper ones depend on the head's scores (with
-    session 10's head, S4 K2 N8 forced to 3 took {1: 1, 2: 1, 3: 5}), hence 2 for the tree."""
+    the head of 6efd20d, S4 K2 N8 forced to 3 took {1: 1, 2: 1, 3: 5}), hence 2 for the tree."""
     engine = engines[name]
     prompt = engine.chat_prompt(MESSAGES[0])
     engine.fused_cycles.force_acceptance(tau)
