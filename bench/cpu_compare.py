@@ -20,7 +20,7 @@ from speccycle.engine.engine import Engine, default_spec
 
 from .common import transformers_model, write_result
 
-DEV = "../shared/data/spec_bench_dev.jsonl"
+DEV = "spec_bench_dev.jsonl"
 
 
 def pick(prompts: list[dict], per_category: int) -> list[dict]:

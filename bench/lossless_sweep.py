@@ -4,7 +4,7 @@ All prompts run as one ragged batch per configuration (so 240 prompts take a few
 in float32; each drafter, chain and tree, P 1 and 16. Results are written after every configuration,
 so a run cut short still reports what it finished.
 
-    python -m bench.lossless_sweep --prompts ../shared/data/spec_bench_dev.jsonl --device cuda --out sweep.json
+    python -m bench.lossless_sweep --prompts spec_bench_dev.jsonl --device cuda --out sweep.json
 
 ``--fast`` runs the engine's fast path (`engine.fast`) with one of its op sets: ``invariant``
 (`kernels.BatchInvariantOps`: the row-invariant GEMMs of `engine.linear_triton` at every row count, so

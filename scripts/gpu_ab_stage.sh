@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage a side-by-side GPU run of the working tree against an older commit (the device tool, no git there).
 #
-#   bash ../shared/hooks/gpu-stage-smollm2          # once: the model in .gpu/p1 and .gpu/p2
+#   (once, before: the model staged in .gpu/p1 and .gpu/p2)
 #   bash scripts/gpu_ab_stage.sh OLD_COMMIT         # .gpu/p2/old/ and .gpu/p2/ab.sh
 #
 # It writes into .gpu/p2 (git-ignored, carried by the second device run): old/, the files that differ between
@@ -21,7 +21,7 @@
 set -euo pipefail
 old=${1:?usage: bash scripts/gpu_ab_stage.sh OLD_COMMIT}
 cd "$(git rev-parse --show-toplevel)"
-[ -d .gpu/p2 ] || { echo "run ../shared/hooks/gpu-stage-smollm2 first: .gpu/p2 is missing" >&2; exit 1; }
+[ -d .gpu/p2 ] || { echo "stage the model first: .gpu/p2 is missing" >&2; exit 1; }
 old=$(git rev-parse --short "$old")
 new=$(git rev-parse --short HEAD)
 rm -rf .gpu/p2/old && mkdir -p .gpu/p2/old && : > .gpu/p2/old.deleted
@@ -32,7 +32,7 @@ git diff --name-status --no-renames "$old" HEAD | while read -r status path; do
     mkdir -p ".gpu/p2/old/$(dirname "$path")" && git show "$old:$path" > ".gpu/p2/old/$path"
   fi
 done
-[ -f .gpu/p2/spec_bench_dev.jsonl ] || cp ../shared/data/spec_bench_dev.jsonl .gpu/p2/
+[ -f .gpu/p2/spec_bench_dev.jsonl ] || cp "${SPEC_BENCH_DEV:?.gpu/p2 has no spec_bench_dev.jsonl: set SPEC_BENCH_DEV to the Spec-Bench dev prompts}" .gpu/p2/
 cat > .gpu/p2/ab.sh <<'SH'
 # written by scripts/gpu_ab_stage.sh: old @OLD@, new @NEW@
 set -u

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Split the staged model's first part in two, so that each device call carries less than 64 MiB with the tree.
 #
-#   bash ../shared/hooks/gpu-stage-smollm2      # once: .gpu/p1 (part00, ~50 MB) and .gpu/p2 (part01, ~48 MB)
+#   (once, before: the model staged in .gpu/p1 (part00, ~50 MB) and .gpu/p2 (part01, ~48 MB))
 #   bash scripts/gpu_stage_split.sh             # .gpu/p1a and .gpu/p1b (~25 MB each)
 #
 # The device carries the tracked tree with every call; once it passed ~16.5 MB, the tree plus .gpu/p1 no longer
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 src=.gpu/p1/part00
-[ -f "$src" ] || { echo "run ../shared/hooks/gpu-stage-smollm2 first: $src is missing" >&2; exit 1; }
+[ -f "$src" ] || { echo "stage the model first: $src is missing" >&2; exit 1; }
 size=$(stat -c %s "$src")
 half=$(( size / 2 ))
 mkdir -p .gpu/p1a .gpu/p1b
