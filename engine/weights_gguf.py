@@ -229,6 +229,8 @@ def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
             eos_token_ids=_eos_token_ids(gguf, arch) if arch == "gemma3" else (() if eos is None else (int(eos),)),
             **(_gemma3_fields(gguf, num_layers, hidden_size, num_heads, head_dim) if arch == "gemma3" else {}),
         )
+    except ModelLoadError:  # a ValueError too: said already
+        raise
     except ValueError as error:
         raise ModelLoadError(f"{gguf.path}: inconsistent model metadata: {error}") from error
 

@@ -108,6 +108,8 @@ def _config(raw: dict[str, Any], source: str, architecture: str) -> LlamaConfig:
             eos_token_ids=eos_ids,
             **extra,
         )
+    except ModelLoadError:  # a ValueError too: said already
+        raise
     except KeyError as error:
         raise ModelLoadError(f"{source}: config.json has no {error.args[0]!r}, which the model needs") from error
     except (TypeError, ValueError) as error:
