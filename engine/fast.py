@@ -882,8 +882,8 @@ class FastGreedyDecoder:
 BLAS_LIBRARIES = ("cublaslt", "cublas", "torch")
 # The fast path's GEMMs on CUDA: cuBLASLt. On an H100 at the 8B shape it runs a 32-row verify's O and down projections
 # as one kernel each (no split-K reduce) and the 32-node tree's cycle ~2% faster than torch's default (cuBLAS), the
-# chain, the plain decode and SmolLM2 the same (session 18, process-wide: overhead factor 1.456 / 1.452 -> 1.438 /
-# 1.432, bench/results/gpu_bench-H100-scale-20261126-a98c48f-blas-*; session 19, scoped: 1.451 -> 1.427 / 1.432, the
+# chain, the plain decode and SmolLM2 the same (a98c48f, process-wide: overhead factor 1.456 / 1.452 -> 1.438 /
+# 1.432, bench/results/gpu_bench-H100-scale-20261126-a98c48f-blas-*; 84ba1d3, scoped: 1.451 -> 1.427 / 1.432, the
 # cycle 8,664 / 8,657 -> 8,476 / 8,499 µs, gpu_bench-H100-scale-20261126-eefbb4f-blas-*,
 # scale_profile-H100-20261126-eefbb4f/blas-*); with it the bfloat16 fast path's speculative output is the autoregressive
 # output on all 240 dev prompts (ngram S5, EAGLE S5, S6 K4 N24, S7 K6 N32; gpu_bench-H100-lossless-46a9139-*).
