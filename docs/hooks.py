@@ -394,9 +394,7 @@ def overhead_plot(name: str, result: dict) -> bytes | None:
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{c}\nbs={b}" + (f"\n{k}" if k else "") for c, b, k in groups], fontsize=8)
     ax.set_ylabel("median overhead per cycle (ms)")
-    ax.set_title(
-        f"{result.get('benchmark', name)}: {result.get('device', '?')}, commit {result.get('commit', '?')}", fontsize=9
-    )
+    ax.set_title(f"{Path(name).stem}: {result.get('device', '?')}, commit {result.get('commit', '?')}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -417,12 +415,12 @@ def benchmarks_markdown() -> str:
     out = []
     for name, result in results:
         meta = ", ".join(f"{k}: `{result[k]}`" for k in ("device", "date", "commit", "torch") if k in result)
-        out.append(f"### {result.get('benchmark', name)}\n\n`bench/results/{name}`. {meta}\n")
+        out.append(f"### {Path(name).stem}\n\n`bench/results/{name}`. {meta}\n")
         if result.get("note"):
             out.append(f"*{result['note']}*\n")
         image = _BENCH["images"].get(name)
         if image:
-            out.append(f"![{result.get('benchmark', name)}]({image})\n")
+            out.append(f"![{Path(name).stem}]({image})\n")
         rows = result.get("rows")
         if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
             flat = [_flatten(r) for r in rows]

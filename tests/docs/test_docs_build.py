@@ -163,7 +163,8 @@ def test_benchmarks_with_results(hooks, monkeypatch, tmp_path):
     monkeypatch.setitem(hooks._BENCH, "results", loaded)
     monkeypatch.setitem(hooks._BENCH, "images", {"a.json": "assets/bench/a.png"})
     text = hooks.benchmarks_markdown()
-    assert "![cycle_overhead](assets/bench/a.png)" in text
+    assert "### a\n" in text and "### b\n" in text  # titled by file name: several files share a benchmark name
+    assert "![a](assets/bench/a.png)" in text
     assert "| config | batch_size | checked | overhead_us_median |" in text and "2,500.0" in text
     assert '"tokens_per_s": 12.5' in text
     if importlib.util.find_spec("matplotlib") is not None:
