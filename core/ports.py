@@ -12,11 +12,18 @@ after every row of the batch has written its own K/V to `out_slots`. Prefill and
 `prefix_len = L` plus the row's ancestors and itself.
 
 Target and draft KV share one slot index space (the `KVPool`), each in its own tensors.
+
+Each port declares what it is: a target its ``device``, a draft its ``kind`` (and a forward draft its
+``pairing``); `Ports` refuses a port without them (`PortDeclarationError`, naming what to set). A port may
+also declare optional capabilities (a draft's graphed levels, a recurrent pool's state lengths, a KV pool's
+size), None or absent where it lacks them. The library reads both only through the accessors at the end of
+this module (`draft_kind`, `draft_pairing`, `graphed_draft_levels`, `target_device`, ...), never by probing
+a port's attributes itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
@@ -30,6 +37,16 @@ Pairing = Literal["shifted", "aligned"]
 * ``aligned`` (standalone model, layer skip): the draft sees token ``t[k]`` at position ``k``, like
   the target; the root is fed by the draft extend at ``L`` and depth ``d`` tokens at ``L + d``.
 """
+PAIRINGS: tuple[Pairing, ...] = ("shifted", "aligned")
+
+DraftKind = Literal["forward", "lookup", "block"]
+"""What a draft port is: a `DraftModel` (``forward``), a `LookupDraft` (``lookup``) or a `BlockDraft` (``block``)."""
+DRAFT_KINDS: tuple[DraftKind, ...] = ("forward", "lookup", "block")
+
+
+class PortDeclarationError(TypeError):
+    """A port lacks a declaration the cycle reads, or declares a value outside its choices; the message names
+    the attribute and what to set."""
 
 
 @attrs.frozen(eq=False)
@@ -80,9 +97,14 @@ class ModelOutput:
 
 @runtime_checkable
 class TargetModel(Protocol):
-    """The model whose output the cycle must reproduce exactly."""
+    """The model whose output the cycle must reproduce exactly.
+
+    ``device``: where its forward runs; the cycle builds its index tensors there and picks the backend for it
+    (`target_device`).
+    """
 
     vocab_size: int
+    device: torch.device
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """Write each row's K/V at ``out_slots``, attend as the module docstring says, return logits."""
@@ -96,6 +118,9 @@ class DraftModel(Protocol):
     ``extend`` runs over committed tokens (``shifted``: paired with the target's features of the
     previous position; ``aligned``: the tokens themselves, root included) and its last row gives the
     first level of candidates. ``step`` runs one tree level, fed with each node's parent hidden state.
+
+    Optional capabilities (`DraftCapabilities` declares them, None where a draft lacks one):
+    ``run_draft_levels`` (`graphed_draft_levels`) and ``run_draft_levels_on_host`` (`host_draft_levels`).
     """
 
     kind: Literal["forward"]
@@ -109,6 +134,24 @@ class DraftModel(Protocol):
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
         """``parent_hidden [T, Hd]``: the draft hidden state of each row's parent node."""
         ...
+
+
+class DraftCapabilities:
+    """The optional capabilities of a forward draft, declared: each None unless the draft provides it.
+
+    * ``run_draft_levels(fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
+      draft_hidden)``: run the greedy cycle's ``S - 1`` draft levels itself, e.g. as one captured CUDA graph,
+      by calling ``fn`` (`statemachine.transitions.draft_levels`) with these arguments or returning exactly
+      what it returns. None: the draft transition calls ``fn`` (and ``step``) directly.
+    * ``run_draft_levels_on_host(...)``: the same levels for inputs that live on the host (the engine's host
+      control plane, `engine.host_control`); None: the draft has no host path.
+
+    A draft subclasses this and defines the methods it has; one that does not subclass it may still define
+    them (they are read by name).
+    """
+
+    run_draft_levels: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    run_draft_levels_on_host: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
 
 @runtime_checkable
@@ -174,7 +217,12 @@ class KVPoolExhausted(RuntimeError):
 
 @runtime_checkable
 class KVPool(Protocol):
-    """A paged KV pool: a request's position ``p`` lives at slot ``page_table[p // P] * P + p % P``."""
+    """A paged KV pool: a request's position ``p`` lives at slot ``page_table[p // P] * P + p % P``.
+
+    Optional: ``num_pages``, the pages of the whole pool (`kv_capacity`; without it, the free pages when the
+    scheduler starts), and ``has_request(request_id) -> bool``, whether the pool knows a request that may
+    hold no page (`kv_knows`; without it, no such request).
+    """
 
     page_size: int
     num_free_pages: int
@@ -206,7 +254,12 @@ class KVPool(Protocol):
 
 @runtime_checkable
 class RecurrentStatePool(Protocol):
-    """Per-request recurrent (Mamba-style) state. Attention-only models use `NoRecurrentState`."""
+    """Per-request recurrent (Mamba-style) state. Attention-only models use `NoRecurrentState`.
+
+    Optional, for checked mode (invariant 12): ``state_lens(request_ids) -> list[int]``, the tokens folded
+    into each request's committed state (`recurrent_state_lens`), and ``pending_rows(*, request_id) -> int``,
+    the speculative rows held since the last commit (`recurrent_pending_rows`).
+    """
 
     def commit(self, *, request_ids: Sequence[int], last_correct_step_indices: torch.Tensor) -> None:
         """Keep, per request, the verify-step state at ``last_correct_step_indices [bs]`` (in [0, N))."""
@@ -225,12 +278,159 @@ class NoRecurrentState:
         return None
 
 
+def _declares_target(instance, attribute, target) -> None:
+    device_of(target)
+
+
+def _declares_draft(instance, attribute, draft) -> None:
+    pairing_of(draft)  # the kind, and a forward draft's pairing
+
+
 @attrs.frozen
 class Ports:
-    """Everything mutable the cycle touches, handed to `step` as one value."""
+    """Everything mutable the cycle touches, handed to `step` as one value.
 
-    target: TargetModel
-    draft: DraftModel | LookupDraft | BlockDraft
+    Refuses (`PortDeclarationError`) a target without its ``device`` and a draft without its ``kind`` (a
+    forward draft: without its ``pairing``).
+    """
+
+    target: TargetModel = attrs.field(validator=_declares_target)
+    draft: DraftModel | LookupDraft | BlockDraft = attrs.field(validator=_declares_draft)
     kv_pool: KVPool
     recurrent: RecurrentStatePool = attrs.field(factory=NoRecurrentState)
     detokenizer: Detokenizer | None = None  # needed only by requests with stop strings
+
+
+# ---- capabilities -------------------------------------------------------------------------------------
+# The one place that reads a port's declarations. ``ports``: a `Ports`, or any value with the same attributes
+# (the fused cycle's draft loop hands `draft_levels` a stand-in of its draft and pool).
+
+_MISSING = object()
+
+
+def _named(port) -> str:
+    return type(port).__name__
+
+
+def kind_of(draft) -> DraftKind:
+    """The ``kind`` a draft port declares: ``forward``, ``lookup`` or ``block``."""
+    kind = getattr(draft, "kind", _MISSING)
+    if kind not in DRAFT_KINDS:
+        declared = "declares no `kind`" if kind is _MISSING else f"declares kind={kind!r}"
+        raise PortDeclarationError(
+            f"the draft port {_named(draft)} {declared}: set the class attribute kind = 'forward' (a DraftModel, "
+            "run forward level by level), 'lookup' (a LookupDraft, proposing from the token history) or 'block' "
+            "(a BlockDraft, one forward per block) (speccycle.core.ports)"
+        )
+    return kind
+
+
+def pairing_of(draft) -> Pairing:
+    """How a draft pairs tokens with positions: a forward draft's declared ``pairing``; ``shifted`` for a lookup
+    draft (it keeps no cache) and a block draft (its context pairs like a shifted draft's, `BlockDraft`)."""
+    if kind_of(draft) != "forward":
+        return "shifted"
+    pairing = getattr(draft, "pairing", _MISSING)
+    if pairing not in PAIRINGS:
+        declared = "declares no `pairing`" if pairing is _MISSING else f"declares pairing={pairing!r}"
+        raise PortDeclarationError(
+            f"the forward draft port {_named(draft)} {declared}: set pairing = 'shifted' (EAGLE: token t[k + 1] "
+            "with the target's feature f[k] at position k) or 'aligned' (a standalone model, layer skip: token "
+            "t[k] at position k) (speccycle.core.ports.Pairing)"
+        )
+    return pairing
+
+
+def device_of(target) -> torch.device:
+    """The ``device`` a target port declares."""
+    device = getattr(target, "device", _MISSING)
+    if device is _MISSING or device is None:
+        declared = "declares no `device`" if device is _MISSING else "declares device=None"
+        raise PortDeclarationError(
+            f"the target port {_named(target)} {declared}: set device to the torch.device its forward runs on "
+            "(e.g. torch.device('cpu')); the cycle builds its index tensors there and picks the backend for it"
+        )
+    try:
+        return torch.device(device)
+    except (TypeError, RuntimeError) as error:
+        raise PortDeclarationError(
+            f"the target port {_named(target)} declares device={device!r}, which is no torch.device: {error}"
+        ) from error
+
+
+def _vocab_size(port, role: str) -> int:
+    size = getattr(port, "vocab_size", _MISSING)
+    if size is _MISSING:
+        raise PortDeclarationError(
+            f"the {role} port {_named(port)} declares no `vocab_size`: set it to the number of token ids its "
+            "logits cover (a draft: the target's)"
+        )
+    return size
+
+
+def draft_kind(ports) -> DraftKind:
+    """The draft's declared ``kind`` (`kind_of`)."""
+    return kind_of(ports.draft)
+
+
+def draft_pairing(ports) -> Pairing:
+    """The draft's pairing as the cycle reserves and places its rows by (`pairing_of`)."""
+    return pairing_of(ports.draft)
+
+
+def target_device(ports) -> torch.device:
+    """The target's declared ``device`` (`device_of`)."""
+    return device_of(ports.target)
+
+
+def target_vocab_size(ports) -> int:
+    """The target's declared ``vocab_size`` (as declared: the caller checks its value)."""
+    return _vocab_size(ports.target, "target")
+
+
+def draft_vocab_size(ports) -> int:
+    """The draft's declared ``vocab_size`` (as declared: the caller checks its value)."""
+    return _vocab_size(ports.draft, "draft")
+
+
+def graphed_draft_levels(ports) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+    """A forward draft's ``run_draft_levels`` (`DraftCapabilities`); None for a draft without one and for
+    lookup and block drafts."""
+    if kind_of(ports.draft) != "forward":
+        return None
+    return getattr(ports.draft, "run_draft_levels", None)
+
+
+def host_draft_levels(draft) -> Callable[..., tuple[torch.Tensor, ...]] | None:
+    """A forward draft's ``run_draft_levels_on_host`` (`DraftCapabilities`); None for a draft without one and
+    for lookup and block drafts."""
+    if kind_of(draft) != "forward":
+        return None
+    return getattr(draft, "run_draft_levels_on_host", None)
+
+
+def recurrent_state_lens(ports, request_ids: Sequence[int]) -> list[int] | None:
+    """Tokens in each request's committed recurrent state, where the pool reports them (``state_lens``), else
+    None."""
+    state_lens = getattr(ports.recurrent, "state_lens", None)
+    return None if state_lens is None else state_lens(request_ids)
+
+
+def recurrent_pending_rows(ports, request_id: int) -> int:
+    """Speculative rows the recurrent pool holds for a request since its last commit (``pending_rows``); 0 where
+    the pool does not report them."""
+    pending_rows = getattr(ports.recurrent, "pending_rows", None)
+    return 0 if pending_rows is None else pending_rows(request_id=request_id)
+
+
+def kv_capacity(ports) -> int:
+    """Pages in the whole KV pool: its ``num_pages``, else the pages free now."""
+    pool = ports.kv_pool
+    return int(getattr(pool, "num_pages", pool.num_free_pages))
+
+
+def kv_knows(ports, request_id: int) -> bool:
+    """Whether the KV pool knows ``request_id`` (``has_request``: it may hold no page); False where the pool
+    does not say."""
+    has_request = getattr(ports.kv_pool, "has_request", None)
+    return bool(has_request(request_id)) if has_request is not None else False

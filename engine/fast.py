@@ -34,7 +34,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ..core.ports import ForwardBatch, ModelOutput
+from ..core.ports import DraftCapabilities, ForwardBatch, ModelOutput
 from .drafters.eagle import EagleDraft
 from .drafters.layerskip import LlamaDraft
 from .fused_cycle import FusedCycles
@@ -474,7 +474,7 @@ def _rope_for(model_or_head, pool: PagedKVPool, head_dim: int, theta: float, dty
 # ---- the draft loop ---------------------------------------------------------------------------------------
 
 
-class GraphedDraftLevels:
+class GraphedDraftLevels(DraftCapabilities):
     """Runs the cycle's greedy draft loop (`statemachine.transitions.draft_levels`) as one CUDA graph.
 
     One graph per key ``(bs bucket, S, K, N, fed hidden?)``: the loop's inputs (``L``, page table,

@@ -53,7 +53,7 @@ import torch
 from ..backends.registry import get_backend
 from ..backends.torch import TorchBackend
 from ..backends.torch.ops import write_out
-from ..core.ports import ForwardBatch, ModelOutput, Ports
+from ..core.ports import DraftCapabilities, ForwardBatch, ModelOutput, Ports, host_draft_levels, kind_of, pairing_of
 from .graphs import HiddenRows, pack_rows, unpack_rows
 
 HOST = torch.device("cpu")
@@ -220,7 +220,7 @@ class HostPool:
         return getattr(self.inner, name)
 
 
-class HostDraft:
+class HostDraft(DraftCapabilities):
     """A fast forward draft port, seen from records on the host (module docstring).
 
     ``extend`` runs the draft's whole part of the cycle on the device with one sync. It launches the
@@ -242,7 +242,7 @@ class HostDraft:
     kind = "forward"
 
     def __init__(self, draft, target: HostTarget, pool, backend: HostBackend, spec) -> None:
-        if not hasattr(draft, "run_draft_levels_on_host"):
+        if host_draft_levels(draft) is None:
             raise ValueError(
                 f"{type(draft).__name__} has no host path: the host control plane runs the fast forward drafts "
                 "(engine.fast.FastEagleDraft, FastLlamaDraft); accelerate the engine or turn host_control off"
@@ -332,16 +332,16 @@ def serves(draft, sampling) -> bool:
     """Whether a `generate` call may run on the host control plane (module docstring): greedy without
     logprobs, with a lookup draft or a fast forward draft."""
     plain = sampling is None or (sampling.greedy and not sampling.logprobs)
-    kind = None if draft is None else getattr(draft, "kind", "forward")
-    fast_forward = kind == "forward" and hasattr(draft, "run_draft_levels_on_host")
-    return plain and (kind == "lookup" or fast_forward)
+    if draft is None:
+        return False
+    return plain and (kind_of(draft) == "lookup" or host_draft_levels(draft) is not None)
 
 
 def host_ports(target, draft, pool, spec, device) -> tuple[Ports, HostBackend]:
     """The ports and backend of a host-plane `generate` call (``spec``: the cycle's `SpecConfig`)."""
     backend = HostBackend(device)
-    forward = getattr(draft, "kind", "forward") == "forward"
-    host_target = HostTarget(target, keep_features=forward and draft.pairing == "shifted")
+    forward = kind_of(draft) == "forward"
+    host_target = HostTarget(target, keep_features=forward and pairing_of(draft) == "shifted")
     if forward:
         draft = HostDraft(draft, host_target, pool, backend, spec)
     return Ports(target=host_target, draft=draft, kv_pool=HostPool(pool)), backend

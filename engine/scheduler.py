@@ -44,6 +44,14 @@ import torch
 
 from ..backends.registry import get_backend
 from ..core import Admitted, Compacted, KVPoolExhausted, Ports, Ready, Request, SamplingParams, SpecConfig, Verified
+from ..core.ports import (
+    draft_pairing,
+    draft_vocab_size,
+    kv_capacity,
+    kv_knows,
+    target_device,
+    target_vocab_size,
+)
 from ..statemachine import step as run_step
 from ..statemachine.batching import merge_ready, select_ready
 from .adaptive import AdaptiveSpeculation, SpeculationController, ZeroDraft
@@ -108,8 +116,7 @@ class Scheduler:
             not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1
         ):
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be None or an int >= 1")
-        target_vocab = getattr(ports.target, "vocab_size", None)
-        draft_vocab = getattr(ports.draft, "vocab_size", None)
+        target_vocab, draft_vocab = target_vocab_size(ports), draft_vocab_size(ports)
         if not isinstance(target_vocab, int) or target_vocab < 1:
             raise ValueError(f"the target's vocab_size={target_vocab!r} must be an int >= 1")
         if draft_vocab != target_vocab:
@@ -128,14 +135,13 @@ class Scheduler:
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
         self.config, self.checked, self.max_batch_size = config, checked, max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.backend = backend if backend is not None else get_backend(getattr(ports.target, "device", None))
+        self.backend = backend if backend is not None else get_backend(target_device(ports))
         self.plain_ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab))
         self.ports = self.plain_ports if speculation == "off" else ports
         self.controller = SpeculationController(policy) if policy is not None else None
         self.on_tokens, self.on_finish = on_tokens, on_finish
         self._ids = request_ids if request_ids is not None else itertools.count()
-        pool = ports.kv_pool
-        self.capacity = int(getattr(pool, "num_pages", pool.num_free_pages))  # pages in the whole pool
+        self.capacity = kv_capacity(ports)  # pages in the whole pool
         self.waiting: deque[Request] = deque()
         self.running: Ready | None = None
         self.finished: dict[int, Request] = {}
@@ -362,15 +368,13 @@ class Scheduler:
         )
 
     def _reserve_len(self, ports: Ports) -> int:
-        kind = getattr(ports.draft, "kind", "forward")
-        pairing = getattr(ports.draft, "pairing", "shifted") if kind == "forward" else "shifted"
-        return self.config.reserve_len(pairing)
+        return self.config.reserve_len(draft_pairing(ports))
 
     def _pages(self, tokens: int) -> int:
         return math.ceil(tokens / self.ports.kv_pool.page_size)
 
     def _free(self, request_id: int) -> None:
-        if self.ports.kv_pool.pages_held(request_id) or _has_request(self.ports.kv_pool, request_id):
+        if self.ports.kv_pool.pages_held(request_id) or kv_knows(self.ports, request_id):
             self.ports.kv_pool.free(request_id)
         self.ports.recurrent.free(request_id=request_id)
 
@@ -409,11 +413,6 @@ class Scheduler:
             finished.append(self._error(request, f"the cycle failed: {type(error).__name__}: {error}"))
             done.add(request.request_id)
         self.running = None
-
-
-def _has_request(pool, request_id: int) -> bool:
-    has = getattr(pool, "has_request", None)
-    return bool(has(request_id)) if has is not None else False
 
 
 def _token_ids(values, what: str) -> tuple[int, ...]:

@@ -144,7 +144,8 @@ class TPEngine(Engine):
                 if _user is not None:
                     _user(record)
 
-        sharded = [m for m in (self.model, getattr(self.draft, "model", None)) if isinstance(m, TPLlamaModel)]
+        draft_model = self.draft.model if isinstance(self.draft, LlamaDraft) else None  # `--draft model`, layer skip
+        sharded = [m for m in (self.model, draft_model) if isinstance(m, TPLlamaModel)]
         for model in sharded:  # the target, and a separately sharded draft model
             model.check_inputs = check
         try:

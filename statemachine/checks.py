@@ -11,6 +11,7 @@ import math
 import attrs
 import torch
 
+from ..core.ports import draft_kind, recurrent_pending_rows, recurrent_state_lens
 from ..core.records import Accepted, Compacted, Drafted, Ready, RowOutputs, Verified
 from ..core.tree import ancestor_mask, pack_mask, tree_depths, unpack_mask
 
@@ -72,7 +73,7 @@ def check_record(record, ports) -> None:
     if isinstance(record, Verified):
         _check_accept(record.config, record.tree, record.accept_index, record.accept_len)
         _check_greedy_path(record)
-        if getattr(ports.draft, "kind", "forward") == "block":
+        if draft_kind(ports) == "block":
             _check_block(record, ports.draft.block_size)
     if isinstance(record, Accepted):
         _check_accepted(record)
@@ -128,15 +129,14 @@ def _check_committed(record, ports) -> None:
 
 def _check_recurrent(record: Compacted, ports) -> None:
     """A recurrent pool that reports its state lengths holds exactly the committed tokens, no verify rows."""
-    state_lens = getattr(ports.recurrent, "state_lens", None)
-    if state_lens is None:
-        return
     live = [(i, r.request_id) for i, r in enumerate(record.requests) if r.finish_reason is None]
-    lens = state_lens([rid for _, rid in live])
+    lens = recurrent_state_lens(ports, [rid for _, rid in live])
+    if lens is None:
+        return
     for (i, rid), held in zip(live, lens):
         L = int(record.seq_lens[i])
         require(held == L, 12, f"request {rid}: the recurrent state holds {held} tokens, L={L}")
-        pending = ports.recurrent.pending_rows(request_id=rid) if hasattr(ports.recurrent, "pending_rows") else 0
+        pending = recurrent_pending_rows(ports, rid)
         require(pending == 0, 12, f"request {rid}: {pending} verify rows were left uncommitted")
 
 
@@ -161,7 +161,7 @@ def _check_extend_rows(record: Compacted, offset: int) -> None:
 def _check_drafted(record: Drafted, ports) -> None:
     cfg, tree = record.config, record.tree
     bs, n = tree.tokens.shape
-    lookup = getattr(ports.draft, "kind", "forward") == "lookup"
+    lookup = draft_kind(ports) == "lookup"
     require(
         n == cfg.num_draft_tokens or (lookup and 1 <= n <= cfg.num_draft_tokens),
         4,

@@ -15,7 +15,7 @@ import attrs
 
 from ..backends.registry import get_backend
 from ..core.config import SpecConfig
-from ..core.ports import Ports
+from ..core.ports import Ports, target_device
 from ..core.records import Admitted, Compacted, Ready, Request
 from . import checks
 from .table import TABLE, Transition
@@ -65,7 +65,7 @@ def step(
     trace: Callable[[TraceEvent], None] | None = None,
 ):
     """Run one transition. ``checked`` validates the invariants of DESIGN.md on the result."""
-    backend = backend if backend is not None else get_backend(getattr(ports.target, "device", None))
+    backend = backend if backend is not None else get_backend(target_device(ports))
     row = select(record, ports, event)
     start = time.perf_counter()
     result = row.run(record, ports, backend)

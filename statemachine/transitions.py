@@ -17,7 +17,17 @@ import torch
 
 from ..core import shapes
 from ..core.config import SpecConfig
-from ..core.ports import ForwardBatch, KVPool, KVPoolExhausted, ModelOutput, Ports
+from ..core.ports import (
+    ForwardBatch,
+    KVPool,
+    KVPoolExhausted,
+    ModelOutput,
+    Ports,
+    draft_kind,
+    draft_pairing,
+    graphed_draft_levels,
+    target_device,
+)
 from ..core.records import (
     Accepted,
     Admitted,
@@ -41,11 +51,11 @@ class CycleError(RuntimeError):
 
 def draft_offset(ports: Ports, config: SpecConfig) -> int:
     """Draft cache positions past ``L`` a family keeps: 1 for an aligned forward draft (the root)."""
-    return config.draft_scratch_offset(getattr(ports.draft, "pairing", "shifted")) if is_forward(ports) else 0
+    return config.draft_scratch_offset(draft_pairing(ports))  # lookup and block drafts: "shifted", 0
 
 
 def is_forward(ports: Ports) -> bool:
-    return getattr(ports.draft, "kind", "forward") == "forward"
+    return draft_kind(ports) == "forward"
 
 
 def reserve(pool: KVPool, request_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
@@ -163,7 +173,7 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     for request in rec.requests:
         try:
             validate_request(request, ports.target.vocab_size, ports.detokenizer)
-            if not request.sampling.greedy and getattr(ports.draft, "kind", "forward") == "block":
+            if not request.sampling.greedy and draft_kind(ports) == "block":
                 raise CycleError(
                     f"request {request.request_id}: temperature={request.sampling.temperature}; block drafts "
                     "verify greedily, pass temperature=0 or use another draft"
@@ -256,7 +266,7 @@ def _errored(request: Request, message: str) -> Request:
 
 
 def _device(ports: Ports) -> torch.device:
-    return torch.device(getattr(ports.target, "device", "cpu"))
+    return target_device(ports)
 
 
 # ---- retire ------------------------------------------------------------------------------------
@@ -307,12 +317,12 @@ def forward_draft(rec, ports: Ports) -> bool:
 
 
 def lookup_draft(rec, ports: Ports) -> bool:
-    return getattr(ports.draft, "kind", "forward") == "lookup"
+    return draft_kind(ports) == "lookup"
 
 
 def block_draft(rec, ports: Ports) -> bool:
     """A block draft (DFlash): one draft forward proposes the whole chain (`statemachine.block`)."""
-    return getattr(ports.draft, "kind", "forward") == "block"
+    return draft_kind(ports) == "block"
 
 
 def not_block_draft(rec, ports: Ports) -> bool:
@@ -400,8 +410,7 @@ def _reserve_cycle(
     lookup for both)."""
     cfg = rec.config
     ids = tuple(r.request_id for r in rec.requests)
-    pairing = getattr(ports.draft, "pairing", "shifted") if is_forward(ports) else "shifted"
-    extra = cfg.reserve_len(pairing)
+    extra = cfg.reserve_len(draft_pairing(ports))  # lookup and block drafts: "shifted"
     reserve(ports.kv_pool, ids, [length + extra for length in rec.seq_lens.tolist()])
     page_table = ports.kv_pool.page_table(ids)
     n, L = cfg.num_draft_tokens, rec.seq_lens
@@ -550,7 +559,7 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         draft_probs[:, 0] = rec.draft_probs
     levels = (ports, backend, cfg, ids, L, page_table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden)
     # A draft may run the greedy loop as one captured CUDA graph (engine.fast), calling draft_levels itself.
-    graphed = getattr(ports.draft, "run_draft_levels", None) if rows is None else None
+    graphed = graphed_draft_levels(ports) if rows is None else None
     if graphed is not None:
         cand_tokens, cand_scores, cand_parents, draft_positions = graphed(draft_levels, *levels)
     else:

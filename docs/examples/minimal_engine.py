@@ -80,6 +80,8 @@ class PagedPool:
 class TableTarget:
     """`TargetModel`: writes each row's KV, attends as the ports' rule says, predicts from the last three."""
 
+    device = torch.device("cpu")  # where its forward runs: the cycle builds its index tensors there
+
     def __init__(self, pool: PagedPool):
         self.pool, self.vocab_size = pool, VOCAB
 

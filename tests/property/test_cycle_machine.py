@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
+from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.statemachine import run_cycle
 from speccycle.statemachine.batching import merge_ready
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
@@ -46,11 +47,12 @@ class CycleMachine(RuleBasedStateMachine):
         self.config = config
         self.pool = FingerprintPool(num_pages=4096 // config.page_size + 64, page_size=config.page_size)
         self.target = HashedNgramTarget(self.pool, vocab_size=VOCAB, n=3)
-        draft = (
-            TreeLookupDraft(self.target, agreement)
-            if family == "lookup"
-            else NoisyDraft(self.target, agreement, family)
-        )
+        if family == "lookup":
+            draft = TreeLookupDraft(self.target, agreement)
+        elif family == "ngram":  # the engine's prompt-lookup draft over the requests' own histories
+            draft = NgramDraft(VOCAB)
+        else:
+            draft = NoisyDraft(self.target, agreement, family)
         self.ports = Ports(target=self.target, draft=draft, kv_pool=self.pool)
         self.offset = 1 if family == "aligned" else 0
         self.pairing = "aligned" if family == "aligned" else "shifted"

@@ -307,7 +307,6 @@ def test_static_draft_loop_equals_the_state_machine_loop(weights, topk):
     from speccycle.backends.torch import TorchBackend
     from speccycle.core import Ports
     from speccycle.core.tree import draft_scratch_positions
-    from speccycle.engine.drafters.ngram import NgramDraft
     from speccycle.statemachine.transitions import draft_levels
 
     spec = SpecConfig(num_steps=3, topk=topk, num_draft_tokens=4 if topk == 1 else 6, page_size=2)
@@ -318,7 +317,8 @@ def test_static_draft_loop_equals_the_state_machine_loop(weights, topk):
         draft = LlamaDraft(model, pool, num_layers=2)
         if fast:
             draft = FastLlamaDraft(draft, pool, FastOptions("cpu", graphs=False, max_rows=16))
-        ports = Ports(target=NgramDraft(TINY.vocab_size), draft=draft, kv_pool=pool)
+        kv = pool.add_cache("target", TINY.num_layers, TINY.num_kv_heads, TINY.head_dim)
+        ports = Ports(target=LlamaTarget(model, kv), draft=draft, kv_pool=pool)  # the loop runs no target forward
         prompts = [tokens_of(20 + i, 5 + 2 * i) for i in range(3)]
         lengths = torch.tensor([len(p) for p in prompts])
         for rid, p in enumerate(prompts):  # the draft's KV of each prompt (aligned: root included)
