@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections import Counter
 from collections.abc import Sequence
 
 import attrs
@@ -159,6 +160,20 @@ def validate_request(request: Request, vocab_size: int, detokenizer=None) -> Non
         )
 
 
+def refuse_duplicate_ids(requests: Sequence[Request]) -> None:
+    """A `ValueError` naming each request id that occurs more than once: the KV pool keys pages by request
+    id, so two requests of one id would read and write each other's pages."""
+    counts = Counter(r.request_id for r in requests)
+    repeated = sorted(rid for rid, count in counts.items() if count > 1)
+    if repeated:
+        ids = ", ".join(map(str, repeated))
+        what = f"request id {ids} is" if len(repeated) == 1 else f"request ids {ids} are each"
+        raise ValueError(
+            f"{what} given more than once in one batch (the KV pool keys pages by request id, so they would "
+            "share pages): give each request its own id"
+        )
+
+
 # ---- prefill -----------------------------------------------------------------------------------
 def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     """Target extend over the prompts; the first token; the draft extend's rows (shifted by one).
@@ -167,8 +182,10 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     and output, and its next token appended: recomputing its KV resumes it where it stopped.
 
     A request that fails validation (empty prompt, ids outside the vocabulary, unsupported sampling)
-    finishes at once with ``finish_reason="error"`` and its reason; the others go on.
+    finishes at once with ``finish_reason="error"`` and its reason; the others go on. A batch that
+    holds one request id twice is refused whole (`refuse_duplicate_ids`): every entry comes through here.
     """
+    refuse_duplicate_ids(rec.requests)
     valid, refused = [], []
     for request in rec.requests:
         try:

@@ -96,6 +96,25 @@ def test_bad_requests_are_refused_with_what_to_do_and_the_others_go_on(request_,
     assert alone[0].finish_reason == "error"
 
 
+@pytest.mark.parametrize("family", ["shifted", "lookup"])
+def test_a_request_id_twice_in_one_batch_is_refused_at_admission(family):
+    """Two requests of one batch with one id would share its KV pages (the pool is keyed by id): the prefill
+    row, which every entry (`generate`, the engine, the scheduler) takes, refuses the batch and touches no page."""
+    config = SpecConfig(num_steps=3, topk=1)
+    ports = _ports(config, family)
+    params = SamplingParams(max_new_tokens=6)
+    batch = [Request(0, (1, 2, 3), params), Request(4, (2, 3), params), Request(0, (4, 5, 6), params)]
+    once = r"request id 0 is given more than once in one batch .*: give each request its own id"
+    with pytest.raises(ValueError, match=once):
+        generate(batch, config, ports)
+    assert ports.kv_pool.num_free_pages == ports.kv_pool.num_pages
+    with pytest.raises(ValueError, match=r"request ids 0, 4 "):
+        step(Admitted(config=config, requests=(*batch, attrs.evolve(batch[1], prompt=(7, 8)))), ports)
+    assert ports.kv_pool.num_free_pages == ports.kv_pool.num_pages
+    done = generate(batch[:2], config, ports, checked=True)  # distinct ids: decoded as before
+    assert [list(r.output) for r in done] == [ports.target.greedy(r.prompt, 6) for r in batch[:2]]
+
+
 def test_pool_exhaustion_raises_before_touching_the_pool_and_loses_nothing():
     config = SpecConfig(num_steps=4, topk=1)
     ports = _ports(config, pages=14)
