@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage a side-by-side GPU run of the working tree against an older commit (the device tool, no git there).
+# Stage a side-by-side GPU run of the working tree against an older commit (a GPU machine that has no git).
 #
 #   (once, before: the model staged in .gpu/p1 and .gpu/p2)
 #   bash scripts/gpu_ab_stage.sh OLD_COMMIT         # .gpu/p2/old/ and .gpu/p2/ab.sh
