@@ -18,8 +18,8 @@ bfloat16's rounding (2^-9 of a value and of its row's largest) crosses half a st
 widens the integers to the activations' dtype (every int8 is exact in bfloat16, float16 and float32), multiplies
 on the tensor cores (float32 activations: IEEE products, as `linear_triton`) with float32 accumulation over its
 split's ``K / SPLITS`` columns, and either (one split) applies the rows' scales, adds into ``x`` when asked and
-rounds once, or stores the float32 partial for a second kernel (`splitk_linear`'s shape: the partials summed in
-split order, then scaled, added, rounded). No atomics: the result is a function of the inputs (deterministic),
+rounds once, or stores the float32 partial for a second kernel (the partials summed in split order, then
+scaled, added, rounded). No atomics: the result is a function of the inputs (deterministic),
 though not of a row alone (the tile depends on the row count: a draft's rows need not agree with themselves in
 other batches; the target's must, and never come here).
 
@@ -35,14 +35,12 @@ import attrs
 import torch
 
 from .drafters.eagle_storage import quantize_rowwise
-from .splitk_linear import check_add_target
 
 try:
     import triton
     import triton.language as tl
 
     from .linear_triton import _mma, _round
-    from .splitk_linear import _store_partial, _sum_partials, _tile_rows_cols
 except ImportError:  # pragma: no cover - installs without triton use the torch reference
     triton = None
 
@@ -147,6 +145,27 @@ def int8_linear_torch(
 if triton is not None:
 
     @triton.jit
+    def _tile_rows_cols(pid_m, pid_n, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A program's rows and output columns, with their masks."""
+        rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows_m, rows_m < rows, cols_n, cols_n < N
+
+    @triton.jit
+    def _store_partial(part_ptr, acc, split, rows, rows_m, mask_m, cols_n, mask_n, N):
+        """A split's float32 partial at ``part[split, rows, cols]`` (``[SPLITS, rows, N]``)."""
+        part = (split * rows + rows_m[:, None]).to(tl.int64) * N + cols_n[None, :]
+        tl.store(part_ptr + part, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _sum_partials(part_ptr, rows, row, N, cols, mask, SPLITS: tl.constexpr):
+        """``part[0, row, cols] + ... + part[SPLITS - 1, row, cols]``, in split order, float32."""
+        total = tl.load(part_ptr + row.to(tl.int64) * N + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(part_ptr + (s * rows + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+        return total
+
+    @triton.jit
     def _to_activation(y, ACT: tl.constexpr):
         """``y`` rounded to the activations' dtype (``ACT``: 0 float32, 1 bfloat16, 2 float16), kept in float32: a
         float32 output (an LM head's logits) is the activations' rounding widened, written by this kernel."""
@@ -230,6 +249,15 @@ def _check(a: torch.Tensor, weight: Int8Rowwise, config: Int8Config, what: str) 
     k = weight.shape[1]
     if config.splits > 1 and k % (config.splits * config.block_k):
         raise ValueError(f"{what}: K={k} is not {config.splits} splits of whole {config.block_k}-column steps")
+
+
+def check_add_target(x: torch.Tensor, a: torch.Tensor, n: int, what: str) -> None:
+    """``x`` of an in-place ``x += a @ W^T`` (``W``: ``n`` rows): ``[T, n]`` in ``a``'s dtype, contiguous rows."""
+    if x.shape != (a.shape[0], n) or x.dtype != a.dtype or x.stride(1) != 1:
+        raise ValueError(
+            f"{what}: x must be a [{a.shape[0]}, {n}] {a.dtype} tensor with a contiguous last dimension; got "
+            f"{tuple(x.shape)} {x.dtype} with strides {x.stride()}"
+        )
 
 
 def _run(a, weight: Int8Rowwise, x, out, config: Int8Config) -> None:
