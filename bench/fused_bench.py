@@ -49,7 +49,7 @@ def main() -> None:
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), frontier-torch "
         "(`CudaBackend.advance_frontier` as torch ops), an op set "
-        "(triton-cublas, triton-cublas-folded, triton-cublas-folded-target: `kernels.CUDA_OPS`), "
+        "(triton-cublas, triton-cublas-folded, triton: `kernels.CUDA_OPS`), "
         "head=PATH (this EAGLE head instead of --eagle-head's); "
         "one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
@@ -58,8 +58,7 @@ def main() -> None:
     from speccycle.backends.cuda.ops import CudaBackend
     from speccycle.engine import attention_triton, kernels
 
-    op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.FoldedTargetOps,
-                                           kernels.TritonOps)}  # fmt: skip
+    op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.TritonOps)}
 
     def settings(variant):
         """``(warps or None, op set or None, fused frontier, head path or None)`` of a variant string."""

@@ -196,7 +196,7 @@ def eagle_rows_forward(
     head, target = draft.head, draft.target_model
     c = head.config
     eps = c.rms_norm_eps
-    if c.version != 1 and ops.fold_head:
+    if c.version != 1 and ops.fold_norms:
         out = _folded_eagle3_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
     else:
         out = _eagle_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
@@ -383,13 +383,13 @@ class HeadGemms:
     def of(cls, head, ops: type[TorchOps], draft_weights: str, device: torch.device) -> HeadGemms:
         c = head.config
         draft_weights = draft_weights_choice(draft_weights)
-        folds = ops.fold_head and c.version != 1
+        folds = ops.fold_norms and c.version != 1
         if draft_weights == "auto":  # the fast path's half-precision heads on CUDA (a float32 head: a parity run)
             half = head.dtype in (torch.bfloat16, torch.float16)
             draft_weights = "int8" if folds and half and torch.device(device).type == "cuda" else "dtype"
         if draft_weights == "int8" and not folds:
             raise ValueError(
-                f"draft_weights='int8' runs the folded EAGLE-3 layer (an op set with fold_head, such as "
+                f"draft_weights='int8' runs the folded EAGLE-3 layer (an op set with fold_norms, such as "
                 f"kernels.FoldedNormOps, CUDA's default); this head is EAGLE-{c.version} under {ops.__name__}: "
                 "pass draft_weights='dtype' (or SPECCYCLE_DRAFT_WEIGHTS=dtype)"
             )

@@ -697,8 +697,8 @@ class TorchOps:
     norm_qkv_rope = staticmethod(norm_qkv_rope_torch)
     eagle_input = staticmethod(eagle_input_torch)
     needs_kv_bound = True  # the torch attention gathers keys up to a static bound
-    fold_norms = False  # `FoldedNormOps`: the norms folded into the GEMMs and the kernels after them
-    fold_head = False  # `FoldedNormOps`: an EAGLE-3 head's norms folded as well
+    fold_norms = False  # `FoldedNormOps`: the norms folded into the GEMMs and the kernels after them (the target's
+    # layers and an EAGLE-3 head's layer, `fast._folded_eagle3_layer`)
 
 
 class TritonOps(TorchOps):
@@ -757,17 +757,8 @@ class FoldedNormOps(TritonCublasOps):
     same kernels at the same shapes, so greedy speculative output stays the autoregressive output."""
 
     name = "triton-cublas-folded"
-    fold_norms = True
-    fold_head = True  # an EAGLE-3 head's layer too (`fast._folded_eagle3_layer`)
+    fold_norms = True  # an EAGLE-3 head's layer too (`fast._folded_eagle3_layer`)
     linear_add = staticmethod(linear_add)
-
-
-class FoldedTargetOps(FoldedNormOps):
-    """`FoldedNormOps` with an EAGLE-3 head's layer run as before (norms as kernels, 14 kernels up to its final
-    norm instead of 9): the target is folded, the head is not. Benchmarks compare the two."""
-
-    name = "triton-cublas-folded-target"
-    fold_head = False
 
 
 def triton_available() -> bool:
