@@ -112,6 +112,26 @@ def test_no_marker_is_left_unreplaced(site_dir: Path):
         assert "<!-- speccycle:" not in page.read_text(), page
 
 
+# A snippet include that pymdownx.snippets did not expand shows on the page as its own text, escaped or
+# not, and mangled by a Markdown formatter (`--8 < --"file"`) too.
+UNRENDERED_SNIPPET = re.compile(r"--8\s*(?:<|&lt;|&#60;)\s*--")
+
+
+def test_no_snippet_or_generation_marker_is_left_in_the_site(site_dir: Path):
+    for page in site_dir.glob("**/*.html"):
+        text = page.read_text()
+        assert not UNRENDERED_SNIPPET.search(text), f"{page}: an unexpanded --8<-- snippet include"
+        assert "<!-- speccycle:" not in text and "&lt;!-- speccycle:" not in text, f"{page}: a generation marker"
+
+
+def test_the_engine_page_shows_the_example_file(site_dir: Path):
+    text = html.unescape(re.sub(r"<[^>]+>", "", (site_dir / "engine" / "index.html").read_text()))
+    example = (ROOT / "docs" / "examples" / "minimal_engine.py").read_text()
+    for line in ("class PagedPool:", "def greedy_decode(prompt: Sequence[int], max_new_tokens: int) -> list[int]:"):
+        assert line in example, f"the example no longer has {line!r}: pick another line"
+        assert line in text, f"docs/engine.md does not show docs/examples/minimal_engine.py ({line!r} missing)"
+
+
 def test_the_site_loads_nothing_from_a_cdn(site_dir: Path):
     for page in site_dir.glob("**/*.html"):
         text = page.read_text()
