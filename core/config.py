@@ -1,4 +1,4 @@
-"""The speculative configuration and its validation (DESIGN invariant 1)."""
+"""The speculative configuration and its validation (invariant 1, docs/invariants.md)."""
 
 from __future__ import annotations
 

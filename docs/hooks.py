@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("mkdocs.hooks.speccycle")
 MARKER = re.compile(r"^<!-- speccycle:([a-z-]+)(?::([\w.-]+))? -->[ \t]*$", re.MULTILINE)
 
-# ---- invariants: DESIGN.md's statements and the tests that check them ---------------------------
+# ---- invariants: their statements (docs/invariants.md) and the tests that check them -----------
 # Tests are `path::function`, `path::function_glob*` or `path::Class.method` (a rule or invariant of
 # a Hypothesis machine). Every test named `test_invariant_<n>_*` anywhere under tests/ is added to
 # invariant n automatically. `checked` says how checked mode covers it beyond the `require(..., n)`

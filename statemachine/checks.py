@@ -1,7 +1,7 @@
-"""Checked mode: the invariants of DESIGN.md, validated at every boundary.
+"""Checked mode: the invariants of docs/invariants.md, validated at every boundary.
 
-Each check raises `InvariantViolation` naming the invariant (its number in DESIGN.md and a short
-name) and what was wrong. The property tests run the machine with ``checked=True``.
+Each check raises `InvariantViolation` naming the invariant (its number on docs/invariants.md and a
+short name) and what was wrong. The property tests run the machine with ``checked=True``.
 """
 
 from __future__ import annotations

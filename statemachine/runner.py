@@ -64,7 +64,7 @@ def step(
     checked: bool = False,
     trace: Callable[[TraceEvent], None] | None = None,
 ):
-    """Run one transition. ``checked`` validates the invariants of DESIGN.md on the result."""
+    """Run one transition. ``checked`` validates the invariants (docs/invariants.md) on the result."""
     backend = backend if backend is not None else get_backend(target_device(ports))
     row = select(record, ports, event)
     start = time.perf_counter()

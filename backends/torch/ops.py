@@ -15,7 +15,7 @@ from . import block, sampling, sampling_tree
 
 
 class TorchBackend:
-    """Reference ops. Shapes use the DESIGN vocabulary: ``bs``, ``N``, ``S``, ``K``, ``V``."""
+    """Reference ops. Shapes use the vocabulary of docs/index.md: ``bs``, ``N``, ``S``, ``K``, ``V``."""
 
     name = "torch"
 

@@ -3,7 +3,7 @@
 Random configs (S 1..8, K 1..4, N within bounds, P in {1, 2, 4, 16}), four draft families (EAGLE-shifted,
 aligned, random-tree lookup, n-gram prompt lookup), ragged
 prompts, requests joining between cycles and finishing at different times (stop tokens, length).
-The machine runs in checked mode, so every DESIGN invariant is validated at every boundary; the
+The machine runs in checked mode, so every invariant of docs/invariants.md is validated at every boundary; the
 rules below add what needs the whole run: losslessness (10), KV conservation (8) against the model,
 and every request finishing exactly once.
 """

@@ -1,4 +1,4 @@
-"""One named test per historical bug class behind DESIGN.md's invariants (see shared/seeds/)."""
+"""One named test per historical bug class behind the invariants of docs/invariants.md."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Random configs, draft families (EAGLE-shifted, aligned, random-tree lookup), poo
 to too tight for one request (forcing retraction and refusal), batch caps, speculation on / off /
 adaptive (fixed thresholds, so drafting toggles), random arrivals between steps with ragged prompts
 and outputs, stop token ids, stop strings (a toy detokenizer with multi-byte characters split across
-tokens), NaN-logit requests and invalid prompts. Checked mode validates every DESIGN invariant at
-every transition; the machine checks what needs the whole run:
+tokens), NaN-logit requests and invalid prompts. Checked mode validates every invariant of docs/invariants.md
+at every transition; the machine checks what needs the whole run:
 
 * every request finishes or errors exactly once, and streamed tokens add up to its output;
 * a finished output equals autoregressive greedy decoding with the same stop rules (an independent,
