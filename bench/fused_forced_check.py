@@ -1,4 +1,7 @@
-"""Forced acceptance in fused cycles, eager vs graphed, on a small random Llama with a random EAGLE-3 head (GPU).
+"""Forced acceptance in fused cycles (`bench.forced.ForcedFusedCycles`), eager vs graphed (GPU).
+
+A small random Llama with a random EAGLE-3 head, a chain of 4 and a 32-node tree forced to tau 3: prints the
+measured tau and the accept-length histogram of each, which should agree between eager and graphed cycles.
 
 python -m bench.fused_forced_check
 """
@@ -7,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .forced import force_fused_acceptance
 from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
 
 
@@ -34,7 +38,7 @@ def main() -> None:
             from speccycle.engine.fast import accelerate
 
             accelerate(engine, graphs=graphs)
-            engine.fused_cycles.force_acceptance(3.0)
+            force_fused_acceptance(engine, 3.0)
             results, stats = engine.generate([prompt], 48)
             print(
                 spec.topk, "graphs" if graphs else "eager", round(stats.tau, 3), stats.accept_len_histogram, flush=True

@@ -18,7 +18,7 @@ Parts (``--parts``, comma separated; each fits a few minutes, progress printed a
   rewritten so that the first-child path of the draft tree matches for exactly ``a`` rows, ``a``
   following the Beatty sequence ``floor(i tau) - floor((i - 1) tau)`` (mean ``tau``); every forward,
   the draft's included, runs for real, only the acceptance decision is forced (what SGLang's
-  simulated acceptance does). The committed tokens are then not the target's greedy output. The
+  simulated acceptance does; `bench.forced`). The committed tokens are then not the target's greedy output. The
   ``tokens_per_s`` and ``overhead_factor`` fields time whole calls (the 512-token prefill included: ~2% of
   the autoregressive call, ~5% of the speculative one); ``decode_tokens_per_s`` and
   ``decode_overhead_factor`` leave out the median time of a 1-token call (prefill and first token), the
@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from .common import transformers_model, write_result
+from .forced import force_fused_acceptance, force_plane_acceptance
 
 RECORD: dict = {}
 
@@ -279,60 +280,6 @@ LLAMA3_8B = dict(
 )
 
 
-class ForcedAcceptance:
-    """A backend whose greedy verify accepts exactly ``a`` rows per request, ``a`` averaging ``tau``.
-
-    Everything else is the wrapped backend's. See the module docstring (``scale``).
-    """
-
-    def __init__(self, base, tau: float) -> None:
-        self.base, self.tau, self.cycles = base, tau, 0
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def _next_accept(self, accept_width: int) -> int:
-        self.cycles += 1
-        accept = math.floor(self.cycles * self.tau) - math.floor((self.cycles - 1) * self.tau)
-        return max(1, min(accept, accept_width))
-
-    def verify_greedy(self, tokens, parents, predict, accept_width):
-        from speccycle.core.tree import retrieve_links
-
-        accept = self._next_accept(accept_width)
-        first_child, _ = retrieve_links(parents)
-        forced = torch.full_like(predict, -1)
-        row = torch.zeros((tokens.shape[0], 1), dtype=torch.long, device=tokens.device)
-        for _ in range(accept - 1):
-            child = first_child.gather(1, row).clamp(min=0)
-            forced.scatter_(1, row, tokens.gather(1, child))
-            row = child
-        return self.base.verify_greedy(tokens, parents, forced, accept_width)
-
-    def verify_greedy_chain(self, tokens, predict, accept_width):
-        # the chain's verify (K == 1; row i's parent is row i - 1): until dbb4567 it was not wrapped, so the
-        # host plane's chain of 4 ran unforced (measured tau 1.0 on random weights) in every scale record
-        accept = self._next_accept(accept_width)
-        forced = torch.full_like(predict, -1)
-        forced[:, : accept - 1] = tokens[:, 1:accept]
-        return self.base.verify_greedy_chain(tokens, forced, accept_width)
-
-
-def force_acceptance(engine, tau: float) -> list[str]:
-    """Wrap the backend of each `generate` call in `ForcedAcceptance` (fresh per call), on whichever control
-    plane the engine picks for it (`Engine._cycle_ports`: host or device). Returns the planes' backends' names."""
-    pick = engine._cycle_ports
-    planes: list[str] = []
-
-    def cycle_ports(sampling):
-        ports, backend = pick(sampling)
-        planes.append(type(backend).__name__)
-        return ports, ForcedAcceptance(backend, tau)
-
-    engine._cycle_ports = cycle_ports
-    return planes
-
-
 def random_weights_on_device(config, device, dtype, scale=0.02) -> dict:
     from speccycle.engine.weights_gguf import expected_shapes
 
@@ -461,10 +408,9 @@ def part_scale(args) -> None:
             plain_tps, plain_decode_tps = run_ar(engine, FastGreedyDecoder(engine.target, engine.pool, opts),
                                                  "(1 row per step)")  # fmt: skip
         ar_tps, _ = run_ar(engine, None, f"(rows padded to N={spec.num_draft_tokens}, as the speculative engine's)")
-        fused = engine.fused_cycles
-        planes = force_acceptance(engine, tau)  # the host or device plane's backend, wrapped
-        if fused is not None:
-            fused.force_acceptance(tau)  # the fused cycles force it inside their graph
+        planes = force_plane_acceptance(engine, tau)  # the host or device plane's backend, wrapped
+        # the fused cycles force it inside their graph
+        fused = None if engine.fused_cycles is None else force_fused_acceptance(engine, tau)
         for way in ("fused", "plane") if fused is not None else ("plane",):
             engine.fused_cycles = fused if way == "fused" else None
             engine.generate([prompt], 16)  # warm-up: captures every graph

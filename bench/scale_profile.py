@@ -23,6 +23,7 @@ import torch
 
 from .common import result_record
 from .decode_profile import kernel_times
+from .forced import force_fused_acceptance
 from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
 
 
@@ -119,7 +120,7 @@ def main() -> None:
     ):
         pool = PagedKVPool(num_pages=80, page_size=16, device="cuda")
         engine = Engine(model, pool, lambda e, pool=pool: EagleDraft(head, model, pool), spec, fast=True)
-        engine.fused_cycles.force_acceptance(tau)
+        force_fused_acceptance(engine, tau)
         plain = None  # the plain 1-row decode the factor is measured against: once, with the chain
         if label == "chain4":
             plain = FastGreedyDecoder(engine.target, engine.pool, FastOptions("cuda", min_target_rows=1))

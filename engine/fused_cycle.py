@@ -74,36 +74,6 @@ LOOKAHEAD = 1
 MAX_STOPS = 8
 
 
-def forced_walk(tokens: torch.Tensor, parents: torch.Tensor | None, accept: torch.Tensor, steps: int) -> torch.Tensor:
-    """Target predictions that make the greedy walk accept exactly ``accept`` rows (benchmarks: forced tau).
-
-    ``tokens [B, N]`` the verify's rows, ``parents [B, N]`` a tree's (None: a chain, row ``i``'s parent is
-    ``i - 1``), ``accept [1]`` the rows to accept (the bonus row included), ``steps`` the walk's longest run
-    (``accept_width - 1``). The path is each tree's first-child path from the root: row ``r`` on it predicts
-    its first child's token while fewer than ``accept`` rows are taken, every other row predicts -1 (no
-    token), so the walk stops there or at a leaf. A few whole-tensor ops (about 4 + ``steps`` kernels for a
-    tree, 3 for a chain) instead of a loop of 7 small ops a step, whose ~70 kernels the real verify's walk
-    does not have: at the 8B shape on an H100 the verify phase's small torch kernels went from 117 to 46 µs
-    a 32-node tree cycle (`bench.scale_profile`, bench/results/scale_profile-H100-20261126-155a47a/).
-    """
-    B, N = tokens.shape
-    offs = torch.arange(N, device=tokens.device)
-    if parents is None:  # the first-child path is rows 0, 1, ..., N - 1: row i predicts row i + 1's token
-        return torch.where(offs + 1 < accept, tokens.roll(-1, 1), -1)
-    # first child of each row (N: a leaf), and a sentinel column N whose child is itself and whose token is -1
-    first = torch.where(parents[:, None, :] == offs[None, :, None], offs, N).amin(-1)
-    first = torch.nn.functional.pad(first, (0, 1), value=N)
-    tok = torch.nn.functional.pad(tokens, (0, 1), value=-1)
-    path = [torch.zeros((B, 1), dtype=torch.long, device=tokens.device)]
-    for _ in range(steps):
-        path.append(first.gather(1, path[-1]))  # past a leaf: the sentinel
-    path = torch.cat(path, 1)  # [B, steps + 1]
-    take = offs[:steps] + 1 < accept
-    walk = torch.full_like(tok, -1)
-    walk.scatter_(1, path[:, :-1], torch.where(take, tok.gather(1, path[:, 1:]), -1))  # the sentinel: only -1s
-    return walk[:, :N]
-
-
 @attrs.frozen
 class FusedRun:
     """What fused cycles committed: ``outputs[b]`` the whole output of request ``b`` (the tokens it had
@@ -169,7 +139,6 @@ class _State:
         self.hist = torch.zeros((max_cycles + 1, batch), **long)
         self.max_new = torch.zeros(batch, **long)
         self.stops = torch.full((MAX_STOPS,), -1, **long)
-        self.forced = torch.ones(max_cycles + 1, **long)  # accept lengths forced per cycle (benchmarks)
         # constants
         rows = batch * n
         self.rows_b = bucket(max(rows, min_rows)) or rows
@@ -211,7 +180,6 @@ class FusedCycles:
         self.graph_pool: GraphPool = options.graph_pool
         self._states: dict[int, _State] = {}
         self.replays = 0
-        self.forced_tau: float | None = None  # `force_acceptance`
         # the bookkeeping between the forwards as the kernels of `backends.cuda.cycle` where they run (False: their
         # torch twins, the cycle as it was before them; benchmarks compare the two)
         self.kernels = True
@@ -272,7 +240,7 @@ class FusedCycles:
 
         # accept and commit: the greedy walk, cut at the first stop token and at max_new_tokens; the output
         # log, the next state, the draft extend's rows and a tree's KV moves (`backends.cuda.cycle.accept_commit`)
-        walk = predict if self.forced_tau is None else self._forced_walk(st, cur, tokens, parents)
+        walk = self._walk(st, cur, tokens, parents, predict)
         accept_fn(tokens, parents, predict, walk, verify_slots, cur, nxt, st.log, st.extend, backend)
         ext = st.extend
         if K > 1:  # compact: a tree's accepted rows move to [L, L + keep) (a chain's are there already)
@@ -293,21 +261,11 @@ class FusedCycles:
         if not (st.flag_kernel and flag_to_host(nxt["all_done"], st.host_done)):
             st.host_done.copy_(nxt["all_done"], non_blocking=True)
 
-    def force_acceptance(self, tau: float | None) -> None:
-        """Benchmarks only: accept exactly ``a`` rows a cycle, ``a`` the Beatty sequence of ``tau`` (None: off).
-
-        The walk then follows each tree's first-child path for ``a`` rows whatever the target predicted
-        (what SGLang's simulated acceptance does; `bench.gpu_bench`'s ``scale`` part): every forward runs
-        for real, the committed tokens are the target's predictions along that path, not its greedy output.
-        """
-        self.forced_tau = tau
-        for st in self._states.values():
-            st.graphs.clear()
-
-    def _forced_walk(self, st: _State, cur: dict, tokens: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
-        """Predictions that make the greedy walk take ``st.forced[cycle]`` rows of the first-child path."""
-        accept = st.forced.index_select(0, cur["cycle"])  # [1]
-        return forced_walk(tokens, parents, accept, self.spec.accept_width - 1)
+    def _walk(self, st: _State, cur: dict, tokens: torch.Tensor, parents: torch.Tensor | None,
+              predict: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The predictions the greedy walk of a cycle follows (``[B, N]``): the target's, ``predict``. Runs inside
+        the cycle's graph, so an override may read only the state's static buffers (``cur``: the cycle's state set)."""
+        return predict
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy target KV slot ``src[m]`` to ``dst[m]``, negatives skipped, all reads before any write."""
@@ -405,10 +363,6 @@ class FusedCycles:
         st.stops.fill_(-1)
         if stops:
             st.stops[: len(stops)] = torch.tensor(stops)
-        if self.forced_tau is not None:
-            k = torch.arange(1, st.forced.shape[0] + 1, dtype=torch.float64)
-            beatty = torch.floor(k * self.forced_tau) - torch.floor((k - 1) * self.forced_tau)
-            st.forced.copy_(beatty.long().clamp(1, self.spec.accept_width))
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + max_new_tokens + N + 1

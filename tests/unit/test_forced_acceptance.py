@@ -1,4 +1,4 @@
-"""`bench.gpu_bench.ForcedAcceptance`: the scale benchmark's forced acceptance, on both greedy verifies.
+"""`bench.forced.ForcedAcceptance`: the scale benchmark's forced acceptance, on both greedy verifies.
 
 The host plane verifies a chain (K == 1) with `verify_greedy_chain` and a tree with `verify_greedy`; a wrapper
 that forces only one of them leaves the other's rows unforced (tau 1.0 on random weights), which is what the
@@ -9,7 +9,8 @@ import math
 
 import torch
 from speccycle.backends.torch.ops import TorchBackend
-from speccycle.bench.gpu_bench import ForcedAcceptance
+from speccycle.bench.forced import ForcedAcceptance
+from speccycle.bench.forced import beatty as fused_schedule
 
 
 def beatty(tau: float, cycles: int, cap: int) -> list[int]:
@@ -41,3 +42,10 @@ def test_unforced_random_drafts_accept_only_the_bonus_token():
     tokens, predict, _ = chain(2, 5, 0)
     _, accept_len = TorchBackend().verify_greedy_chain(tokens, predict, 5)
     assert accept_len.tolist() == [1, 1]  # the wrapper, not the data, makes the acceptance
+
+
+def test_the_fused_cycles_force_the_same_lengths():
+    """`ForcedFusedCycles` takes its accept lengths from a buffer filled once (`bench.forced.beatty`), the host
+    plane's wrapper one cycle at a time: the two schedules agree, clamped to the accept width alike."""
+    for tau, cap in ((2.7, 5), (3.98, 6), (1.0, 4), (4.5, 3), (0.5, 5)):
+        assert fused_schedule(tau, 40, cap).tolist() == beatty(tau, 40, cap)

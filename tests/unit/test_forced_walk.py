@@ -1,13 +1,14 @@
-"""`fused_cycle.forced_walk`: the scale benchmark's forced acceptance, as whole-tensor ops, against the walk it
-stands for, step by step in Python: from the root, while fewer than ``accept`` rows are taken, a row predicts
-its first child's token (the lowest-index row whose parent it is); every other row predicts -1."""
+"""`bench.forced.forced_walk`: the scale benchmarks' forced acceptance in fused cycles, as whole-tensor ops,
+against the walk it stands for, step by step in Python: from the root, while fewer than ``accept`` rows are
+taken, a row predicts its first child's token (the lowest-index row whose parent it is); every other row
+predicts -1."""
 
 from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from speccycle.engine.fused_cycle import forced_walk
+from speccycle.bench.forced import forced_walk
 
 
 def walk_step_by_step(tokens: list[int], parents: list[int] | None, accept: int, steps: int) -> list[int]:

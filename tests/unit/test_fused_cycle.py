@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speccycle.bench.forced import force_fused_acceptance
 from speccycle.core import SpecConfig
 from speccycle.engine.engine import Engine
 
@@ -92,18 +93,20 @@ def test_bad_requests_get_clear_errors_and_lose_no_page(engines):
 
 @pytest.mark.parametrize("name,tau,expected", [("chain", 3.0, {3: 6}), ("tree", 2.0, {2: 9})])
 def test_forced_acceptance_takes_the_forced_lengths(engines, name, tau, expected):
-    """Benchmarks force tau inside the fused graph: every cycle commits the forced length (19 tokens: the
+    """Benchmarks force tau inside the fused graph (`bench.forced.ForcedFusedCycles`, over the engine's own
+    target, draft and options): every cycle commits the forced length (19 tokens: the
     prefill's, then 6 cycles of 3 or 9 of 2). The walk follows the tree's first-child path and stops at a
     leaf, so a tree commits the forced length only where that path is deep enough: a depth-1 child always is
     (EAGLE-2's rescoring keeps the best first-level node), deeper ones depend on the head's scores (with
     the head of 6efd20d, S4 K2 N8 forced to 3 took {1: 1, 2: 1, 3: 5}), hence 2 for the tree."""
     engine = engines[name]
     prompt = engine.chat_prompt(MESSAGES[0])
-    engine.fused_cycles.force_acceptance(tau)
+    keep = engine.fused_cycles
     try:
+        force_fused_acceptance(engine, tau)
         _, stats = engine.generate([prompt], 19)
     finally:
-        engine.fused_cycles.force_acceptance(None)
+        engine.fused_cycles = keep
     assert stats.accept_len_histogram == expected
 
 
