@@ -122,7 +122,7 @@ def _cycle_machine():
     return module.CycleMachine
 
 
-if interpreted():
+if interpreted():  # the cycle machine's tensors live on the CPU: its kernels run under TRITON_INTERPRET=1 only
 
     class KernelCycleMachine(_cycle_machine()):
         """The property machine in checked mode with every cycle op on `CudaBackend`'s kernels (CPU, interpreted)."""
@@ -137,11 +137,6 @@ if interpreted():
         derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-else:
-
-    @pytest.mark.skip(reason="the cycle machine's tensors live on the CPU: its kernels run under TRITON_INTERPRET=1")
-    def test_cycle_on_kernels():
-        pass
 
 
 def test_fast_path_op_set_and_attention_warps_per_device(monkeypatch):
