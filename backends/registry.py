@@ -21,11 +21,6 @@ def register_backend(name: str, factory: Callable[[], TorchBackend]) -> None:
     _FACTORIES[name] = factory
 
 
-def available_backends() -> tuple[str, ...]:
-    _import_optional()
-    return tuple(sorted(_FACTORIES))
-
-
 def _import_optional() -> None:
     # The fast backends register themselves; they need triton, which a CPU install may lack.
     for module in ("cuda", "rocm"):

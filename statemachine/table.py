@@ -199,7 +199,3 @@ FUSIONS: tuple[Fusion, ...] = (
 def fusions_of(row: Transition) -> tuple[Fusion, ...]:
     """The fusions that do (some of) ``row``'s work."""
     return tuple(f for f in FUSIONS if row in f.rows)
-
-
-def rows_from(source: type, event: str | None = None) -> tuple[Transition, ...]:
-    return tuple(r for r in TABLE if r.source is source and (event is None or r.event == event))
