@@ -9,14 +9,13 @@ over autoregressive decoding, in decode steps:
 * ``e2e``: the same with the prefill (``prefill_per_token * prompt tokens``) added to both sides, as
   ``speccycle bench`` times it.
 
-``--cost`` is a ``bench/verify_profile.py --cycle`` record (``ratio``: a verify of ``n`` rows over a
-decode step, with the attention and linears the engine runs; ``cycle_overhead``, ``ar_overhead``,
-``prefill_per_token``) or an older ``bench/cpu_linear.py --model`` record (``modes``; the overheads then
-come from the flags). Row counts between measured ones are interpolated. The predictions are per
-category over the first ``--per-category`` prompts and over the first ``--first`` of them (the sample
-of ``speccycle bench --limit``). ``--oracle`` adds bounds: a chain that knows how many of the best
-match's tokens will be accepted and proposes exactly those, and one that also picks the best of the
-ranked matches.
+``--cost`` is a ``bench/verify_profile.py --cycle`` record (``ratio``: a verify of ``n`` rows over a decode step,
+with the attention and linears the engine runs; ``cycle_overhead``, ``ar_overhead``, ``prefill_per_token``) or an
+older ``cpu_linear --model`` record (``modes``, bench/results/cpu_linear_model-*; the overheads then come from the
+flags; that benchmark was removed). Row counts between measured ones are interpolated. The predictions are per
+category over the first ``--per-category`` prompts and over the first ``--first`` of them (the sample of
+``speccycle bench --limit``). ``--oracle`` adds bounds: a chain that knows how many of the best match's tokens will
+be accepted and proposes exactly those, and one that also picks the best of the ranked matches.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.ngram_cost --cost bench/results/verify_profile-<date>.json --oracle
 """

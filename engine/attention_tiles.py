@@ -97,7 +97,7 @@ COMBINE_WARPS = 1
 # The merge drops the chunk states from L2 once read (`attention_triton._discard_l2`), so they are not written
 # back to memory under the next GEMMs. Speed only (the states are dead: the bitwise suite passes with it,
 # bench/results/attention_bench-H100-46a9139-discard-bitwise-*); NVIDIA sm_90+ only, never under the interpreter.
-# A 32-row verify's tiles write ~6 MB of them a layer at the 8B shape. On an H100 (bench/neighbour_bench.py, 16 layers
+# A 32-row verify's tiles write ~6 MB of them a layer at the 8B shape. On an H100 (a benchmark since removed: 16 layers
 # of attention, O and gate-up from one graph) the O GEMM after the verify's attention took 16.7 µs with them left
 # dirty and 15.9 with them dropped (14.6-14.9 with no attention before it), the gate-up 89.1 -> 87.8 (86.6); a layer
 # 1.6-2.3 µs less (neighbour_bench-H100-20261126-fc82732/); the 32-node tree's cycle 8,692 -> 8,660 µs

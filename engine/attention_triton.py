@@ -139,7 +139,8 @@ if triton is not None:
 
         A verify's tiles write ~6 MB of float32 chunk states a layer at the 8B shape (32 rows x 32 heads x ~10
         chunks x 512 bytes), which the merge reads once; left dirty in L2 they are written back to memory while
-        the next GEMMs stream their weights (bench/neighbour_bench.py). Hopper and later (sm_80's PTX 7.4 has it).
+        the next GEMMs stream their weights (bench/results/neighbour_bench-H100-20261126-fc82732/). Hopper and
+        later (sm_80's PTX 7.4 has it).
         """
         flag = keep.to(tl.int32)
         return tl.inline_asm_elementwise(

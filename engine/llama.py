@@ -82,15 +82,14 @@ def _packs_on_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class PackedLinear:
     """``F.linear(x, weight)`` (no bias); on a CPU in float32 through a oneDNN copy of ``weight`` packed once.
 
-    Why: a CPU forward of SmolLM2-135M is memory-bound, so a verify of ``n`` rows should cost about one
-    decode row. ``F.linear`` runs MKL's GEMV at 1 row but packs ``W`` for a GEMM from 2 rows on: all the
-    linears of a forward took 1.9x (2 rows) to 2.1x (16 rows) the 1-row call; through the packed weight
-    0.65x, 0.66x, 0.77x, 0.93x, 1.32x at 1, 2, 4, 8, 16 rows (2 threads, ``bench/cpu_linear.py``,
-    docs/engine.md). Row ``r`` of the result is bitwise the same whatever the number of rows (up to
-    `PACKED_MAX_ROWS`), so a verify row equals the decode row of the same input. Elsewhere (a prefill of
-    more rows, GPU, other dtypes, autograd) it is ``F.linear``. The packed copy (one per weight, as much
-    memory again) is remade when the weight is replaced, moved or changed in place. One instance per
-    module: ``self.linear(x, self.o_weight)``.
+    Why: a CPU forward of SmolLM2-135M is memory-bound, so a verify of ``n`` rows should cost about one decode row.
+    ``F.linear`` runs MKL's GEMV at 1 row but packs ``W`` for a GEMM from 2 rows on: all the linears of a forward
+    took 1.9x (2 rows) to 2.1x (16 rows) the 1-row call; through the packed weight 0.65x, 0.66x, 0.77x, 0.93x, 1.32x
+    at 1, 2, 4, 8, 16 rows (2 threads, docs/engine.md, bench/results/cpu_linear*-20261122-*.json). Row ``r`` of the
+    result is bitwise the same whatever the number of rows (up to `PACKED_MAX_ROWS`), so a verify row equals the
+    decode row of the same input. Elsewhere (a prefill of more rows, GPU, other dtypes, autograd) it is
+    ``F.linear``. The packed copy (one per weight, as much memory again) is remade when the weight is replaced,
+    moved or changed in place. One instance per module: ``self.linear(x, self.o_weight)``.
 
     ``skinny=True`` (the engine's layers and LM head) lets 1 row run MKL's GEMV and 2 to `SKINNY_MAX_ROWS`
     rows MKL's ``W @ x.T`` instead, each where that is measured faster on this machine (`skinny_pays`, once
