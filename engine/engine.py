@@ -289,9 +289,10 @@ class Engine:
             config=self.spec,
             requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
         )
-        fused = self._fused_for(sampling, checked, on_step)
+        stops = per_prompt[0].stop_token_ids if per_prompt else params.stop_token_ids  # EOS ids and the caller's
+        fused = self._fused_for(sampling, checked, on_step, stops)
         if fused is not None:  # the device's ports for the prefill and the first draft extend
-            ports, backend = Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend
+            ports, backend = self._device_ports(), self.backend
         else:
             ports, backend = self._cycle_ports(sampling)
         done: dict[int, Request] = {}
@@ -306,7 +307,7 @@ class Engine:
                     on_step(record)
                 if fused is not None and isinstance(record, Ready):  # the cycles run on the device from here
                     try:
-                        run = fused.run(record, max_new_tokens, self.stop_token_ids)
+                        run = fused.run(record, max_new_tokens, stops)
                     finally:  # retired here, as `transitions.retire` would: their pages go back
                         for request in record.requests:
                             self.pool.free(request.request_id)
@@ -340,11 +341,11 @@ class Engine:
         stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
         return [done[rid] for rid in ids], stats
 
-    def _fused_for(self, sampling, checked: bool, on_step):
+    def _fused_for(self, sampling, checked: bool, on_step, stop_token_ids):
         """The fused cycles (`engine.fused_cycle`) when they serve this call: not checked, no ``on_step``."""
         if self.fused_cycles is None or checked or on_step is not None:
             return None
-        return self.fused_cycles if self.fused_cycles.serves(self.draft, sampling) else None
+        return self.fused_cycles if self.fused_cycles.serves(self.draft, sampling, stop_token_ids) else None
 
     def _cycle_ports(self, sampling: SamplingParams | None) -> tuple[Ports, object]:
         """The ports and backend of a `generate` call: the host control plane where it serves the call
@@ -352,8 +353,14 @@ class Engine:
         from . import host_control
 
         if self.host_control and host_control.serves(self.draft, sampling):
-            return host_control.host_ports(self.target, self.draft, self.pool, self.spec, self.model.device)
-        return Ports(target=self.target, draft=self.draft, kv_pool=self.pool), self.backend
+            return host_control.host_ports(
+                self.target, self.draft, self.pool, self.spec, self.model.device, self.tokenizer
+            )
+        return self._device_ports(), self.backend
+
+    def _device_ports(self) -> Ports:
+        """The engine's own ports; its tokenizer matches stop strings (None: a request with them fails alone)."""
+        return Ports(target=self.target, draft=self.draft, kv_pool=self.pool, detokenizer=self.tokenizer)
 
     def generate_autoregressive(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128) -> list[list[int]]:
         """Plain greedy decoding, one token per forward: the output `generate` must equal."""

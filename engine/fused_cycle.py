@@ -34,8 +34,9 @@ of two buffer sets and writes the next state to the other (two graphs, parity), 
 its own inputs; the committed tokens go to an output log and each cycle's committed count to a
 histogram log, both written at indices the state holds.
 
-Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs on the fast path
-with a fast EAGLE draft and a chain config (`FusedCycles.serves`); the prefill and the first draft extend run
+Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs or stop strings on the
+fast path with a fast EAGLE draft, chain or tree (`FusedCycles.serves`: what the table's `accept_commit` fusion
+covers); the prefill and the first draft extend run
 through the state machine (`statemachine.step`) and the loop starts from their `Ready` record. On a
 CPU (tests) the same cycle runs eagerly. Tested: greedy output equal to the engine's autoregressive
 output and the per-cycle accept lengths equal to the state machine's (tests/unit/test_fused_cycle.py).
@@ -190,11 +191,12 @@ class FusedCycles:
         # spends beside it is the prefill and the first draft extend (benchmarks report the split)
         self.run_s = 0.0
 
-    def serves(self, draft, sampling) -> bool:
-        """Whether a `generate` call can run as these fused cycles: greedy without logprobs, and the engine's
-        draft is the fast EAGLE draft they were built over (`fast.accelerate` builds them for one)."""
-        plain = sampling is None or (sampling.greedy and not sampling.logprobs)
-        return plain and draft is self.draft
+    def serves(self, draft, sampling, stop_token_ids=()) -> bool:
+        """Whether a `generate` call can run as these fused cycles: greedy without logprobs or stop strings, at
+        most `MAX_STOPS` stop token ids, and the engine's draft is the fast EAGLE draft they were built over
+        (`fast.accelerate` builds them for one). What the table's `accept_commit` fusion covers."""
+        plain = sampling is None or (sampling.greedy and not sampling.logprobs and not sampling.stop_strings)
+        return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -337,11 +337,12 @@ def serves(draft, sampling) -> bool:
     return plain and (kind_of(draft) == "lookup" or host_draft_levels(draft) is not None)
 
 
-def host_ports(target, draft, pool, spec, device) -> tuple[Ports, HostBackend]:
-    """The ports and backend of a host-plane `generate` call (``spec``: the cycle's `SpecConfig`)."""
+def host_ports(target, draft, pool, spec, device, detokenizer=None) -> tuple[Ports, HostBackend]:
+    """The ports and backend of a host-plane `generate` call (``spec``: the cycle's `SpecConfig`; ``detokenizer``:
+    the tokenizer stop strings are matched with)."""
     backend = HostBackend(device)
     forward = kind_of(draft) == "forward"
     host_target = HostTarget(target, keep_features=forward and pairing_of(draft) == "shifted")
     if forward:
         draft = HostDraft(draft, host_target, pool, backend, spec)
-    return Ports(target=host_target, draft=draft, kv_pool=HostPool(pool)), backend
+    return Ports(target=host_target, draft=draft, kv_pool=HostPool(pool), detokenizer=detokenizer), backend

@@ -121,3 +121,23 @@ def test_a_bfloat16_head_over_a_float32_target_stays_lossless(model_path):
     results, stats = engine.generate([prompt], NEW_TOKENS)
     assert list(results[0].output) == engine.generate_autoregressive([prompt], NEW_TOKENS)[0]
     assert stats.tau > 1.0
+
+
+def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engines):
+    """`SamplingParams.stop_token_ids` of a greedy call reach the fused cycles (merged with the engine's EOS ids),
+    and a call with stop strings, which `accept_commit` does not cover, runs the table instead."""
+    from speccycle.core.config import SamplingParams
+
+    engine = engines["chain"]
+    prompt = engine.chat_prompt(MESSAGES[1])
+    ar = engine.generate_autoregressive([prompt], NEW_TOKENS)[0]
+    stop = ar[5]
+    before = engine.fused_cycles.run_s
+    results, _ = engine.generate([prompt], NEW_TOKENS, sampling=SamplingParams(stop_token_ids=(stop,)))
+    assert engine.fused_cycles.run_s > before  # the fused cycles ran
+    assert list(results[0].output) == ar[: ar.index(stop) + 1] and results[0].finish_reason == "stop"
+    text = engine.tokenizer.decode(ar[3:6])
+    before = engine.fused_cycles.run_s
+    results, _ = engine.generate([prompt], NEW_TOKENS, sampling=SamplingParams(stop_strings=(text,)))
+    assert engine.fused_cycles.run_s == before  # the table ran: the fusion does not cover stop strings
+    assert results[0].finish_reason == "stop" and len(results[0].output) < len(ar)
