@@ -182,6 +182,8 @@ class Scheduler:
         if extra:
             sampling = attrs.evolve(sampling, stop_token_ids=sampling.stop_token_ids + extra)
         request_id = next(self._ids)
+        if request_id in self._arrival:  # a caller's id iterator that repeats: two requests would share pages
+            raise ValueError(f"request id {request_id} is already queued or running: request ids must be unique")
         self._arrival[request_id] = len(self._arrival)
         self._sent[request_id] = 0
         self.waiting.append(Request(request_id, tokens, sampling))

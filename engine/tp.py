@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import Compacted, Request, SpecConfig
-from .cli_options import add_engine_args, spec_from_args
+from .cli_options import add_engine_args, resolve_draft, spec_from_args
 from .drafters.eagle import EagleHead
 from .drafters.eagle_tp import ShardedEagleDraft, TPEagleDraft
 from .drafters.layerskip import LlamaDraft
@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tp = init_tp(args.backend, args.device)
     lead = tp.rank == 0
     dtype = getattr(torch, args.dtype or ("bfloat16" if tp.device.type == "cuda" else "float32"))
+    resolve_draft(args)  # --draft auto: the shipped EAGLE head for the embedded model, prompt lookup otherwise
     spec = spec_from_args(args, tp.device)
     engine = load_tp_engine(
         tp,

@@ -276,3 +276,12 @@ def test_prompt_too_big_for_the_pool_is_refused_and_the_rest_runs(model):
     assert "pool" in scheduler.finished[big].error and scheduler.stats.refused == 1
     assert scheduler.finished[small].finish_reason in ("length", "stop")
     assert engine.pool.num_free_pages == engine.pool.num_pages
+
+
+def test_a_scheduler_refuses_a_request_id_it_holds_already(model):
+    """A caller's id iterator that repeats an id would let two requests share KV pages: `submit` refuses it."""
+    engine = _engine(model, "layerskip")
+    scheduler = Scheduler.from_engine(engine, request_ids=iter([7, 7]))
+    assert scheduler.submit([3, 4, 5]) == 7
+    with pytest.raises(ValueError, match="request id 7 is already queued or running"):
+        scheduler.submit([6, 7])
