@@ -30,15 +30,11 @@ def smollm2(model_path):
 
 @pytest.fixture(scope="module")
 def prompts(model_path):
-    import json
-    from pathlib import Path
+    from speccycle.testing.prompts import one_prompt_of
 
     tokenizer = Tokenizer.from_gguf(model_path)
-    path = Path("/work/shared/data/spec_bench_dev.jsonl")
-    local = Path(__file__).resolve().parents[2] / "data" / "spec_bench_dev.jsonl"
-    rows = [json.loads(line) for line in (local if local.is_file() else path).read_text().splitlines()]
-    chosen = [rows[0], rows[16], rows[120]]  # writing, math, qa: short prompts keep the test quick
-    return [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}]) for r in chosen]
+    chosen = one_prompt_of(("writing", "math", "qa"))  # short prompts keep the test quick
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in chosen]
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import pytest
 import torch
 from speccycle.engine.errors import TokenizerError
 from speccycle.engine.tokenizer import Tokenizer
+from speccycle.testing.prompts import spec_bench_prompts
 
-SPEC_BENCH = Path("/work/shared/data/spec_bench_dev.jsonl")
 TRICKY = [
     "hello world 123",
     "a  1",
@@ -34,13 +34,6 @@ TRICKY = [
     "Thé quïck\u00a0brown\u2009fox",
     "=" * 200,
 ]
-
-
-def spec_bench_prompts() -> list[str]:
-    for path in (Path(__file__).resolve().parents[2] / "data" / "spec_bench_dev.jsonl", SPEC_BENCH):
-        if path.is_file():
-            return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
-    pytest.skip("spec_bench_dev.jsonl not found")
 
 
 @pytest.fixture(scope="module")
