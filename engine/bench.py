@@ -1,8 +1,9 @@
 """`speccycle bench`: autoregressive and speculative decoding side by side on a prompts file.
 
 Both sides run on the same engine (same model, pool and device), batch 1, greedy. Before the clock
-starts each side decodes a few tokens of the first prompt, untimed (`WARMUP_TOKENS`): compilation,
-graph capture and first allocations are paid there, not by the first timed prompt. Then every prompt
+starts each side decodes a few tokens untimed (`WARMUP_TOKENS`): of every prompt on a GPU, where each new
+prompt length can mean a new graph bucket to capture and new kernel shapes to compile, of the first prompt on a
+CPU; so compilation, graph capture and first allocations are paid there, not by a timed prompt. Then every prompt
 runs on both sides, autoregressive first on the 1st, 3rd, ... prompt and speculative first on the
 2nd, 4th, ..., so neither side always runs second on a warm cache.
 
@@ -129,7 +130,7 @@ def run_bench(
     progress: bool = True,
     warmup_tokens: int = WARMUP_TOKENS,
 ) -> dict:
-    """Warm both sides on the first prompt, then run every prompt on both, in alternating order; return
+    """Warm both sides (module docstring), then run every prompt on both, in alternating order; return
     the summary dict (module docstring). Ctrl-C raises `BenchInterrupted` with the finished prompts' summary."""
     if not prompts:
         raise UsageError("no prompts to bench: pass a prompts file with at least one prompt")
@@ -154,9 +155,11 @@ def run_bench(
     )
     histogram: Counter[int] = Counter()
     if warmup_tokens > 0:  # untimed: each path compiles, captures and allocates before the clock starts
-        ids = engine.chat_prompt(prompts[0]["text"])
-        engine.generate_autoregressive([ids], min(warmup_tokens, max_new_tokens))
-        engine.generate([ids], min(warmup_tokens, max_new_tokens))
+        warm = prompts if engine.model.device.type == "cuda" else prompts[:1]
+        for item in warm:
+            ids = engine.chat_prompt(item["text"])
+            engine.generate_autoregressive([ids], min(warmup_tokens, max_new_tokens))
+            engine.generate([ids], min(warmup_tokens, max_new_tokens))
 
     def autoregressive(ids):
         start = time.perf_counter()
