@@ -77,17 +77,22 @@ def _load_engine(args: argparse.Namespace, spec):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    return Engine.load(
-        args.model,
-        draft=args.draft,
-        spec=spec,
-        device=args.device,
-        dtype=dtype,
-        layerskip_layers=args.layerskip_layers,
-        eagle_head=args.eagle_head,
-        draft_model=args.draft_model,
-        fast="auto" if args.fast is None else args.fast,
-    )
+    try:
+        return Engine.load(
+            args.model,
+            draft=args.draft,
+            spec=spec,
+            device=args.device,
+            dtype=dtype,
+            layerskip_layers=args.layerskip_layers,
+            eagle_head=args.eagle_head,
+            draft_model=args.draft_model,
+            fast="auto" if args.fast is None else args.fast,
+        )
+    except (ModelLoadError, TokenizerError):
+        raise
+    except ValueError as err:  # `Engine.load` refuses a combination of the options given (a draft the model can't use)
+        raise UsageError(str(err)) from err
 
 
 def _generate(args: argparse.Namespace) -> int:
