@@ -245,6 +245,11 @@ class Engine:
         return tuple(self.model.config.eos_token_ids)
 
     def _validate(self, prompt: Sequence[int]) -> None:
+        if isinstance(prompt, (str, bytes)) or any(isinstance(t, (str, bytes)) for t in prompt):
+            raise TypeError(
+                "a prompt is a sequence of token ids: encode text with engine.chat_prompt(text), or use "
+                "speccycle.engine.LLM, which takes strings"
+            )
         if len(prompt) + 2 * self.spec.reserve_len("aligned") > self.pool.num_pages * self.pool.page_size:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens does not fit the KV pool of "

