@@ -246,7 +246,7 @@ class Engine:
 
     def _validate(self, prompt: Sequence[int]) -> None:
         if isinstance(prompt, (str, bytes)) or any(isinstance(t, (str, bytes)) for t in prompt):
-            raise TypeError(
+            raise ValueError(
                 "a prompt is a sequence of token ids: encode text with engine.chat_prompt(text), or use "
                 "speccycle.engine.LLM, which takes strings"
             )
@@ -254,6 +254,18 @@ class Engine:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens does not fit the KV pool of "
                 f"{self.pool.num_pages * self.pool.page_size} tokens: raise kv_tokens or shorten the prompt"
+            )
+
+    def _check_batch_fits(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """The batch's pages at their longest (prompt, ``max_new_tokens``, a cycle's reservation, each request's
+        last page partly used) fit the pool: `generate` has no retraction (the `Scheduler` has), so a batch that
+        could run out of pages mid-run is refused before it starts."""
+        page, margin = self.pool.page_size, 2 * self.spec.reserve_len("aligned")
+        need = sum(-(-(len(p) + max_new_tokens + margin) // page) for p in prompts)
+        if need > self.pool.num_pages:
+            raise ValueError(
+                f"{len(prompts)} prompt(s) with max_new_tokens={max_new_tokens} may need {need} KV pages and the pool "
+                f"has {self.pool.num_pages}: raise kv_tokens, lower max_new_tokens or send fewer prompts at once"
             )
 
     # ---- decoding ----------------------------------------------------------------------------
@@ -287,6 +299,7 @@ class Engine:
         for prompt in prompts:
             self._validate(prompt)
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
+        self._check_batch_fits(prompts, max_new_tokens)
         ids = [next(self._ids) for _ in prompts]
         index = {rid: i for i, rid in enumerate(ids)}
         per_prompt = [params if sampling is None else _sampling_for(sampling, params, i) for i in range(len(prompts))]

@@ -43,6 +43,6 @@ def test_strings_never_pass_as_token_ids(llm):
         llm.generate_ids(["Name three colors."])
     with pytest.raises(UsageError, match="list of messages"):
         llm.chat("Name three colors.")
-    with pytest.raises(TypeError, match="sequence of token ids"):
+    with pytest.raises(ValueError, match="sequence of token ids"):
         llm.engine.generate(["Name three colors."])
     assert isinstance(llm.engine, Engine)
