@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 from speccycle.backends.torch.ops import TorchBackend
+from speccycle.testing.trees import random_parents
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -25,23 +26,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = TorchBackend()
 
 
-def _parents(gen: torch.Generator, batch: int, nodes: int, depth: int) -> torch.Tensor:
-    """Random trees of ``nodes`` rows in parent-before-child order, at most ``depth`` deep."""
-    out = torch.full((batch, nodes), -1, dtype=torch.long)
-    for b in range(batch):
-        depths = [0]
-        for i in range(1, nodes):
-            choices = [j for j in range(i) if depths[j] < depth]
-            parent = choices[int(torch.randint(len(choices), (1,), generator=gen))]
-            out[b, i] = parent
-            depths.append(depths[parent] + 1)
-    return out
-
-
 def _case(seed: int, batch: int, steps: int, topk: int, nodes: int):
     gen = torch.Generator().manual_seed(seed)
     tree = topk > 1
-    parents = _parents(gen, batch, nodes, steps) if tree else None
+    parents = random_parents(gen, batch, nodes, steps) if tree else None
     vocab = 3  # few tokens: long walks, siblings with the same token
     tokens = torch.randint(vocab, (batch, nodes), generator=gen)
     predict = torch.randint(vocab, (batch, nodes), generator=gen)

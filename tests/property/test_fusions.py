@@ -27,6 +27,7 @@ from speccycle.core.records import DraftTree, Request, RowOutputs, Verified
 from speccycle.core.shapes import chain_parents
 from speccycle.statemachine import table
 from speccycle.statemachine import transitions as t
+from speccycle.testing.trees import random_parents
 
 BACKEND = TorchBackend()
 VOCAB = 3  # few tokens: long walks, siblings with the same token
@@ -90,15 +91,8 @@ def _case(config: SpecConfig, batch: int, seed: int, accept_all: bool):
     tokens = torch.randint(VOCAB, (batch, N), generator=gen)
     if config.is_chain:
         parents = None
-    else:  # random trees, parents before children, at most S deep
-        parents = torch.full((batch, N), -1, dtype=torch.long)
-        for b in range(batch):
-            depths = [0]
-            for i in range(1, N):
-                choices = [j for j in range(i) if depths[j] < S]
-                parent = choices[int(torch.randint(len(choices), (1,), generator=gen))]
-                parents[b, i] = parent
-                depths.append(depths[parent] + 1)
+    else:
+        parents = random_parents(gen, batch, N, S)
     predict = torch.randint(VOCAB, (batch, N), generator=gen)
     if accept_all:  # each row predicts its first child's token (the chain: the next row's)
         for b in range(batch):
