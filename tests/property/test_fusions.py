@@ -140,7 +140,8 @@ def _fused(op, config, tokens, parents, predict, slots, L, done, history, max_ne
     long = dict(dtype=torch.long)
     cur = dict(L=L.clone(), done=done.clone(), out_len=torch.tensor(history), cycle=torch.tensor([2]))
     nxt = dict(L=torch.full((B,), -7), root=torch.full((B,), -7), done=torch.zeros(B, dtype=torch.bool),
-               out_len=torch.full((B,), -7), cycle=torch.full((1,), -7), all_done=torch.zeros(1, dtype=torch.bool))  # fmt: skip
+               out_len=torch.full((B,), -7), cycle=torch.full((1,), -7),
+               all_done=torch.zeros(1, dtype=torch.bool))  # fmt: skip
     width = max(history) + max(max_new) + W + 1
     log = dict(out=torch.full((B, width + 1), -3), hist=torch.full((4, B), -3), max_new=torch.tensor(max_new),
                stops=torch.tensor(list(stops) + [-1] * (MAX_STOPS - len(stops))))  # fmt: skip
