@@ -24,6 +24,7 @@ from torch import nn
 from ..core.ports import ForwardBatch, ModelOutput
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from .errors import ForwardBatchError, ModelLoadError
+from .rope import rope_inv_freq
 from .weights_gguf import LlamaConfig, check_weights, expected_shapes
 
 
@@ -45,9 +46,9 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's default RoPE tables at explicit positions. Shapes: ``[T]`` -> cos, sin ``[T, D]``."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [D / 2]
+    """Hugging Face's RoPE tables at explicit positions, scaled as ``theta`` says (`rope.ScaledRopeBase`; a plain
+    float: the default frequencies). Shapes: ``[T]`` -> cos, sin ``[T, D]``."""
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)  # [D / 2]
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D / 2]
     angles = torch.cat([freqs, freqs], dim=-1)  # [T, D]
     return angles.cos().to(dtype), angles.sin().to(dtype)

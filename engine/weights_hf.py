@@ -17,20 +17,12 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError
+from .rope import rope_base_from_hf, rope_scaling
 from .weights_gguf import LlamaConfig, check_weights, expected_shapes
 
 SUPPORTED_MODEL_TYPES = ("llama", "gemma3_text")
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    scaling = raw.get("rope_scaling") or {}
-    parameters = raw.get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
-    rope_type = scaling.get("rope_type", scaling.get("type")) or parameters.get("rope_type", "default")
-    if rope_type not in ("default", None):
-        raise ModelLoadError(f"{source}: RoPE scaling {rope_type!r} is not supported; supported: default (none)")
-    return float(raw.get("rope_theta", parameters.get("rope_theta", 10000.0)))
 
 
 def _gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -87,7 +79,7 @@ def _config(raw: dict[str, Any], source: str, architecture: str) -> LlamaConfig:
             extra = _gemma3_fields(raw, source)
             rope_theta = extra.pop("rope_theta")
         else:
-            extra, rope_theta = {}, _rope_theta(raw, source)
+            extra, rope_theta = {}, rope_base_from_hf(raw, source)
         hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
@@ -133,8 +125,8 @@ def config_to_hf(config: LlamaConfig) -> dict[str, Any]:
         "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
         "hidden_act": "silu",
-        "rope_theta": c.rope_theta,
-        "rope_scaling": None,
+        "rope_theta": float(c.rope_theta),
+        "rope_scaling": scaling.to_hf() if (scaling := rope_scaling(c.rope_theta)) else None,
         "rms_norm_eps": c.rms_norm_eps,
         "max_position_embeddings": c.max_position,
         "tie_word_embeddings": c.tie_word_embeddings,

@@ -178,8 +178,8 @@ def test_hf_config_errors():
         config_from_hf({"model_type": "gemma3"})
     with pytest.raises(ModelLoadError, match="has no 'hidden_size'"):
         config_from_hf({"model_type": "llama"})
-    with pytest.raises(ModelLoadError, match="RoPE scaling 'llama3'"):
-        config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn' is not supported"):
+        config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
 
 
 def test_hf_directory_errors(tmp_path):
