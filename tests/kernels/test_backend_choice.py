@@ -142,7 +142,7 @@ if interpreted():  # the cycle machine's tensors live on the CPU: its kernels ru
 def test_fast_path_op_set_and_attention_warps_per_device(monkeypatch):
     """CUDA gets the folded-norm op set (7 kernels a layer), a CPU the torch one; ``CUDA_OPS`` overrides it for
     benchmarks. The rows attention kernel runs 1 warp a program up to head dim 64, 4 above; ``NUM_WARPS``
-    overrides it. (Both choices were measured on an H100: docs/fast_engine.md.)"""
+    overrides it. (Both choices were measured on an H100: docs/decisions.md.)"""
     from speccycle.engine import attention_triton, kernels
 
     assert kernels.default_ops("cuda") is kernels.FoldedNormOps
