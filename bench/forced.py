@@ -72,16 +72,16 @@ class ForcedFusedCycles(FusedCycles):
         self.tau = tau
         self._accepts: dict[int, torch.Tensor] = {}  # batch size -> [cycles + 1] forced accept lengths
 
-    def _state(self, batch: int):
-        st = super()._state(batch)
+    def _batch(self, batch: int):
+        bt = super()._batch(batch)
         if batch not in self._accepts:
-            lens = beatty(self.tau, st.hist.shape[0], self.spec.accept_width)
+            lens = beatty(self.tau, bt.buffers.hist.shape[0], self.spec.accept_width)
             self._accepts[batch] = lens.to(self.device)
-        return st
+        return bt
 
-    def _walk(self, st, cur: dict, tokens: torch.Tensor, parents: torch.Tensor | None,
+    def _walk(self, drafted, tokens: torch.Tensor, parents: torch.Tensor | None,
               predict: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        accept = self._accepts[st.batch].index_select(0, cur["cycle"])  # [1]
+        accept = self._accepts[len(drafted.requests)].index_select(0, drafted.log.cycle)  # [1]
         return forced_walk(tokens, parents, accept, self.spec.accept_width - 1)
 
 

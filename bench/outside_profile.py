@@ -76,7 +76,7 @@ def main() -> None:
         if timings is not None:
             for name, seconds in parts:
                 timings.setdefault(name, []).append(seconds * 1e3)
-        return list(run.outputs[0])
+        return list(run.final.requests[0].output)
 
     for x in ids:  # warm-up: every prompt's shapes once, both ways
         engine.generate_autoregressive([x], 2)

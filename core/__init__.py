@@ -22,6 +22,7 @@ from .records import (
     Drafted,
     DraftTree,
     ExtendRows,
+    OutputLog,
     Ready,
     Request,
     RowOutputs,
@@ -51,6 +52,7 @@ __all__ = [
     "Accepted",
     "DraftTree",
     "ExtendRows",
+    "OutputLog",
     "Request",
     "RowOutputs",
 ]

@@ -154,6 +154,23 @@ class DraftCapabilities:
     run_draft_levels_on_host: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
 
+class StaticForwards:
+    """Forwards an executor may run inside a captured cycle (`statemachine.static`), declared: each None unless
+    the port provides it. They run on the batch's own tensors (no copy into buffers of the port's), with no
+    host sync and no shape that depends on a tensor's value; ``kv_bound`` bounds every row's ``prefix_lens``.
+
+    * a target's ``forward_static(batch, kv_bound) -> ModelOutput`` (``hidden``: the features a draft reads);
+    * a forward draft's ``step_static(batch, parent_hidden, kv_bound)`` and ``extend_static(batch, target_hidden,
+      kv_bound)``, their logits over the draft's own vocabulary where it has one (``vocab_map`` set).
+
+    Read through `static_forwards`; a port without them is served by the eager executor only.
+    """
+
+    forward_static: Callable[..., ModelOutput] | None = None
+    step_static: Callable[..., ModelOutput] | None = None
+    extend_static: Callable[..., ModelOutput] | None = None
+
+
 @runtime_checkable
 class LookupDraft(Protocol):
     """A draft that proposes a whole tree from the token history, without a forward (n-gram lookup)."""
@@ -407,6 +424,28 @@ def host_draft_levels(draft) -> Callable[..., tuple[torch.Tensor, ...]] | None:
     if kind_of(draft) != "forward":
         return None
     return getattr(draft, "run_draft_levels_on_host", None)
+
+
+@attrs.frozen
+class StaticPorts:
+    """The static forwards of a target and a forward draft (`StaticForwards`)."""
+
+    forward: Callable[..., ModelOutput]
+    step: Callable[..., ModelOutput]
+    extend: Callable[..., ModelOutput]
+
+
+def static_forwards(ports) -> StaticPorts | None:
+    """The target's ``forward_static`` and the draft's ``step_static`` and ``extend_static`` (`StaticForwards`);
+    None unless the draft is a forward draft and both ports declare all three."""
+    if kind_of(ports.draft) != "forward":
+        return None
+    found = (
+        getattr(ports.target, "forward_static", None),
+        getattr(ports.draft, "step_static", None),
+        getattr(ports.draft, "extend_static", None),
+    )
+    return None if any(f is None for f in found) else StaticPorts(*found)
 
 
 def recurrent_state_lens(ports, request_ids: Sequence[int]) -> list[int] | None:

@@ -8,6 +8,10 @@ A batch moves through
 carry their shape in a comment and compare by identity (``eq=False`` on the class); ``bs`` requests,
 ``N`` verify rows each, ``S + 1`` the accept width, ``T`` ragged rows, ``F`` target features,
 ``Hd`` draft hidden size.
+
+An executor that runs the cycle over buffers at stable addresses (`statemachine.static`) commits to an
+`OutputLog` on the device instead of each `Request.output` (a host copy a cycle); its records carry the
+log, and the requests' outputs are materialized from it when they retire.
 """
 
 from __future__ import annotations
@@ -64,6 +68,32 @@ class ExtendRows:
     positions: torch.Tensor  # [T] int64
     row_request: torch.Tensor  # [T] int64: index of the row's request in the batch
     hidden: torch.Tensor | None  # [T, F]: target features paired with each row (shifted drafts)
+    # Set by a fusion that writes the extend's inputs itself (static shapes, `statemachine.static`): ``W``
+    # rows a request, rows past its committed run write draft KV no later forward reads before writing it
+    # again. None: the extend row computes them (``prefix_lens = positions + 1``, the request's last row).
+    out_slots: torch.Tensor | None = None  # [T] int64
+    prefix_lens: torch.Tensor | None = None  # [T] int64
+    logits_rows: torch.Tensor | None = None  # [bs] int64: each request's last committed row
+
+
+@attrs.frozen(eq=False)
+class OutputLog:
+    """A batch's committed tokens on its device, for executors that commit without a host copy.
+
+    Every record of one run shares ``tokens``, ``accepted``, ``max_new`` and ``stops``; the others are the
+    record's own (a cycle reads one set and writes the next). Request ``b``'s output is
+    ``tokens[b, :lengths[b]]``: the output it had when the log began, then every cycle's commit. ``O`` the
+    longest output, ``C`` the most cycles, ``X`` stop ids.
+    """
+
+    tokens: torch.Tensor  # [bs, O + 1] int64; column O takes the masked writes
+    lengths: torch.Tensor  # [bs] int64
+    done: torch.Tensor  # [bs] bool: finished (a stop token, max_new_tokens); commits nothing more
+    all_done: torch.Tensor  # [1] bool
+    cycle: torch.Tensor  # [1] int64: cycles run since the log began
+    accepted: torch.Tensor  # [C + 1, bs] int64: tokens cycle c committed (0 once done)
+    max_new: torch.Tensor  # [bs] int64: output length at which a request finishes
+    stops: torch.Tensor  # [X] int64: stop token ids, -1 padded
 
 
 @attrs.frozen(eq=False)
@@ -90,6 +120,7 @@ class Compacted:
     accept_len: torch.Tensor | None = None  # [bs] int64: tokens committed by the last cycle
     last_correct_step_indices: torch.Tensor | None = None  # [bs] int64 in [0, N)
     retired: tuple[Request, ...] = ()  # requests that left the batch at this boundary
+    log: OutputLog | None = None  # the device's commit (static executors); None: Request.output holds it
 
 
 @attrs.frozen(eq=False)
@@ -108,6 +139,7 @@ class Ready:
     # from (zero rows for greedy requests); None when every request is greedy. ``topk_index`` is -1
     # where a sampled draft ran out of mass before K candidates.
     draft_probs: torch.Tensor | None = None
+    log: OutputLog | None = None
 
 
 @attrs.frozen(eq=False)
@@ -116,7 +148,7 @@ class DraftTree:
 
     tokens: torch.Tensor  # [bs, N] int64
     parents: torch.Tensor  # [bs, N] int64: row index of the parent, -1 for the root
-    depths: torch.Tensor  # [bs, N] int64: 0 for the root
+    depths: torch.Tensor | None  # [bs, N] int64: 0 for the root; None: not materialized (a static verify derives them)
     scores: torch.Tensor | None = None  # [bs, N] float32: cumulative draft probability (root 1)
     # [bs, N] bool: rows a sampled draft had no token for (it ran out of mass); their token is a
     # placeholder the verify never accepts. None: no such row.
@@ -138,6 +170,7 @@ class Drafted:
     # from (sampled requests; zero rows elsewhere). None: every request greedy, or a lookup draft,
     # whose proposals the sampling verify treats as point masses.
     draft_probs: torch.Tensor | None = None
+    log: OutputLog | None = None
 
 
 @attrs.frozen(eq=False)

@@ -324,18 +324,20 @@ class Engine:
                 if on_step is not None:
                     on_step(record)
                 if fused is not None and isinstance(record, Ready):  # the cycles run on the device from here
-                    try:
-                        run = fused.run(record, max_new_tokens, stops)
-                    finally:  # retired here, as `transitions.retire` would: their pages go back
-                        for request in record.requests:
-                            self.pool.free(request.request_id)
-                    for request, tokens, lens, reason in zip(record.requests, *attrs.astuple(run, recurse=False)):
-                        done[request.request_id] = attrs.evolve(request, output=tokens, finish_reason=reason)
+                    done.update({r.request_id: r for r in record.retired})
+                    run = fused.run(record, max_new_tokens, stops, checked=checked)
+                    # the finished requests leave through the table's retire row, which frees their pages
+                    lens_of = {r.request_id: lens for r, lens in zip(run.final.requests, run.accept_lens)}
+                    if run.final.requests:
+                        record = step(run.final, ports, backend, event="retire", checked=checked)
+                    for request in record.retired:
+                        lens = lens_of.get(request.request_id, ())
+                        done[request.request_id] = request
                         histogram.update(lens)
                         verifies += len(lens)
                         committed += sum(lens)
-                        if on_tokens and len(tokens) > sent[request.request_id]:
-                            on_tokens(index[request.request_id], list(tokens[sent[request.request_id] :]))
+                        if on_tokens and len(request.output) > sent[request.request_id]:
+                            on_tokens(index[request.request_id], list(request.output[sent[request.request_id] :]))
                     done.update({r.request_id: r for r in record.retired})
                     break
                 if not isinstance(record, Compacted):
@@ -360,8 +362,9 @@ class Engine:
         return [done[rid] for rid in ids], stats
 
     def _fused_for(self, sampling, checked: bool, on_step, stop_token_ids):
-        """The fused cycles (`engine.fused_cycle`) when they serve this call: not checked, no ``on_step``."""
-        if self.fused_cycles is None or checked or on_step is not None:
+        """The fused cycles (`engine.fused_cycle`) when they serve this call (checked or not); not with ``on_step``,
+        which sees every record of every cycle on the host."""
+        if self.fused_cycles is None or on_step is not None:
             return None
         return self.fused_cycles if self.fused_cycles.serves(self.draft, sampling, stop_token_ids) else None
 

@@ -34,7 +34,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ..core.ports import DraftCapabilities, ForwardBatch, ModelOutput
+from ..core.ports import DraftCapabilities, ForwardBatch, ModelOutput, StaticForwards
 from .drafters.eagle import EagleDraft
 from .drafters.layerskip import LlamaDraft
 from .fused_cycle import FusedCycles
@@ -702,8 +702,9 @@ class GraphedDraftLevels(DraftCapabilities):
 
 
 # ---- ports ---------------------------------------------------------------------------------------
-class FastTarget(LlamaTarget):
-    """`LlamaTarget` whose forward runs through static buffers and CUDA graphs."""
+class FastTarget(StaticForwards, LlamaTarget):
+    """`LlamaTarget` whose forward runs through static buffers and CUDA graphs; ``forward_static`` runs it on the
+    batch's own tensors, inside a cycle an executor captures (`core.ports.StaticForwards`)."""
 
     def __init__(self, target: LlamaTarget, pool: PagedKVPool, options: FastOptions) -> None:
         super().__init__(target.model, target.kv)
@@ -725,6 +726,10 @@ class FastTarget(LlamaTarget):
 
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         return self.graphs(batch)
+
+    def forward_static(self, batch: ForwardBatch, kv_bound: int) -> ModelOutput:
+        logits, hidden = self._compute(batch_inputs(batch, kv_bound), want_hidden=True)
+        return ModelOutput(logits=logits, hidden=hidden)
 
 
 class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
@@ -761,8 +766,10 @@ class FastLlamaDraft(GraphedDraftLevels, LlamaDraft):
         return ModelOutput(logits=out.logits, hidden=None), reduced
 
 
-class FastEagleDraft(GraphedDraftLevels, EagleDraft):
-    """`EagleDraft` through static buffers and CUDA graphs: one runner for extends, one for steps."""
+class FastEagleDraft(StaticForwards, GraphedDraftLevels, EagleDraft):
+    """`EagleDraft` through static buffers and CUDA graphs: one runner for extends, one for steps; ``step_static``
+    and ``extend_static`` run on the batch's own tensors, logits over the head's vocabulary
+    (`core.ports.StaticForwards`)."""
 
     def __init__(self, draft: EagleDraft, pool: PagedKVPool, options: FastOptions) -> None:
         self.head, self.target_model, self.vocab_size, self.kv, self.extra_kv = (
@@ -813,6 +820,17 @@ class FastEagleDraft(GraphedDraftLevels, EagleDraft):
         if self._in_levels:
             return self._direct(batch, parent_hidden.to(self.head.dtype), self.step_graphs)
         return self.step_graphs(batch, self._fed(parent_hidden))
+
+    def step_static(self, batch: ForwardBatch, parent_hidden: torch.Tensor, kv_bound: int) -> ModelOutput:
+        return self._static(batch, parent_hidden, kv_bound, from_target=False)
+
+    def extend_static(self, batch: ForwardBatch, target_hidden: torch.Tensor, kv_bound: int) -> ModelOutput:
+        return self._static(batch, target_hidden, kv_bound, from_target=True)
+
+    def _static(self, batch: ForwardBatch, hidden: torch.Tensor, kv_bound: int, *, from_target: bool) -> ModelOutput:
+        inputs = batch_inputs(batch, kv_bound)
+        logits, out = self._compute(inputs, hidden, from_target=from_target, draft_vocab=True)
+        return ModelOutput(logits=logits, hidden=out, vocab_map=self.vocab_map)
 
     def _fed(self, hidden: torch.Tensor | HiddenRows) -> torch.Tensor | HiddenRows:
         return hidden if isinstance(hidden, HiddenRows) else hidden.to(self.head.dtype)

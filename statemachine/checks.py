@@ -81,29 +81,48 @@ def check_record(record, ports) -> None:
         _check_reserved(record, ports)
 
 
+def _committed(record) -> list[tuple[tuple[int, ...], bool]]:
+    """Each request's output and whether it finished: from its `Request`, or from the record's `OutputLog`."""
+    if record.log is None:
+        return [(r.output, r.finish_reason is not None) for r in record.requests]
+    lengths, done = record.log.lengths.tolist(), record.log.done.tolist()
+    rows = record.log.tokens.tolist()
+    return [
+        (tuple(rows[b][: lengths[b]]), done[b] or r.finish_reason is not None) for b, r in enumerate(record.requests)
+    ]
+
+
+def _most_pages(record, i: int, request, L: int, reserve: int, page_size: int) -> int:
+    """Pages request ``i`` may hold at a boundary: a cycle's reservation past ``L``; with an `OutputLog` (a static
+    executor reserves a run's pages at its start), the reservation of the whole run."""
+    if getattr(record, "log", None) is None:
+        return math.ceil((L + reserve) / page_size)
+    start = len(request.prompt) + len(request.output) - 1
+    return math.ceil((start + int(record.log.max_new[i]) + reserve + 1) / page_size)
+
+
 def _check_committed(record, ports) -> None:
     pool, cfg = ports.kv_pool, record.config
     offset = _offset(record, ports)
     seq_lens, root_tokens = record.seq_lens.tolist(), record.root_tokens.tolist()
     reserve = cfg.reserve_len("aligned" if offset else "shifted")
-    for i, request in enumerate(record.requests):
+    for i, (request, (output, finished)) in enumerate(zip(record.requests, _committed(record))):
         held = pool.pages_held(request.request_id)
-        if request.finish_reason is not None:
+        if finished:
             continue
         L = seq_lens[i]
         require(
-            L == len(request.prompt) + len(request.output) - 1,
+            L == len(request.prompt) + len(output) - 1,
             8,
-            f"request {request.request_id}: L={L} but prompt + output - root = "
-            f"{len(request.prompt) + len(request.output) - 1}",
+            f"request {request.request_id}: L={L} but prompt + output - root = {len(request.prompt) + len(output) - 1}",
         )
         require(
-            root_tokens[i] == request.output[-1],
+            root_tokens[i] == output[-1],
             10,
             f"request {request.request_id}: root token is not the last committed token",
         )
         least = math.ceil((L + offset) / pool.page_size)
-        most = math.ceil((L + reserve) / pool.page_size)
+        most = _most_pages(record, i, request, L, reserve, pool.page_size)
         require(
             least <= held <= max(least, most),
             8,
@@ -112,7 +131,8 @@ def _check_committed(record, ports) -> None:
     for request in getattr(record, "retired", ()):
         require(pool.pages_held(request.request_id) == 0, 8, f"retired request {request.request_id} still holds pages")
     if isinstance(record, Compacted):
-        _check_extend_rows(record, offset)
+        if record.extend.logits_rows is None:  # a fusion's static rows are checked against its source (check_fusion)
+            _check_extend_rows(record, offset)
         if record.last_correct_step_indices is not None:
             lcsi, n = record.last_correct_step_indices, cfg.num_draft_tokens
             require(
@@ -171,8 +191,9 @@ def _check_drafted(record: Drafted, ports) -> None:
     require(bool((tree.parents[:, 0] == -1).all()), 4, "row 0 must be the root (parent -1)")
     require(bool((tree.parents[:, 1:] >= 0).all()), 4, "only row 0 may lack a parent")
     require(bool((tree.parents[:, 1:] < idx[1:]).all()), 4, "a parent must precede its child")
-    require(torch.equal(tree.depths, tree_depths(tree.parents)), 4, "depths disagree with parents")
-    require(int(tree.depths.max()) <= cfg.num_steps, 4, f"a node deeper than S={cfg.num_steps}")
+    depths = tree_depths(tree.parents)
+    require(tree.depths is None or torch.equal(tree.depths, depths), 4, "depths disagree with parents")
+    require(int(depths.max()) <= cfg.num_steps, 4, f"a node deeper than S={cfg.num_steps}")
     if cfg.is_chain:
         require(torch.equal(tree.parents, (idx - 1).expand(bs, n)), 4, "K == 1 must draft a chain")
     mask = ancestor_mask(tree.parents)
@@ -200,14 +221,17 @@ def _check_reserved(record, ports) -> None:
         kinds.append(record.draft_slots.reshape(bs, -1).tolist())
     seq_lens = record.seq_lens.tolist()
     reserve = cfg.reserve_len("aligned" if _offset(record, ports) else "shifted")
+    finished = [done for _, done in _committed(record)] if getattr(record, "log", None) is not None else None
     for i, request in enumerate(record.requests):
+        if finished is not None and finished[i]:
+            continue  # a static cycle gives a finished request slot -1 everywhere: it writes and reads no KV
         pages = {p for p in page_table[i] if p >= 0}
         for kind, slots in zip(("verify", "draft"), kinds):
             values = slots[i]
             require(len(set(values)) == len(values), 3, f"request {request.request_id}: {kind} slots repeat: {values}")
             outside = [v for v in values if v // page_size not in pages]
             require(not outside, 3, f"request {request.request_id}: {kind} slots {outside} outside its pages")
-        want = math.ceil((seq_lens[i] + reserve) / page_size)
+        want = _most_pages(record, i, request, seq_lens[i], reserve, page_size)
         held = pool.pages_held(request.request_id)
         require(held == want, 8, f"request {request.request_id}: holds {held} pages during the cycle, expected {want}")
 
@@ -321,3 +345,100 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
     for field in attrs.fields(RowOutputs):
         before = getattr(source.accepted_rows, field.name)
         require(before is None or before.shape[:2] == (bs, cfg.accept_width), 9, f"{field.name} not compacted")
+
+
+def check_fusion(source: Drafted, result: Compacted, rows: RowOutputs, walk: torch.Tensor, ports) -> None:
+    """A fusion of the verify, accept and compact rows (`table.FUSIONS`), on records with an `OutputLog`: the rows'
+    work recomputed on the host from ``source`` (the walk of the reference backend, the cut at stops and the
+    limit, the bonus, the KV moves, the extend rows) and ``result`` held equal to it, invariant by invariant.
+
+    ``rows``: the verify's row outputs (``predict [B * N]``, ``hidden``); ``walk [B, N]``: the predictions the
+    walk followed (the target's, unless a benchmark forces acceptance). Then ``result`` alone (`check_record`).
+    """
+    from ..backends.torch.ops import TorchBackend
+
+    cfg, tree = source.config, source.tree
+    B, N = tree.tokens.shape
+    W = cfg.accept_width
+    tokens, parents = tree.tokens.cpu(), tree.parents.cpu()
+    predict, walk = rows.predict.cpu().view(B, N), walk.cpu().view(B, N)
+    vslots, L = source.verify_slots.cpu(), source.seq_lens.tolist()
+    before, after = source.log, result.log
+    lengths, done = before.lengths.tolist(), before.done.tolist()
+    max_new, stops = before.max_new.tolist(), {s for s in before.stops.tolist() if s >= 0}
+    accept_index, run = TorchBackend().verify_greedy(tokens, parents, walk, W)
+    verified = Verified(
+        config=cfg,
+        requests=source.requests,
+        seq_lens=source.seq_lens.cpu(),
+        tree=attrs.evolve(tree, tokens=tokens, parents=parents),
+        verify_slots=vslots,
+        rows=RowOutputs(predict=walk.reshape(-1)),
+        accept_index=accept_index,
+        accept_len=run,
+    )
+    _check_accept(cfg, verified.tree, accept_index, run)
+    _check_greedy_path(verified)  # against the walked predictions: the target's on every unforced run
+    committed = predict.reshape(-1)[accept_index.clamp(min=0)].tolist()  # [B, W]
+    flat = accept_index.tolist()
+    new_L, new_root = result.seq_lens.tolist(), result.root_tokens.tolist()
+    new_lengths, new_done = after.lengths.tolist(), after.done.tolist()
+    out = after.tokens.tolist()
+    cycle = int(before.cycle)
+    require(int(after.cycle) == cycle + 1, 5, f"the cycle counter went from {cycle} to {int(after.cycle)}")
+    hist = after.accepted[cycle].tolist()
+    ext = result.extend
+    ext_ids, ext_pos, ext_slots = ext.input_ids.tolist(), ext.positions.tolist(), ext.out_slots.tolist()
+    ext_prefix, last = ext.prefix_lens.tolist(), ext.logits_rows.tolist()
+    moves = set()
+    if result.kv_moves is not None:
+        src, dst = (t.tolist() for t in result.kv_moves)
+        moves = {(s, d) for s, d in zip(src, dst) if s >= 0 and d >= 0}
+    want_moves = set()
+    hidden_rows = []
+    for b in range(B):
+        keep = 0
+        if not done[b]:
+            run_b = committed[b][: int(run[b])]
+            hit = next((i + 1 for i, t in enumerate(run_b) if t in stops), len(run_b))
+            keep = max(0, min(hit, max_new[b] - lengths[b]))
+        kept = committed[b][:keep]
+        finished = done[b] or any(t in stops for t in kept) or lengths[b] + keep >= max_new[b]
+        who = f"request {b}"
+        require(hist[b] == keep, 5, f"{who}: the log says the cycle committed {hist[b]} tokens, the rows {keep}")
+        require(new_done[b] == finished, 5, f"{who}: done is {new_done[b]}, the rows say {finished}")
+        if done[b]:
+            continue
+        require(new_L[b] == L[b] + keep, 7, f"{who}: L went from {L[b]} to {new_L[b]}, accept_len is {keep}")
+        require(new_lengths[b] == lengths[b] + keep, 10, f"{who}: the output grew by {new_lengths[b] - lengths[b]}")
+        got = out[b][lengths[b] : lengths[b] + keep]
+        require(got == kept, 10, f"{who}: committed {got}, the accepted path's predictions are {kept}")
+        require(new_root[b] == kept[-1], 6, f"{who}: the root is {new_root[b]}, the bonus (row {keep - 1}) {kept[-1]}")
+        for d in range(keep):
+            row = flat[b][d] - b * N
+            if row != d:
+                want_moves.add((int(vslots[b, row]), int(vslots[b, d])))
+            i = b * W + d
+            require(
+                (ext_ids[i], ext_pos[i], ext_prefix[i]) == (kept[d], L[b] + d, L[b] + d + 1)
+                and ext_slots[i] == vslots[b, d],
+                2,
+                f"{who}: extend row {d} is (token {ext_ids[i]}, position {ext_pos[i]}, slot {ext_slots[i]}), expected "
+                f"(token {kept[d]}, position {L[b] + d}, slot {int(vslots[b, d])})",
+            )
+            hidden_rows.append((i, flat[b][d]))
+        require(
+            last[b] == b * W + keep - 1, 6, f"{who}: the extend's last row is {last[b]}, expected {b * W + keep - 1}"
+        )
+    if parents is not None and not cfg.is_chain:
+        require(moves == want_moves, 7, f"KV moves {sorted(moves)}, the accepted paths need {sorted(want_moves)}")
+    else:
+        require(result.kv_moves is None, 7, "a chain's accepted rows sit at L + d already: it moves no KV")
+    if rows.hidden is not None and hidden_rows:
+        at, of = torch.tensor(hidden_rows).T
+        require(
+            torch.equal(ext.hidden[at].cpu(), rows.hidden[of].cpu()),
+            9,
+            "the extend's features are not the accepted rows' verify features",
+        )
+    check_record(result, ports)

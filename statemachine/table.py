@@ -14,6 +14,7 @@ import attrs
 
 from ..core.records import Accepted, Admitted, Compacted, Drafted, Ready, Verified
 from . import block as blk
+from . import static_rows as sr
 from . import transitions as t
 
 Guard = Callable[[object, object], bool]
@@ -32,6 +33,9 @@ class Transition:
     ops: tuple[str, ...] = ()
     guard: Guard = always
     doc: str = ""
+    # the row's static form (`statemachine.static_rows`): the same work over records at stable addresses, with no
+    # host sync and no value-dependent shape, for the static and graphed executors; None: eager only
+    static: Callable | None = attrs.field(default=None, repr=False)
 
     @property
     def guard_name(self) -> str:
@@ -63,6 +67,7 @@ TABLE: tuple[Transition, ...] = (
         guard=t.extend_ready,
         ops=("slots_for_positions", "select_topk", "process_logits", "sample_without_replacement"),
         doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q).",
+        static=sr.draft_extend_static,
     ),
     Transition(
         Compacted, "extend", Ready, t.skip_extend, guard=t.lookup_ready, doc="A lookup draft keeps no draft cache."
@@ -92,6 +97,7 @@ TABLE: tuple[Transition, ...] = (
         ),
         doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "
         "(sampled: children drawn from q, level order, no rerank).",
+        static=sr.draft_tree_static,
     ),
     Transition(
         Ready,
@@ -175,6 +181,10 @@ class Fusion:
     replaces_ops: tuple[str, ...]
     module: str
     doc: str = ""
+    # the fusion's static form: the covered rows' forwards, then the op, from the first row's source record to the
+    # last row's result (`statemachine.static_rows`); ``covers(record, ports)``: the records and ports it serves
+    static: Callable | None = attrs.field(default=None, repr=False)
+    covers: Guard = attrs.field(default=always, repr=False)
 
 
 def _row(run: Callable) -> Transition:
@@ -192,6 +202,8 @@ FUSIONS: tuple[Fusion, ...] = (
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
         "and the done flag the retire row's guard reads. Greedy requests without stop strings, logprobs or "
         "recurrent state, a forward draft paired shifted.",
+        static=sr.accept_commit_static,
+        covers=sr.static_covers,
     ),
 )
 

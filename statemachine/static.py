@@ -1,0 +1,133 @@
+"""The static executor: the table's rows over records at stable addresses, one cycle a call.
+
+`runner.step` runs a row's ``run`` on fresh tensors; this executor runs the same rows, chosen the same way
+(`runner.select`: the record's type and the guards), through their static forms (`Transition.static`), and a
+declared fusion's form in place of the rows it covers where the fusion covers the record (`Fusion.covers`).
+The forms write into `static_rows.CycleBuffers`, so a cycle from set ``p`` leaves its records in set ``1 - p``
+at the same addresses every time: the graphed executor (`engine.fused_cycle`) captures `StaticExecutor.cycle`
+once per parity and replays it, and on a CPU it runs eagerly (tests).
+
+Each call returns the boundaries it crossed (the row or fusion that ran, its source and result records): the
+rows a capture recorded are what a test holds equal to the table's rows for the config (`expand`), and in
+checked mode `check` validates every boundary after the cycle ran (after each replay, for a captured one:
+the records' tensors hold that replay's values).
+
+A static record's ``requests`` are the host's view as of the cycle's start: commits go to the records'
+`OutputLog` on the device, and a request finishes there (``done``). The loop reads the done flags (one cycle
+behind the GPU for a graphed run) and, once it stops, `materialize` turns the log into the requests' outputs
+and finish reasons, so the table's ``retire`` row frees their pages as in any run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ..core.ports import static_forwards
+from ..core.records import Compacted, ExtendRows, Ready, RowOutputs
+from . import checks
+from .runner import select
+from .static_rows import CycleBuffers, StaticContext, StaticOps
+from .table import FUSIONS, Fusion, Transition
+
+
+class NotStatic(RuntimeError):
+    """The record or ports need a row that has no static form (the eager executor serves them)."""
+
+
+@attrs.frozen(eq=False)
+class Boundary:
+    """One step of a static cycle: the row or fusion that ran, its source and result records, and for a fusion
+    that takes over a verify the verify's row outputs and the predictions its walk followed."""
+
+    step: Transition | Fusion
+    source: object
+    result: object
+    rows: RowOutputs | None = None
+    walk: torch.Tensor | None = None
+
+
+def expand(steps: Sequence[Transition | Fusion]) -> tuple[Transition, ...]:
+    """The table rows a sequence of steps stands for: a fusion stands for its rows."""
+    rows: list[Transition] = []
+    for s in steps:
+        rows.extend(s.rows if isinstance(s, Fusion) else (s,))
+    return tuple(rows)
+
+
+class StaticExecutor:
+    """Runs the table's cycle over `CycleBuffers` (module docstring). ``kernels``: the bookkeeping ops as the
+    kernels of `backends.cuda.cycle` (False: their torch twins); ``walk(drafted, tokens, parents, predict)``: the
+    predictions a fused greedy walk follows (None: the target's own; benchmarks force acceptance with it)."""
+
+    def __init__(self, ports, backend, *, kernels: bool = True, walk=None) -> None:
+        forwards = static_forwards(ports)
+        if forwards is None:
+            raise NotStatic("the ports declare no static forwards (core.ports.StaticForwards): run them eagerly")
+        self.ports, self.backend, self.forwards, self.walk = ports, backend, forwards, walk
+        self.ops = StaticOps.of(kernels)
+
+    def covers(self, record) -> bool:
+        """Whether every fusion a static cycle needs covers ``record`` (today: `static_rows.static_covers`)."""
+        return all(f.covers(record, self.ports) for f in FUSIONS if f.static is not None)
+
+    def cycle(
+        self, ready: Ready, buffers: CycleBuffers, into: int, kv_bound: int
+    ) -> tuple[Ready, tuple[Boundary, ...]]:
+        """One cycle from ``ready`` (a record over set ``1 - into``) to the next `Ready` record (over set ``into``)."""
+        ctx = StaticContext(buffers, into, kv_bound, self.ops, self.forwards, self.walk)
+        record, boundaries = ready, []
+        while True:
+            row = select(record, self.ports)
+            fusion = next((f for f in FUSIONS if f.rows[0] is row and f.static and f.covers(record, self.ports)), None)
+            if fusion is not None:
+                result = fusion.static(record, self.ports, self.backend, ctx)
+                boundaries.append(Boundary(fusion, record, result, ctx.rows, ctx.walked))
+            elif row.static is not None:
+                result = row.static(record, self.ports, self.backend, ctx)
+                boundaries.append(Boundary(row, record, result))
+            else:
+                raise NotStatic(f"row {row.source.__name__} -{row.event}-> {row.target.__name__} has no static form")
+            record = result
+            if isinstance(record, Ready):
+                return record, tuple(boundaries)
+
+    def check(self, boundaries: Sequence[Boundary]) -> None:
+        """Checked mode: every invariant at every boundary of a cycle that ran (docs/invariants.md)."""
+        for b in boundaries:
+            if isinstance(b.step, Fusion):
+                checks.check_fusion(b.source, b.result, b.rows, b.walk, self.ports)
+            else:
+                checks.check_transition(b.source, b.result, self.ports)
+
+
+def materialize(record, stop_ids: Sequence[int]) -> Compacted:
+    """The eager `Compacted` record of a static one (`Ready` or `Compacted` with a log): each request's output from
+    the log, a finished request's reason (``stop``: its last token is a stop id, else ``length``), no log."""
+    log, requests = record.log, []
+    lengths, done = (log.lengths.tolist(), log.done.tolist()) if record.requests else ([], [])
+    rows = log.tokens[:, :-1].cpu() if record.requests else None
+    stops = set(stop_ids)
+    for b, request in enumerate(record.requests):
+        output = tuple(rows[b, : lengths[b]].tolist())
+        reason = None
+        if done[b]:
+            reason = "stop" if output and output[-1] in stops else "length"
+        requests.append(attrs.evolve(request, output=output, finish_reason=reason))
+    empty = torch.zeros(0, dtype=torch.long, device=record.seq_lens.device)
+    return Compacted(
+        config=record.config,
+        requests=tuple(requests),
+        seq_lens=record.seq_lens.clone(),
+        root_tokens=record.root_tokens.clone(),
+        extend=ExtendRows(input_ids=empty, positions=empty, row_request=empty, hidden=None),
+    )
+
+
+def accepted_counts(record, cycles: int) -> list[tuple[int, ...]]:
+    """Each request's committed count of each of the first ``cycles`` cycles of a static record's log (the cycles
+    after it finished, 0, left out)."""
+    hist = record.log.accepted[:cycles].cpu().T.tolist()
+    return [tuple(n for n in row if n > 0) for row in hist]

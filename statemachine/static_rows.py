@@ -1,0 +1,270 @@
+"""The table's rows in their static form: records at stable addresses, no host sync, no value-dependent shape.
+
+A static executor (`statemachine.static`) runs a cycle by selecting the table's rows as `runner.step` does and
+calling each row's ``static`` form (`table.Transition.static`), or a declared fusion's (`table.Fusion.static`)
+in place of the rows it covers. The forms read their record's tensors and write their results into the
+buffers of a `CycleBuffers` (``ctx.into``: the set the next records live in), so the records they return are
+views of buffers whose addresses never change: a CUDA graph captured while the forms run replays them.
+
+``B`` requests, ``S`` draft steps, ``K`` top-K, ``N`` verify rows, ``W = S + 1`` the accept width, ``P`` the
+page size. A request that finished (``OutputLog.done``) looks up slot -1 everywhere: it writes no KV, reads
+no draft scratch and commits nothing; the loop around the executor retires it between cycles.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ..backends.cuda import cycle as cycle_ops
+from ..core.config import SpecConfig
+from ..core.ports import ForwardBatch, ModelOutput, StaticPorts, draft_pairing, static_forwards
+from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog, Ready, RowOutputs
+from ..core.tree import draft_scratch_offsets
+from .transitions import draft_levels
+
+MAX_STOPS = 8  # stop token ids a static cycle compares each committed token with
+
+
+@attrs.frozen
+class StaticOps:
+    """The static cycle's bookkeeping ops: the kernels of `backends.cuda.cycle` where they run, else their torch
+    twins (the kernel module chooses per call: `backends.cuda.cycle.use_kernels`)."""
+
+    cycle_slots: object
+    verify_rows: object
+    accept_commit: object
+
+    @classmethod
+    def of(cls, kernels: bool = True) -> StaticOps:
+        if kernels:
+            return cls(cycle_ops.cycle_slots, cycle_ops.verify_rows, cycle_ops.accept_commit)
+        return cls(cycle_ops.cycle_slots_torch, cycle_ops.verify_rows_torch, cycle_ops.accept_commit_torch)
+
+
+class CycleBuffers:
+    """The stable addresses of ``B`` requests' records: two sets of cycle state (a cycle reads set ``p`` and writes
+    set ``1 - p``), the output log, the page table, and the verify's and the draft extend's row inputs.
+
+    ``verify_rows``: the verify forward's row count, ``B * N`` padded to the engine's row bucket (its padding rows
+    attend nothing and write no KV); ``max_out`` the longest output, ``max_cycles`` the most cycles a run takes.
+    """
+
+    FIELDS = ("L", "root", "topk_p", "topk_index", "dh", "done", "out_len", "cycle", "all_done")
+
+    def __init__(self, batch: int, cfg: SpecConfig, table_width: int, hidden: int, hidden_dtype, max_out: int,
+                 max_cycles: int, verify_rows: int, device) -> None:  # fmt: skip
+        long = dict(dtype=torch.long, device=device)
+        n, width = cfg.num_draft_tokens, cfg.accept_width
+        self.batch, self.config, self.device = batch, cfg, torch.device(device)
+        self.sets = [
+            dict(
+                L=torch.zeros(batch, **long),
+                root=torch.zeros(batch, **long),
+                topk_p=torch.zeros((batch, cfg.topk), dtype=torch.float32, device=device),
+                topk_index=torch.zeros((batch, cfg.topk), **long),
+                dh=torch.zeros((batch, hidden), dtype=hidden_dtype, device=device),
+                done=torch.ones(batch, dtype=torch.bool, device=device),
+                out_len=torch.zeros(batch, **long),
+                cycle=torch.zeros(1, **long),
+                all_done=torch.ones(1, dtype=torch.bool, device=device),
+            )
+            for _ in range(2)
+        ]
+        self.table = torch.full((batch, table_width), -1, **long)
+        self.out = torch.zeros((batch, max_out + 1), **long)  # the last column: a bin for masked writes
+        self.hist = torch.zeros((max_cycles + 1, batch), **long)
+        self.max_new = torch.zeros(batch, **long)
+        self.stops = torch.full((MAX_STOPS,), -1, **long)
+        requests = torch.arange(batch, **long)
+        rows = batch * n
+        # constants, made here and never inside a capture (a tensor a capture makes holds no value until replayed)
+        self.chain_parents = torch.arange(-1, n - 1, **long).expand(batch, n).contiguous()
+        self.chain_depths = torch.arange(n, **long).expand(batch, n).contiguous()
+        scratch = draft_scratch_offsets(cfg.num_steps, cfg.topk, 0, self.device)  # [S - 1, K]
+        # the slots a cycle looks up: its verify rows' (L + i) and its draft scratch's (L + scratch)
+        self.slot_offsets = torch.cat([torch.arange(n, **long), scratch.reshape(-1)])
+        self.ext_request = requests.repeat_interleave(width)
+        self.no_extra = torch.empty((batch * width, 0), **long)
+        self.verify = dict(
+            input_ids=torch.zeros(verify_rows, **long),
+            positions=torch.zeros(verify_rows, **long),
+            row_request=torch.cat([requests.repeat_interleave(n), torch.zeros(verify_rows - rows, **long)]),
+            out_slots=torch.full((verify_rows,), -1, **long),
+            prefix_lens=torch.zeros(verify_rows, **long),
+            extra_slots=torch.full((verify_rows, n), -1, **long),
+        )
+        self.extend = {name: torch.zeros(batch * width, **long) for name in cycle_ops.EXTEND_FIELDS}
+        self.extend["last"] = torch.zeros(batch, **long)
+
+    def log(self, parity: int) -> OutputLog:
+        s = self.sets[parity]
+        return OutputLog(tokens=self.out, lengths=s["out_len"], done=s["done"], all_done=s["all_done"],
+                         cycle=s["cycle"], accepted=self.hist, max_new=self.max_new, stops=self.stops)  # fmt: skip
+
+    def ready(self, parity: int, requests) -> Ready:
+        """The `Ready` record over set ``parity``."""
+        s = self.sets[parity]
+        return Ready(config=self.config, requests=tuple(requests), seq_lens=s["L"], root_tokens=s["root"],
+                     topk_p=s["topk_p"], topk_index=s["topk_index"], draft_hidden=s["dh"],
+                     log=self.log(parity))  # fmt: skip
+
+    def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens: int, stop_ids) -> Ready:
+        """Set 0 from an eager `Ready` record (a prefill's and its draft extend's): its state, each request's output so
+        far as the log's start, the pages, the limit and the stops. Returns the `Ready` record over set 0."""
+        cur = self.sets[0]
+        self.table.fill_(-1)
+        self.table[:, : page_table.shape[1]].copy_(page_table)
+        cur["L"].copy_(ready.seq_lens)
+        cur["root"].copy_(ready.root_tokens)
+        cur["topk_p"].copy_(ready.topk_p)
+        cur["topk_index"].copy_(ready.topk_index)
+        cur["dh"].copy_(ready.draft_hidden)
+        cur["done"].zero_()
+        cur["all_done"].zero_()
+        cur["cycle"].zero_()
+        cur["out_len"].copy_(torch.tensor([len(r.output) for r in ready.requests]))
+        self.out.zero_()
+        self.hist.zero_()
+        for b, r in enumerate(ready.requests):
+            if r.output:
+                self.out[b, : len(r.output)] = torch.tensor(r.output)
+        self.max_new.fill_(max_new_tokens)
+        self.stops.fill_(-1)
+        if stop_ids:
+            self.stops[: len(stop_ids)] = torch.tensor(list(stop_ids))
+        return self.ready(0, ready.requests)
+
+
+@attrs.define
+class StaticContext:
+    """What a static form reads besides its record and the ports: the buffers, the set its results go to
+    (``into``), the attention's bound on ``prefix_lens``, the ops, the static forwards, and ``walk``: the
+    predictions the greedy walk follows (None: the target's; benchmarks force acceptance through it)."""
+
+    buffers: CycleBuffers
+    into: int
+    kv_bound: int
+    ops: StaticOps
+    forwards: StaticPorts
+    walk: object = None
+    rows: RowOutputs | None = None  # the last fused verify's row outputs (checked mode reads them)
+    walked: torch.Tensor | None = None  # [B, N]: the predictions its walk followed
+
+
+class _LevelPorts:
+    """The ports `transitions.draft_levels` reads, over the draft's static step: ``draft.step`` and
+    ``kv_pool.page_size``."""
+
+    kind, pairing = "forward", "shifted"
+
+    def __init__(self, step, kv_bound: int, page_size: int) -> None:
+        self.draft, self.kv_pool = self, self
+        self._step, self._bound, self.page_size = step, kv_bound, page_size
+
+    def step(self, batch: ForwardBatch, parent_hidden) -> ModelOutput:
+        return self._step(batch, parent_hidden, self._bound)
+
+
+def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) -> ForwardBatch:
+    return ForwardBatch(page_table=table, page_size=page_size, request_ids=(), logits_rows=logits_rows, **rows)
+
+
+# ---- coverage ----------------------------------------------------------------------------------------
+def static_covers(rec, ports) -> bool:
+    """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings or logprobs, at
+    most `MAX_STOPS` stop ids in all, a forward draft paired shifted whose ports declare static forwards."""
+    if static_forwards(ports) is None or draft_pairing(ports) != "shifted":
+        return False
+    stops = set()
+    for r in rec.requests:
+        sp = r.sampling
+        if not sp.greedy or sp.logprobs or sp.stop_strings:
+            return False
+        stops.update(sp.stop_token_ids)
+    return len(stops) <= MAX_STOPS
+
+
+# ---- draft -------------------------------------------------------------------------------------------
+def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted:
+    """`transitions.draft_tree`, greedy, over the buffers: one slot lookup for the verify rows and the draft scratch
+    (-1 for a finished request), the ``S - 1`` levels (`transitions.draft_levels`), a tree's rerank to ``N``."""
+    cfg, buf = rec.config, ctx.buffers
+    S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
+    B, L = buf.batch, rec.seq_lens
+    slots = ctx.ops.cycle_slots(buf.table, L, rec.log.done, buf.slot_offsets, P)  # [B, N + (S - 1) K]
+    verify_slots, draft_slots = slots[:, :N], slots[:, N:].view(B, S - 1, K)
+    levels = _LevelPorts(ctx.forwards.step, ctx.kv_bound, P)
+    cands, scores, cand_parents, positions = draft_levels(
+        levels, backend, cfg, (), L, buf.table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden
+    )
+    if K == 1:
+        tree = DraftTree(tokens=torch.cat([rec.root_tokens[:, None], cands], 1), parents=buf.chain_parents,
+                         depths=buf.chain_depths)  # fmt: skip
+    else:  # EAGLE-2 rerank to N rows; the depths stay implicit (the verify's row op derives them)
+        tokens, parents, scores = backend.rerank_tree(rec.root_tokens, cands, scores, cand_parents, N)
+        tree = DraftTree(tokens=tokens, parents=parents, depths=None, scores=scores)
+    return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=tree, verify_slots=verify_slots,
+                   draft_slots=draft_slots, draft_positions=positions, log=rec.log)  # fmt: skip
+
+
+# ---- verify, accept, compact: the accept_commit fusion ------------------------------------------------
+def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Compacted:
+    """The verify forward, then `backends.cuda.cycle.accept_commit` in place of the rest of the verify, accept and
+    compact rows: the greedy walk, the cut at stops and ``max_new_tokens``, the commit to the log, the next
+    ``L`` and root, a tree's KV moves (run here, as compact's ``move_kv``) and the draft extend's rows."""
+    cfg, buf = rec.config, ctx.buffers
+    S, N, P = cfg.num_steps, cfg.num_draft_tokens, ports.kv_pool.page_size
+    B, L, tokens = buf.batch, rec.seq_lens, rec.tree.tokens
+    parents = None if cfg.is_chain else rec.tree.parents
+    # the verify's row inputs (the tree mask as extra slots), padded to the row bucket of the decode step
+    ctx.ops.verify_rows(tokens, parents, L, rec.verify_slots, S, buf.verify, backend)
+    out = ctx.forwards.forward(_batch(buf.verify, buf.table, P), ctx.kv_bound)
+    # the vocabulary argmax the decode step takes (ties included): what the verify row commits
+    predict = backend.greedy_predict(out.logits[: B * N]).view(B, N)
+    walk = predict if ctx.walk is None else ctx.walk(rec, tokens, parents, predict)
+    ctx.rows, ctx.walked = RowOutputs(predict=predict.view(-1), hidden=out.hidden), walk
+    log, nxt = rec.log, buf.sets[ctx.into]
+    cur = dict(L=L, done=log.done, out_len=log.lengths, cycle=log.cycle)
+    logs = dict(out=log.tokens, hist=log.accepted, max_new=log.max_new, stops=log.stops)
+    ext = buf.extend
+    ctx.ops.accept_commit(tokens, parents, predict, walk, rec.verify_slots, cur, nxt, logs, ext, backend)
+    moves = None
+    if parents is not None:  # compact: the accepted rows move to [L, L + keep) (a chain's are there already)
+        moves = (ext["src"], ext["dst"])
+        _move_padded(ports.kv_pool.target_buffers(), *moves)
+    extend = ExtendRows(input_ids=ext["input_ids"], positions=ext["positions"], row_request=buf.ext_request,
+                        hidden=out.hidden.index_select(0, ext["feature_rows"]), out_slots=ext["out_slots"],
+                        prefix_lens=ext["prefix_lens"], logits_rows=ext["last"])  # fmt: skip
+    return Compacted(config=cfg, requests=rec.requests, seq_lens=nxt["L"], root_tokens=nxt["root"], extend=extend,
+                     kv_moves=moves, log=buf.log(ctx.into))  # fmt: skip
+
+
+def _move_padded(buffers, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy KV slot ``src[m]`` to ``dst[m]`` in every buffer, negatives skipped, all reads before any write."""
+    buffers = list(buffers)
+    if src.device.type == "cuda":
+        from ..backends.cuda import kv
+
+        kv.move_kv(buffers, src, dst)
+        return
+    ok = (src >= 0) & (dst >= 0)  # eager on a CPU: a boolean index is fine here
+    for buf in buffers:
+        buf[dst[ok]] = buf[src[ok]]
+
+
+# ---- draft extend -----------------------------------------------------------------------------------
+def draft_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> Ready:
+    """`transitions.draft_extend` over the fusion's ``W`` rows a request: token ``d`` at ``L + d`` with its row's
+    target features; the top-K and draft hidden state of each request's last committed row, written in place."""
+    cfg, buf, ext = rec.config, ctx.buffers, rec.extend
+    rows = dict(input_ids=ext.input_ids, positions=ext.positions, row_request=ext.row_request,
+                out_slots=ext.out_slots, prefix_lens=ext.prefix_lens, extra_slots=buf.no_extra)  # fmt: skip
+    batch = _batch(rows, buf.table, ports.kv_pool.page_size, ext.logits_rows)
+    out = ctx.forwards.extend(batch, ext.hidden, ctx.kv_bound)
+    nxt = buf.sets[ctx.into]
+    backend.select_topk(out.logits, cfg.topk, out.vocab_map, out=(nxt["topk_p"], nxt["topk_index"]))
+    torch.index_select(out.hidden, 0, ext.logits_rows, out=nxt["dh"])
+    return Ready(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, root_tokens=rec.root_tokens,
+                 topk_p=nxt["topk_p"], topk_index=nxt["topk_index"], draft_hidden=nxt["dh"],
+                 log=rec.log)  # fmt: skip
