@@ -73,12 +73,13 @@ def _load_engine(args: argparse.Namespace, spec):
     import torch
 
     from .engine.engine import Engine
+    from .engine.tokenizer_hf import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     try:
-        return Engine.load(
+        engine = Engine.load(
             args.model,
             draft=args.draft,
             spec=spec,
@@ -93,6 +94,9 @@ def _load_engine(args: argparse.Namespace, spec):
         raise
     except ValueError as err:  # `Engine.load` refuses a combination of the options given (a draft the model can't use)
         raise UsageError(str(err)) from err
+    if engine.tokenizer is None and args.model:  # a Hugging Face folder's tokenizer.json (Engine.load reads a GGUF's)
+        engine.tokenizer = load_tokenizer(args.model)
+    return engine
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -2,14 +2,16 @@
 
 `tokenizer.Tokenizer` (byte-level BPE) and `tokenizer_spm.SentencePieceTokenizer` (SentencePiece BPE)
 add their own ``encode`` and vocabulary; `StreamDecoder` decodes a growing id sequence, and a GGUF's
-Jinja chat template is compiled once (`_compile_template`) in a sandbox, with the variables and the
-``raise_exception`` global `transformers` gives it.
+Jinja chat template is compiled once (`_compile_template`) in a sandbox, with the variables, the
+``raise_exception`` and ``strftime_now`` globals and the ``tojson`` filter `transformers` gives it.
 """
 
 from __future__ import annotations
 
 import codecs
+import datetime
 import functools
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -109,8 +111,14 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TokenizerError(f"chat template: {message}")
 
+    def tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+        # transformers' filter: plain JSON (Jinja's own escapes <, >, & and ' for HTML), its options exposed
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3.1's date line
+    env.filters["tojson"] = tojson
     try:
         return env.from_string(source)
     except jinja2.TemplateError as error:

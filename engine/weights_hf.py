@@ -2,7 +2,9 @@
 
 The tensor names are Hugging Face's own, the same names `weights_gguf.load_gguf` produces, so both
 loaders feed `LlamaModel` the same dict. `save_hf` writes a directory that `load_hf` and
-`transformers.AutoModelForCausalLM.from_pretrained` both read (useful to export a GGUF model).
+`transformers.AutoModelForCausalLM.from_pretrained` both read; `export_gguf_to_hf` adds a GGUF's tokenizer
+files (`tokenizer_hf`), so the folder runs end to end. EOS ids come from ``generation_config.json`` when it
+has them (as in transformers), else from ``config.json``.
 
     config, weights = load_hf("path/to/SmolLM2-135M-Instruct", dtype=torch.float32)
 """
@@ -14,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from .errors import ModelLoadError
@@ -23,6 +26,7 @@ from .weights_gguf import LlamaConfig, check_weights, expected_shapes
 SUPPORTED_MODEL_TYPES = ("llama", "gemma3_text")
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def _gemma3_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -216,6 +220,9 @@ def load_hf(
         config = config_from_hf(json.loads(config_path.read_text()), str(config_path))
     except json.JSONDecodeError as error:
         raise ModelLoadError(f"{config_path} is not valid JSON ({error})") from error
+    eos_ids = generation_eos_ids(directory)
+    if eos_ids is not None:
+        config = attrs.evolve(config, eos_token_ids=eos_ids)
 
     wanted = expected_shapes(config)
     weights: dict[str, torch.Tensor] = {}
@@ -237,14 +244,46 @@ def load_hf(
     return config, weights
 
 
+def generation_eos_ids(directory: str | os.PathLike) -> tuple[int, ...] | None:
+    """The ``eos_token_id`` (an int or a list) of a folder's ``generation_config.json``: the ids generation stops
+    at, which transformers takes over ``config.json``'s; None when the file or the entry is absent."""
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is None:
+            return None
+        return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as error:
+        raise ModelLoadError(f"{path}: eos_token_id must be an int or a list of ints ({error})") from error
+
+
 def save_hf(directory: str | os.PathLike, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (tied LM head left out, as transformers does)."""
+    """Write ``config.json``, ``generation_config.json`` (BOS and EOS ids) and ``model.safetensors`` (tied LM head
+    left out, as transformers does)."""
     from safetensors.torch import save_file
 
     check_weights(config, weights, "save_hf weights")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config_to_hf(config)["eos_token_id"]}
+    (directory / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     tensors = {name: weights[name].detach().cpu().contiguous() for name in expected_shapes(config)}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+def export_gguf_to_hf(
+    path: str | os.PathLike, directory: str | os.PathLike, dtype: torch.dtype = torch.float32
+) -> Path:
+    """A GGUF model as a Hugging Face folder: `save_hf`'s files (weights dequantized to ``dtype``) plus its
+    tokenizer's (`tokenizer_hf.save_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json`` with the
+    chat template). `load_hf`, the engine's ``--model`` and transformers read the folder."""
+    from .tokenizer_hf import save_tokenizer_files
+    from .weights_gguf import load_gguf
+
+    config, weights = load_gguf(path, dtype=dtype)
+    save_hf(directory, config, weights)
+    return save_tokenizer_files(path, directory)
