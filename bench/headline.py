@@ -5,10 +5,13 @@ and a format) and two templates, what was measured and the figure, that place th
 README's results table or in the results index page is typed by hand: both are rendered from this list, and
 `tests/docs/test_headline.py` fails when the committed files differ from what the JSON gives.
 
-    python -m bench.headline            # rewrite README.md's results block and docs/results_index.md
-    python -m bench.headline --check    # exit 1, naming the files, when either is stale
+    python -m bench.headline            # rewrite README.md's and the EAGLE head's results blocks, and
+                                        # docs/results_index.md
+    python -m bench.headline --check    # exit 1, naming the files, when one is stale
 
-The README's block sits between `<!-- speccycle:results -->` and `<!-- /speccycle:results -->`. A key path is
+`HEADLINES` are the README's table, `MODEL_CARD` the evaluation table of the shipped EAGLE head's model card
+(`engine/data/eagle/README.md`); each sits between `<!-- speccycle:results -->` and `<!-- /speccycle:results -->`
+in its file. A key path is
 a tuple: a string picks a key of an object, an int an item of a list, a dict the one item of a list whose
 fields equal it (none or several is an error), and `"*"` every item of a list, which the value's `reduce`
 (`min`, `max`, `len`) turns into one number. The device, date and commit of a row are the file's own
@@ -27,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "bench/results"
 README = "README.md"
+CARD = "engine/data/eagle/README.md"
 INDEX = "docs/results_index.md"
 BEGIN, END = "<!-- speccycle:results -->", "<!-- /speccycle:results -->"
 MAX_ROWS = 10
@@ -116,7 +120,8 @@ HEADLINES: tuple[Headline, ...] = (
         },
     ),
     Headline(
-        what="speculative, the shipped EAGLE-3 head (trained at 1a9d791), same {prompts} prompts x {tokens} tokens",
+        what="speculative on the fast path, SmolLM2-135M bf16, batch 1, {prompts} prompts x {tokens} tokens, "
+        "the shipped EAGLE-3 head (trained at 1a9d791)",
         figure="tree S6 K4 N24 {tree} tokens/s, **{speedup}x** over the fast path's {fast} (tau {tau}), "
         "{identical}/{prompts} identical; S7 K6 N32 {speedup32}x, {identical32}/{prompts} identical",
         file="gpu_bench-H100-real-head-1a9d791-round2-20261126-061042.json",
@@ -202,6 +207,60 @@ HEADLINES: tuple[Headline, ...] = (
         },
     ),
 )
+
+
+def _head_config(S: int, K: int, N: int, key: str) -> Value:
+    """A value of one config of the shipped head's `train_draft_eval` record."""
+    return Value(("heads", "s18.eagle", "configs", {"S": S, "K": K, "N": N}, key), ".3f")
+
+
+def _headline(file: str) -> Headline:
+    return next(h for h in HEADLINES if h.file == file)
+
+
+MODEL_CARD: tuple[Headline, ...] = (
+    Headline(
+        what="tau, {dtype}, greedy, all {prompts} Spec-Bench dev prompts x {tokens} tokens, the int8 file",
+        figure="chain S5 **{c5}** (MT-bench {m5}), tree S5 K4 N16 **{t16}** ({m16}), S6 K4 N32 {t32} ({m32}), "
+        "S7 K6 N32 **{t7}** ({m7}); the fewest identical to autoregressive {identical}/{prompts}",
+        file="train_draft_eval-H100-1a9d791-round2-1-20261126-060934.json",
+        values={
+            "dtype": Value(("dtype",)),
+            "prompts": Value(("prompts",), "d"),
+            "tokens": Value(("new_tokens",), "d"),
+            "c5": _head_config(5, 1, 6, "tau"),
+            "m5": _head_config(5, 1, 6, "tau_mt_bench"),
+            "t16": _head_config(5, 4, 16, "tau"),
+            "m16": _head_config(5, 4, 16, "tau_mt_bench"),
+            "t32": _head_config(6, 4, 32, "tau"),
+            "m32": _head_config(6, 4, 32, "tau_mt_bench"),
+            "t7": _head_config(7, 6, 32, "tau"),
+            "m7": _head_config(7, 6, 32, "tau_mt_bench"),
+            "identical": Value(("heads", "s18.eagle", "configs", "*", "identical_to_ar"), "d", reduce="min"),
+        },
+    ),
+    Headline(
+        what="tau, other shapes, the same {prompts} prompts x {tokens} tokens",
+        figure="chain S3 {c3}, S4 {c4}, S6 {c6}; tree S4 K2 N8 {t8}, S6 K8 N64 {t64}; the fewest identical "
+        "{identical}/{prompts}",
+        file="train_draft_eval-H100-1a9d791-round2-2-20261126-061326.json",
+        values={
+            "prompts": Value(("prompts",), "d"),
+            "tokens": Value(("new_tokens",), "d"),
+            "c3": _head_config(3, 1, 4, "tau"),
+            "c4": _head_config(4, 1, 5, "tau"),
+            "c6": _head_config(6, 1, 7, "tau"),
+            "t8": _head_config(4, 2, 8, "tau"),
+            "t64": _head_config(6, 8, 64, "tau"),
+            "identical": Value(("heads", "s18.eagle", "configs", "*", "identical_to_ar"), "d", reduce="min"),
+        },
+    ),
+    _headline("gpu_bench-H100-lossless-1a9d791-round2-20261126-061439.json"),
+    _headline("gpu_bench-H100-real-head-1a9d791-round2-20261126-061042.json"),
+    _headline("speccycle_bench-H200-20261126-72ca5b4-240dev-128tok.json"),
+    _headline("cpu_drafters-20261126-062023-0ba6374.json"),
+)
+TABLES: dict[str, tuple[Headline, ...]] = {README: HEADLINES, CARD: MODEL_CARD}
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -312,10 +371,10 @@ def read(headline: Headline, root: Path = ROOT) -> Row:
 
 
 # ---- rendering ----------------------------------------------------------------------------------
-def readme_block(root: Path = ROOT, headlines: tuple[Headline, ...] = HEADLINES) -> str:
-    """The README's results table, markers included."""
+def results_block(root: Path = ROOT, headlines: tuple[Headline, ...] = HEADLINES) -> str:
+    """A results table, markers included (the README's by default)."""
     if len(headlines) > MAX_ROWS:
-        raise ValueError(f"{len(headlines)} headline figures: the README's table holds at most {MAX_ROWS}")
+        raise ValueError(f"{len(headlines)} headline figures: a results table holds at most {MAX_ROWS}")
     lines = [
         BEGIN,
         "<!-- Generated by `python -m bench.headline` from bench/headline.py: edit that, not this table. -->",
@@ -330,50 +389,69 @@ def readme_block(root: Path = ROOT, headlines: tuple[Headline, ...] = HEADLINES)
     return "\n".join([*lines, "", END])
 
 
-def with_block(readme: str, block: str) -> str:
-    """``readme`` with the text between its markers (the markers included) replaced by ``block``."""
-    start, end = readme.find(BEGIN), readme.find(END)
-    if start < 0 or end < start or readme.count(BEGIN) != 1 or readme.count(END) != 1:
-        raise ValueError(f"{README} needs one {BEGIN} line followed by one {END} line")
-    return readme[:start] + block + readme[end + len(END) :]
+def with_block(text: str, block: str, name: str = README) -> str:
+    """``text`` (the file ``name``) with the part between its markers, the markers included, replaced by ``block``."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start or text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise ValueError(f"{name} needs one {BEGIN} line followed by one {END} line")
+    return text[:start] + block + text[end + len(END) :]
 
 
-def index_page(root: Path = ROOT, headlines: tuple[Headline, ...] = HEADLINES) -> str:
-    """docs/results_index.md: each headline figure, the file it comes from and the key path of each value."""
+def _figure_section(row: Row, heading: str) -> list[str]:
+    out = ["", heading, "", f"{row.figure}", ""]
+    meta = f"`{RESULTS}/{row.headline.file}`: {row.device}, {row.date}, commit {row.commit}"
+    if row.record.get("torch"):
+        meta += f", torch {row.record['torch']}"
+    out += [meta + ".", "", "| value | key path | in the file | shown |", "| --- | --- | --- | --- |"]
+    for name, value in row.headline.values.items():
+        raw, text = row.values[name]
+        label = path_label(value).replace("|", "\\|")
+        out.append(f"| `{name}` | `{label}` | `{json.dumps(raw)}` | {text} |")
+    if row.record.get("command"):
+        out += ["", f"Its command: `{row.record['command']}`."]
+    elif row.record.get("header"):
+        out += ["", f"Its header: `{row.record['header']}`."]
+    return out
+
+
+def index_page(root: Path = ROOT, tables: dict[str, tuple[Headline, ...]] | None = None) -> str:
+    """docs/results_index.md: each figure of the README's table, then those of the model card's alone, each with
+    the file it comes from and the key path of each value."""
+    tables = TABLES if tables is None else tables
     out = [
         "<!-- Generated by `python -m bench.headline` from bench/headline.py: edit that, not this page. -->",
         "",
         "# Results index",
         "",
-        "The README's results table, figure by figure: the result file under `bench/results/` each comes from,",
-        "the device, date and commit that file records, and where in the file every value shown is (its key",
-        "path: `.key`, `[index]`, `[field=value]` for the one list item with that field, `[*]` for every item,",
-        "reduced by `min`, `max` or `len`). Both this page and the README's table are rendered by",
-        "`python -m bench.headline` from the list in `bench/headline.py`; `tests/docs/test_headline.py` fails",
-        "when either differs from what the files give. Every other measurement is in the",
+        "The README's results table, figure by figure, then the figures the EAGLE head's model card",
+        "(`engine/data/eagle/README.md`) adds: the result file under `bench/results/` each comes from, the",
+        "device, date and commit that file records, and where in the file every value shown is (its key path:",
+        "`.key`, `[index]`, `[field=value]` for the one list item with those fields, `[*]` for every item,",
+        "reduced by `min`, `max` or `len`). This page and both tables are rendered by",
+        "`python -m bench.headline` from the lists in `bench/headline.py`; `tests/docs/test_headline.py` fails",
+        "when one differs from what the files give. Every other measurement is in the",
         "[results log](results.md), and the [Benchmarks](benchmarks.md) page renders every result file.",
     ]
-    for number, row in enumerate((read(h, root) for h in headlines), 1):
-        out += ["", f"## {number}. {row.what}", "", f"{row.figure}", ""]
-        meta = f"`{RESULTS}/{row.headline.file}`: {row.device}, {row.date}, commit {row.commit}"
-        if row.record.get("torch"):
-            meta += f", torch {row.record['torch']}"
-        out += [meta + ".", "", "| value | key path | in the file | shown |", "| --- | --- | --- | --- |"]
-        for name, value in row.headline.values.items():
-            raw, text = row.values[name]
-            label = path_label(value).replace("|", "\\|")
-            out.append(f"| `{name}` | `{label}` | `{json.dumps(raw)}` | {text} |")
-        if row.record.get("command"):
-            out += ["", f"Its command: `{row.record['command']}`."]
-        elif row.record.get("header"):
-            out += ["", f"Its header: `{row.record['header']}`."]
+    seen: set[str] = set()
+    titles = {README: "## The README", CARD: "## The EAGLE head's model card"}
+    for rel, headlines in tables.items():
+        rows = [read(h, root) for h in headlines if h.file not in seen]
+        if not rows:
+            continue
+        out += ["", titles.get(rel, f"## {rel}")]
+        for row in rows:
+            seen.add(row.headline.file)
+            out += _figure_section(row, f"### {len(seen)}. {row.what}")
     return "\n".join(out) + "\n"
 
 
 def rendered(root: Path = ROOT) -> dict[str, str]:
-    """Relative path -> the text it should have: README.md with its block rendered, and the index page."""
-    readme = (root / README).read_text()
-    return {README: with_block(readme, readme_block(root)), INDEX: index_page(root)}
+    """Relative path -> the text it should have: each file of `TABLES` with its block rendered, and the index."""
+    out = {}
+    for rel, headlines in TABLES.items():
+        out[rel] = with_block((root / rel).read_text(), results_block(root, headlines), rel)
+    out[INDEX] = index_page(root)
+    return out
 
 
 def stale(root: Path = ROOT) -> list[str]:

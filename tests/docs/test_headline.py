@@ -1,6 +1,7 @@
-"""The README's results table and docs/results_index.md are what `bench/headline.py` renders from the JSON.
+"""The README's results table, the EAGLE head's evaluation table and docs/results_index.md are what
+`bench/headline.py` renders from the JSON.
 
-Both are rendered again in memory from the result files under bench/results/; a figure typed by hand, a
+All three are rendered again in memory from the result files under bench/results/; a figure typed by hand, a
 result file edited or removed, or a headline changed without `python -m bench.headline` fails here.
 """
 
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from speccycle.bench import headline
-from speccycle.bench.headline import HEADLINES, Headline, Value
+from speccycle.bench.headline import HEADLINES, MODEL_CARD, TABLES, Headline, Value
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_and_results_index_match_the_result_files():
+def test_readme_model_card_and_results_index_match_the_result_files():
     expected = headline.rendered(ROOT)
     for rel, text in expected.items():
         assert (ROOT / rel).read_text() == text, f"{rel} is stale: run `python -m bench.headline`"
@@ -41,8 +42,9 @@ def test_the_readme_table_names_device_date_commit_and_an_existing_file_per_row(
 
 
 def _copy_tree(tmp_path: Path) -> Path:
-    """README.md, the index page and the headline result files, as they are, under ``tmp_path``."""
-    for rel in (headline.README, headline.INDEX, *(f"{headline.RESULTS}/{h.file}" for h in HEADLINES)):
+    """The rendered files and the result files they read, as they are, under ``tmp_path``."""
+    files = {f"{headline.RESULTS}/{h.file}" for h in HEADLINES + MODEL_CARD}
+    for rel in (*TABLES, headline.INDEX, *sorted(files)):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(ROOT / rel, tmp_path / rel)
     return tmp_path
@@ -56,8 +58,11 @@ def test_a_changed_figure_in_a_result_file_makes_both_files_stale(tmp_path):
     record = json.loads(path.read_text())
     record["speedup"] = round(record["speedup"] + 0.5, 3)
     path.write_text(json.dumps(record))
-    assert headline.stale(root) == [headline.README, headline.INDEX]
-    assert f"**{record['speedup']:.3f}x**" in headline.rendered(root)[headline.README]
+    in_tables = [rel for rel, headlines in TABLES.items() if item in headlines]
+    assert headline.README in in_tables
+    assert headline.stale(root) == [*in_tables, headline.INDEX]
+    for rel in in_tables:
+        assert f"**{record['speedup']:.3f}x**" in headline.rendered(root)[rel]
 
 
 def test_a_figure_typed_into_the_readme_table_is_stale(tmp_path):
@@ -94,14 +99,25 @@ def test_a_headline_that_names_a_missing_value_is_refused(tmp_path):
     with pytest.raises(ValueError, match="a template names"):
         headline.read(unnamed, ROOT)
     with pytest.raises(ValueError, match="at most 10"):
-        headline.readme_block(ROOT, HEADLINES + HEADLINES)
+        headline.results_block(ROOT, HEADLINES + HEADLINES)
 
 
 def test_the_readme_block_markers_are_required():
     with pytest.raises(ValueError, match="needs one"):
-        headline.with_block("# no markers\n", headline.readme_block(ROOT))
+        headline.with_block("# no markers\n", headline.results_block(ROOT))
     text = f"before\n{headline.BEGIN}\nold\n{headline.END}\nafter\n"
     assert headline.with_block(text, "NEW") == "before\nNEW\nafter\n"
+
+
+def test_the_model_card_table_is_the_shipped_heads_and_short():
+    card = (ROOT / headline.CARD).read_text()
+    assert card.count(headline.BEGIN) == card.count(headline.END) == 1
+    assert len(card.splitlines()) <= 90, "the EAGLE head's model card stays short: its history is in docs/training.md"
+    evals = [h for h in MODEL_CARD if h.file.startswith("train_draft_eval-")]
+    assert evals, "the model card shows the head's own evaluation"
+    for item in evals:  # every config of the evaluated head, and no other head
+        record = json.loads((ROOT / headline.RESULTS / item.file).read_text())
+        assert list(record["heads"]) == ["s18.eagle"]
 
 
 def test_short_device_names():
