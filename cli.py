@@ -1,5 +1,5 @@
 """The ``speccycle`` command: ``demo`` (the cycle on test models), ``generate`` and ``bench`` (real models),
-``train-draft`` (EAGLE heads by self-distillation)."""
+``train-draft`` (EAGLE heads by self-distillation), ``convert-draft`` (EAGLE-3 heads between layouts)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _load_engine(args: argparse.Namespace, spec):
             device=args.device,
             dtype=dtype,
             layerskip_layers=args.layerskip_layers,
-            eagle_head=args.eagle_head,
+            eagle_head=_eagle_head(args),
             draft_model=args.draft_model,
             fast="auto" if args.fast is None else args.fast,
         )
@@ -97,6 +97,16 @@ def _load_engine(args: argparse.Namespace, spec):
     if engine.tokenizer is None and args.model:  # a Hugging Face folder's tokenizer.json (Engine.load reads a GGUF's)
         engine.tokenizer = load_tokenizer(args.model)
     return engine
+
+
+def _eagle_head(args: argparse.Namespace):
+    """``--eagle-head``, carrying the target's layer count where a published head's config names no feature
+    layers (`eagle_layouts.head_path_for`)."""
+    if args.eagle_head is None:
+        return None
+    from .engine.drafters.eagle_layouts import head_path_for
+
+    return head_path_for(args.eagle_head, args.model)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -248,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pipeline.add_arguments(train)
     train.set_defaults(func=pipeline.run)
+
+    from .engine.drafters import eagle_convert
+
+    convert = sub.add_parser(
+        "convert-draft",
+        help="an EAGLE-3 head from one layout into another (speccycle's file, eagle3: EAGLE/SpecForge/SGLang, "
+        "speculators: vLLM)",
+        description=eagle_convert.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    eagle_convert.add_arguments(convert)
+    convert.set_defaults(func=eagle_convert.convert)
     return parser
 
 

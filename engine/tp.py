@@ -240,7 +240,7 @@ def load_tp_engine(
         if head is None:
             raise ValueError(f"--draft eagle needs an EAGLE head and speccycle ships none for {path.name}: pass one")
     if draft == "eagle" and not isinstance(head, EagleHead):
-        head = EagleHead.load(head, dtype, tp.device)
+        head = EagleHead.load(head, dtype, tp.device, target_layers=config.num_layers)  # a published head too
     small = None
     if draft == "model" and draft_model is not None:
         dconfig, dweights, _ = load_model(draft_model, dtype)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.drafters.eagle import EagleConfig, EagleHead, _shapes, extra_layer_prefix
+from ..engine.drafters.eagle import EagleConfig, EagleHead, _shapes, extra_layer_prefix, normalize_features
 from ..engine.llama import LlamaModel, apply_rope, rope_cos_sin
 
 
@@ -190,7 +190,7 @@ class TrainableEagleHead(nn.Module):
         Step ``s`` output at anchor ``k`` predicts the token at position ``k + s + 2``.
         """
         c = self.config
-        x = F.linear(features, self.w("fc.weight")) if c.version == 3 else features
+        x = F.linear(normalize_features(features, c, self.w), self.w("fc.weight")) if c.version == 3 else features
         keys: list[list[torch.Tensor]] = [[] for _ in range(c.num_layers)]  # per layer, each step's K and V
         values: list[list[torch.Tensor]] = [[] for _ in range(c.num_layers)]
         outs = []

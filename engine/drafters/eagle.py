@@ -16,10 +16,17 @@ A head may stack more layers (``num_layers > 1``, `EagleConfig.num_layers`): lay
 Llama decoder layers over ``[T, H]`` (`llama.DecoderLayer`, weights ``layers.<i>.*`` under Hugging Face's
 names), each with its own layer of the draft cache; ``hidden`` is then the last layer's output.
 
+An EAGLE-3 head may normalize the target's features before ``fc`` (`EagleConfig.feature_norm`): one RMSNorm
+over the ``3H`` concatenation (``concat``: vLLM speculators' ``norm_before_fc``, weight ``feature_norm.weight``)
+or one per feature layer (``per_layer``: EAGLE-3.1's ``fc_norm``, weights ``feature_norm.<i>.weight``).
+
 Weights live in one safetensors file; its metadata key ``speccycle.eagle`` holds the `EagleConfig`
-as JSON, and ``speccycle.eagle.lm_head`` says where the logits come from (``own`` or ``target``).
+as JSON (with ``rope_scaling`` when the RoPE base is scaled, `rope.ScaledRopeBase`), and
+``speccycle.eagle.lm_head`` says where the logits come from (``own`` or ``target``).
 `EagleHead.random` builds one with random weights for tests. ``speccycle.eagle.storage`` (absent in a
 plain file) names a compact storage, ``int8-rowwise`` (`eagle_storage`): ``load`` dequantizes it.
+`EagleHead.load` also reads a head published by the EAGLE repository, SpecForge, SGLang or vLLM's
+``speculators`` (a file or folder with its config.json, `eagle_layouts`), recognized by its keys and config.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ import json
 import os
 from pathlib import Path
 
-import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,107 +44,29 @@ from ..attention import paged_attention, plan_attention, write_kv
 from ..errors import ModelLoadError
 from ..kv_pool import PagedKVPool
 from ..llama import DecoderLayer, LlamaModel, RMSNorm, apply_rope, rope_cos_sin
-from ..weights_gguf import decoder_layer_shapes
+from .eagle_config import (  # noqa: F401  (re-exported: the head's config, file names and shapes live there)
+    FEATURE_NORMS,
+    LM_HEAD_KEY,
+    METADATA_KEY,
+    EagleConfig,
+    _shapes,
+    check_target,
+    config_from_metadata,
+    extra_layer_prefix,
+    feature_norm_shapes,
+    file_metadata,
+    normalize_features,
+)
 from .eagle_storage import PACK_KEY, STORAGE_KEY, STORAGES, pack_state, unpack_state
 
-METADATA_KEY = "speccycle.eagle"
-LM_HEAD_KEY = "speccycle.eagle.lm_head"  # "own" (EAGLE-3's reduced vocabulary) or "target" (the target's norm and head)
 
-
-@attrs.frozen
-class EagleConfig:
-    version: int  # 1 or 3
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    feature_layers: tuple[int, ...] = attrs.field(converter=tuple)  # target residual streams fed to the head
-    # EAGLE-3 only: the size of the head's own LM head, or 0: logits from the target's final norm and LM head
-    draft_vocab_size: int | None = None
-    # decoder layers: the first reads the features (and, EAGLE-3, the embedding); the others are plain Llama layers
-    num_layers: int = 1
-
-    def __attrs_post_init__(self) -> None:
-        if self.version not in (1, 3):
-            raise ValueError(f"EAGLE version {self.version} is not supported: choose 1 or 3")
-        if self.version == 1 and len(self.feature_layers) != 1:
-            raise ValueError("EAGLE-1 reads one feature layer (the target's final-norm input)")
-        if self.version == 3 and len(self.feature_layers) != 3:
-            raise ValueError("EAGLE-3 reads three feature layers")
-        if self.version == 3 and (self.draft_vocab_size is None or self.draft_vocab_size < 0):
-            raise ValueError(
-                "EAGLE-3 needs draft_vocab_size: the size of its own LM head, or 0 for the target's LM head"
-            )
-        if self.num_layers < 1:
-            raise ValueError(f"an EAGLE head has at least one decoder layer, not num_layers={self.num_layers}")
-
-    @property
-    def target_lm_head(self) -> bool:
-        """Logits from the target's final norm and LM head (EAGLE-1; EAGLE-3 with ``draft_vocab_size == 0``)."""
-        return self.version == 1 or self.draft_vocab_size == 0
-
-    @classmethod
-    def for_target(cls, target_config, version: int = 1, draft_vocab_size: int | None = None) -> EagleConfig:
-        architecture = getattr(target_config, "architecture", "llama")
-        if architecture != "llama":
-            raise ValueError(f"EAGLE heads are built for Llama-architecture targets, not {architecture!r}")
-        n = target_config.num_layers
-        layers = (n,) if version == 1 else (2, n // 2, n - 3)  # low, middle, high, as EAGLE-3 picks them
-        return cls(
-            version=version,
-            hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
-            num_heads=target_config.num_heads,
-            num_kv_heads=target_config.num_kv_heads,
-            head_dim=target_config.head_dim,
-            rope_theta=target_config.rope_theta,
-            rms_norm_eps=target_config.rms_norm_eps,
-            feature_layers=layers,
-            draft_vocab_size=draft_vocab_size if version == 3 else None,
-        )
-
-
-def file_metadata(config: EagleConfig) -> dict[str, str]:
-    """The safetensors metadata of a head file: its config, and which LM head its logits come from."""
-    fields = attrs.asdict(config)
-    if config.num_layers == 1:  # one-layer files keep the metadata they had before the field existed
-        del fields["num_layers"]
-    return {METADATA_KEY: json.dumps(fields), LM_HEAD_KEY: "target" if config.target_lm_head else "own"}
-
-
-def extra_layer_prefix(index: int) -> str:
-    """Name prefix of decoder layer ``index >= 1`` (Hugging Face's layer names, as `llama.DecoderLayer` reads)."""
-    return f"layers.{index}."
-
-
-def _shapes(c: EagleConfig) -> dict[str, tuple[int, ...]]:
-    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
-    attn_in = 2 * h if c.version == 3 else h
-    shapes = {
-        "fc.weight": (h, 3 * h) if c.version == 3 else (h, 2 * h),
-        "layer.q_proj.weight": (c.num_heads * d, attn_in),
-        "layer.k_proj.weight": (c.num_kv_heads * d, attn_in),
-        "layer.v_proj.weight": (c.num_kv_heads * d, attn_in),
-        "layer.o_proj.weight": (h, c.num_heads * d),
-        "layer.post_attention_layernorm.weight": (h,),
-        "layer.gate_proj.weight": (i, h),
-        "layer.up_proj.weight": (i, h),
-        "layer.down_proj.weight": (h, i),
-    }
-    if c.version == 1:
-        shapes["layer.input_layernorm.weight"] = (h,)
-    else:
-        shapes.update({"layer.embed_norm.weight": (h,), "layer.hidden_norm.weight": (h,)})
-    for index in range(1, c.num_layers):
-        shapes.update(decoder_layer_shapes(c, extra_layer_prefix(index)))
-    if not c.target_lm_head:
-        shapes.update(
-            {"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h), "draft_to_target": (c.draft_vocab_size,)}
-        )
-    return shapes
+def _owned(tensor: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` on ``device`` in ``dtype``, in memory of its own: a fresh, contiguous allocation even where no
+    conversion was needed. A CPU GEMM's rounding can depend on where its weight starts (a tensor read from a
+    safetensors file sits at the file's offset, not at the allocator's alignment), and a head drafts the same
+    bits however its weights were stored."""
+    out = tensor.to(device=device, dtype=dtype)
+    return out.clone(memory_format=torch.contiguous_format) if out.data_ptr() == tensor.data_ptr() else out.contiguous()
 
 
 class EagleHead(nn.Module):
@@ -159,7 +87,7 @@ class EagleHead(nn.Module):
                 f"EAGLE-{config.version} head weights do not fit its config: missing {missing}, shapes {wrong}"
             )
         self.config, self.dtype = config, dtype
-        w = {k: v.to(device=device, dtype=torch.long if k == "draft_to_target" else dtype) for k, v in weights.items()}
+        w = {k: _owned(v, device, torch.long if k == "draft_to_target" else dtype) for k, v in weights.items()}
         self.fc = nn.Parameter(w["fc.weight"], requires_grad=False)
         self.qkv = nn.Parameter(torch.cat([w[f"layer.{n}_proj.weight"] for n in "qkv"]), requires_grad=False)
         self.o = nn.Parameter(w["layer.o_proj.weight"], requires_grad=False)
@@ -177,10 +105,22 @@ class EagleHead(nn.Module):
         self.extra_layers = nn.ModuleList(
             DecoderLayer(config, w, extra_layer_prefix(index)) for index in range(1, config.num_layers)
         )
+        self.feature_norms = nn.ParameterDict(
+            {
+                name.replace(".", "__"): nn.Parameter(w[name], requires_grad=False)
+                for name in feature_norm_shapes(config)
+            }
+        )
         if not config.target_lm_head:
             self.norm = RMSNorm(w["norm.weight"], eps)
             self.lm_head = nn.Parameter(w["lm_head.weight"], requires_grad=False)
             self.register_buffer("draft_to_target", w["draft_to_target"])
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's input projection: ``features [T, 3H]`` through `EagleConfig.feature_norm` and ``fc``
+        -> ``[T, H]``."""
+        x = normalize_features(features, self.config, lambda name: self.feature_norms[name.replace(".", "__")])
+        return F.linear(x, self.fc)
 
     @classmethod
     def random(cls, config: EagleConfig, seed: int = 0, dtype=torch.float32, device="cpu", target_vocab: int = 0):
@@ -233,6 +173,7 @@ class EagleHead(nn.Module):
                     p + "mlp.down_proj.weight": extra.down_weight,
                 }
             )
+        out.update({name.replace("__", "."): weight for name, weight in self.feature_norms.items()})
         if not c.target_lm_head:
             out.update(
                 {
@@ -257,12 +198,24 @@ class EagleHead(nn.Module):
         save_file(tensors, str(path), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, dtype=torch.float32, device="cpu") -> EagleHead:
+    def load(
+        cls, path: str | os.PathLike, dtype=torch.float32, device="cpu", target_layers: int | None = None
+    ) -> EagleHead:
+        """The head saved at ``path`` by `save`, or published in another layout (`eagle_layouts`: a file or a
+        folder with its config.json, recognized by its keys and config). ``target_layers``: the target's layer
+        count, which resolves the default feature layers of a published head whose config names none (an
+        `eagle_layouts.HeadPath` may carry it instead)."""
         from safetensors import safe_open
 
+        from . import eagle_layouts
+
+        target_layers = eagle_layouts.target_layers_of(path, target_layers)
         path = Path(path)
-        if not path.is_file():
-            raise ModelLoadError(f"no EAGLE head at {path}: pass the path of its .safetensors file")
+        if not path.exists():
+            raise ModelLoadError(f"no EAGLE head at {path}: pass its .safetensors file or its folder")
+        if path.is_dir() or path.suffix != ".safetensors":
+            config, weights = eagle_layouts.read_published(path, target_layers)
+            return cls(config, weights, dtype, device)
         try:
             with safe_open(str(path), framework="pt") as f:
                 metadata = f.metadata() or {}
@@ -270,10 +223,11 @@ class EagleHead(nn.Module):
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(f"{path} is not a readable safetensors file: {err}") from err
         meta = metadata.get(METADATA_KEY)
-        if meta is None:
-            raise ModelLoadError(f"{path} has no '{METADATA_KEY}' metadata: it was not saved by EagleHead.save")
+        if meta is None:  # no speccycle metadata: a published layout, or nothing this reads (which it says)
+            config, weights = eagle_layouts.read_published(path, target_layers, weights)
+            return cls(config, weights, dtype, device)
         weights = unpack_state(weights, metadata.get(STORAGE_KEY), path)  # int8 storage -> float32; else as stored
-        return cls(EagleConfig(**json.loads(meta)), weights, dtype, device)
+        return cls(config_from_metadata(meta, str(path)), weights, dtype, device)
 
     def layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch, kv, extra_kv=()) -> torch.Tensor:
         """The decoder layers. Shapes: ``x [T, H]`` (projected feature), ``embed [T, H]`` -> ``[T, H]``.
@@ -311,12 +265,11 @@ class EagleDraft:
 
     def __init__(self, head: EagleHead, target_model: LlamaModel, pool: PagedKVPool, cache_name: str = "draft"):
         tc, hc = target_model.config, head.config
-        if hc.hidden_size != tc.hidden_size:
-            raise ModelLoadError(f"EAGLE head hidden size {hc.hidden_size} != target's {tc.hidden_size}: not its head")
+        check_target(hc, tc)
         if not hc.target_lm_head and int(head.draft_to_target.max()) >= tc.vocab_size:
             raise ModelLoadError(
-                f"the EAGLE-3 head maps to token id {int(head.draft_to_target.max())}, past the target's "
-                f"vocabulary of {tc.vocab_size}: the draft and target vocabularies do not match"
+                f"the EAGLE-3 head maps to token id {int(head.draft_to_target.max())} (draft_to_target), past the "
+                f"target's vocabulary of {tc.vocab_size}: the draft and target vocabularies do not match"
             )
         if target_model.feature_layers is not None and tuple(target_model.feature_layers) != hc.feature_layers:
             raise ValueError(
@@ -347,7 +300,7 @@ class EagleDraft:
             raise ValueError("an EAGLE draft extend needs the target's features")
         x = target_hidden.to(self.head.dtype)
         if self.head.config.version == 3:
-            x = F.linear(x, self.head.fc)  # [T, 3H] -> [T, H]
+            x = self.head.project(x)  # [T, 3H] -> [T, H]
         return self._run(batch, x)
 
     @torch.inference_mode()
