@@ -6,9 +6,11 @@ tree, in float32; heads written here key by key from the published names (SpecFo
 aux-layer ids, the EAGLE repository's torch file without them, speculators with ``norm_before_fc`` and a
 second layer, EAGLE-3.1 with ``fc_norm`` and two ``midlayer.{i}``) load to the weights they were made from and
 run lossless on SmolLM2; each layout's aux-layer ids map to the residual streams the library's feature layers
-index, and that index is the stream entering a layer; the feature norms compute their formula; a missing key,
+index, and that index is the stream entering a layer; the feature norms compute their formula (and the trainable
+head runs them as the draft does); deeper heads with feature norms round-trip through both layouts; a missing key,
 a wrong shape, a head for another target (hidden size, vocabulary), an EAGLE-1 file and a config without its
-aux layers each give one line naming the key, from the library and from the command.
+aux layers each give one line naming the key, from the library and from the command, as do bad convert-draft
+arguments.
 """
 
 from __future__ import annotations
@@ -498,3 +500,41 @@ def test_eagle1_files_variants_and_folders_without_a_config_are_refused(tmp_path
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no head weights"):
         read_published(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+@pytest.mark.parametrize("norm", [None, "per_layer", "concat"])
+def test_deeper_heads_with_feature_norms_round_trip_through_each_layout(tmp_path, layout, norm):
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, 32), num_layers=3, feature_norm=norm)
+    head = EagleHead.random(config, seed=2, target_vocab=TINY.vocab_size)
+    back = EagleHead.load(write_layout(head, tmp_path / layout, layout, TINY))
+    assert back.config == attrs.evolve(config, target_vocab_size=TINY.vocab_size)
+    for name, value in head.state().items():
+        assert torch.equal(back.state()[name], value), name
+
+
+def test_convert_draft_refuses_bad_arguments_in_one_line(tmp_path, shipped, capsys):
+    path, _ = shipped
+
+    def refused_line(argv, *needles):
+        code = main(["convert-draft", *argv])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("speccycle: error: "), lines
+        assert all(n in lines[0] for n in needles), lines[0]
+
+    refused_line([str(tmp_path / "nothing"), str(tmp_path / "out.safetensors")], "no such file or folder")
+    refused_line([str(path), str(tmp_path / "out.bin")], ".safetensors", "--export")
+    refused_line([str(path), str(tmp_path / "out"), "--export", "eagle3", "--storage", "int8-rowwise"], "--storage")
+    (tmp_path / "file").write_text("")
+    refused_line([str(path), str(tmp_path / "file"), "--export", "speculators"], "writes a folder")
+    refused_line([str(path), str(tmp_path / "out"), "--export", "sglang"], "invalid choice")
+    eagle1 = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=0)
+    eagle1.save(tmp_path / "eagle1.safetensors")
+    model = tmp_path / "tiny"
+    from speccycle.engine.weights_hf import save_hf
+
+    save_hf(model, TINY, random_llama_weights(TINY, seed=0))
+    argv = [str(tmp_path / "eagle1.safetensors"), str(tmp_path / "e1"), "--export", "eagle3", "--model", str(model)]
+    refused_line(argv, "EAGLE-3 heads", "EAGLE-1")  # speccycle's own file holds it:
+    assert main(["convert-draft", argv[0], str(tmp_path / "e1.safetensors"), "--model", str(model)]) == 0
+    assert EagleHead.load(tmp_path / "e1.safetensors").config == eagle1.config
