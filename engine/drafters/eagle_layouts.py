@@ -46,8 +46,10 @@ layouts number the ids of their config differently, and each is read as the engi
 * ``speculators``: the ids are the stream indices vLLM captures (its default ``[2, N/2, N-3]``): feature
   layer = id.
 
-A config without ids reads the reference's ``(2, N/2, N-3)``, which needs the target's layer count ``N``
-(`EagleHead.load`'s ``target_layers``, or a `HeadPath` carrying it). The writers always write the ids.
+Either way ``fc`` reads the three in layer order (SGLang and vLLM append them as their layer loop meets them),
+whatever order the config lists them in. A config without ids reads the reference's ``(2, N/2, N-3)``, which
+needs the target's layer count ``N`` (`EagleHead.load`'s ``target_layers``, or a `HeadPath` carrying it). The
+writers always write the ids.
 
 Refused, each in one line that names the key: a missing or wrongly shaped tensor, a tensor no layout has
 (biases), a ``t2d`` that disagrees with ``d2t``; EAGLE-1 files (``fc [H, 2H]`` with a bias, a first layer
@@ -318,7 +320,8 @@ def _feature_layers(layout: str, raw: dict[str, Any], source: str, target_layers
             f"{source}: eagle_aux_hidden_state_layer_ids {list(ids)} name {len(ids)} layers; EagleHead reads three"
         )
     offset = 1 if layout == "eagle3" else 0  # module docstring: layer outputs vs. the streams entering a layer
-    return tuple(int(i) + offset for i in ids)
+    # SGLang and vLLM append the captured streams as their layer loop meets them: fc reads them in layer order
+    return tuple(sorted(int(i) + offset for i in ids))
 
 
 def _layer_prefix(layout: str, index: int, indexed: bool) -> str:

@@ -538,3 +538,9 @@ def test_convert_draft_refuses_bad_arguments_in_one_line(tmp_path, shipped, caps
     refused_line(argv, "EAGLE-3 heads", "EAGLE-1")  # speccycle's own file holds it:
     assert main(["convert-draft", argv[0], str(tmp_path / "e1.safetensors"), "--model", str(model)]) == 0
     assert EagleHead.load(tmp_path / "e1.safetensors").config == eagle1.config
+
+
+def test_aux_ids_listed_out_of_order_are_read_in_layer_order(tmp_path):
+    """SGLang and vLLM capture the streams as their layer loop meets them, so fc reads them in layer order."""
+    small_eagle3(tmp_path / "eagle3", eagle_config={"eagle_aux_hidden_state_layer_ids": [26, 1, 14]})
+    assert EagleHead.load(tmp_path / "eagle3").config.feature_layers == (2, 15, 27)
