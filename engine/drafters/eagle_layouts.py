@@ -163,8 +163,9 @@ def detect_layout(tensors: dict[str, torch.Tensor], raw: dict[str, Any], source:
             )
         return "speculators"
     fc = tensors.get("fc.weight")
-    if "fc.bias" in tensors or (fc is not None and fc.dim() == 2 and fc.shape[1] == 2 * fc.shape[0]):
-        raise ModelLoadError(f"{source}: fc.weight {_shape(fc)} with fc.bias is an EAGLE-1 head: {_EAGLE1_WHY}")
+    if fc is not None and fc.dim() == 2 and fc.shape[1] == 2 * fc.shape[0]:
+        bias = " with fc.bias" if "fc.bias" in tensors else ""
+        raise ModelLoadError(f"{source}: fc.weight {_shape(fc)}{bias} is an EAGLE-1 head: {_EAGLE1_WHY}")
     if any(k.startswith("midlayer.") for k in tensors):
         model_type = raw.get("model_type", "llama")
         if model_type != "llama":
