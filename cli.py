@@ -73,7 +73,7 @@ def _load_engine(args: argparse.Namespace, spec):
     import torch
 
     from .engine.engine import Engine
-    from .engine.tokenizer_hf import load_tokenizer
+    from .engine.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

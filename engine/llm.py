@@ -28,7 +28,7 @@ import torch
 from ..core.config import SamplingParams
 from .engine import Engine
 from .errors import UsageError
-from .tokenizer_hf import load_tokenizer
+from .tokenizer import load_tokenizer
 
 
 class LLM:

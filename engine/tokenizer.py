@@ -3,27 +3,35 @@
 (SentencePiece vocabularies, ``tokenizer.ggml.model = llama`` as in Gemma 3, live in `tokenizer_spm`;
 `Tokenizer.from_gguf` builds either.)
 
-Encoding follows Hugging Face `tokenizers` step by step, so ids match `transformers` exactly:
+The GGUF's tokens and merges become a Hugging Face `tokenizers` BPE model, run by that library (the one
+transformers uses), so ids match `transformers` exactly:
 
-1. special tokens (GGUF token types CONTROL and USER_DEFINED) are cut out of the text whole;
+1. special tokens (GGUF token types CONTROL, and USER_DEFINED ones, which are cut whatever ``parse_special``
+   says, as llama.cpp and transformers do) are cut out of the text whole, the longest at a position first;
 2. pre-tokenization splits the rest (``tokenizer.ggml.pre`` picks the rules, see `PRE_TOKENIZERS`);
-3. each piece is spelled in GPT-2's byte alphabet (`bytes_to_unicode`) and merged by BPE rank.
+3. each piece is spelled in GPT-2's byte alphabet (`bytes_to_unicode`) and merged by BPE rank (Llama 3's
+   pre-type also takes a piece that is a whole token as it is, ``ignore_merges``, as its tokenizer.json does).
 
 Decoding maps ids back to bytes and UTF-8 decodes them; `tokenizer_base.StreamDecoder` does that
 incrementally so a character split across tokens is emitted once it is whole. `apply_chat_template`
 (`tokenizer_base.BaseTokenizer`) renders the GGUF's Jinja chat template the way `transformers` does and
-encodes the result.
+encodes the result. The same tokenizer, written as a ``tokenizer.json``, is what a Hugging Face folder
+exported from the GGUF carries (`save_tokenizer_files`). `load_tokenizer` gives a model path's tokenizer: a
+GGUF file's, or a Hugging Face folder's (`tokenizer_hf.HFTokenizer`).
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from .errors import TokenizerError
 from .gguf_file import GGUFFile
 from .tokenizer_base import BaseTokenizer
+from .tokenizer_hf import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, HFTokenizer, bytes_to_unicode, tokenizers_library
 from .tokenizer_spm import SentencePieceTokenizer
 
 _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -46,20 +54,7 @@ PRE_TOKENIZERS: dict[str, tuple[bool, str]] = {
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-@functools.cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: every byte as a printable character (printable Latin-1 bytes map to themselves)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-class Tokenizer(BaseTokenizer):
+class Tokenizer(HFTokenizer):
     """Byte-level BPE: ``encode(text) -> ids``, ``decode(ids) -> text``, ``apply_chat_template(messages)``."""
 
     def __init__(
@@ -73,46 +68,15 @@ class Tokenizer(BaseTokenizer):
         chat_template: str | None = None,
         add_bos_token: bool = False,
     ) -> None:
-        import regex
-
-        if pre_tokenizer not in PRE_TOKENIZERS:
-            raise TokenizerError(
-                f"pre-tokenizer {pre_tokenizer!r} (tokenizer.ggml.pre) is not supported; supported: "
-                f"{', '.join(sorted(PRE_TOKENIZERS))}"
-            )
-        split_digits, pattern = PRE_TOKENIZERS[pre_tokenizer]
-        self._split = regex.compile(pattern)
-        self._digits = regex.compile(r"(\p{N})") if split_digits else None
-        alphabet = bytes_to_unicode()
-        byte_of = {char: byte for byte, char in alphabet.items()}
-        self._alphabet = alphabet
-        self.vocab: dict[str, int] = {}
-        self._token_bytes: list[bytes] = []
-        for index, token in enumerate(tokens):
-            if all(char in byte_of for char in token):
-                spelled, raw = token, bytes(byte_of[char] for char in token)
-            else:  # not byte-level spelled (some added tokens): spell its UTF-8 bytes, as transformers does
-                raw = token.encode("utf-8")
-                spelled = "".join(alphabet[b] for b in raw)
-            self.vocab.setdefault(spelled, index)
-            self._token_bytes.append(raw)
-        self.merge_ranks: dict[tuple[str, str], int] = {}
-        for rank, merge in enumerate(merges):
-            left, _, right = merge.partition(" ")
-            self.merge_ranks.setdefault((left, right), rank)
         types = list(token_types) if token_types is not None else [1] * len(tokens)
-        self.special_ids = {i for i, t in enumerate(types) if t == _CONTROL and tokens[i]}
-        specials = {tokens[i]: i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED) and tokens[i]}
-        self.special_tokens = specials
-        # Longest first: at one start position the longest special token wins (leftmost-longest).
-        alternatives = sorted(specials, key=len, reverse=True)
-        self._special_split = (
-            regex.compile("(" + "|".join(regex.escape(t) for t in alternatives) + ")") if specials else None
-        )
-        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
-        self.chat_template = chat_template
-        self.add_bos_token = add_bos_token
-        self._cache: dict[str, tuple[int, ...]] = {}
+        backend = byte_level_backend(tokens, merges, types, pre_tokenizer, bos_token_id if add_bos_token else None)
+        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        token_bytes = [
+            bytes(byte_of[char] for char in token) if all(char in byte_of for char in token) else token.encode("utf-8")
+            for token in tokens
+        ]
+        control = {i for i, t in enumerate(types) if t == _CONTROL and tokens[i]}
+        super().__init__(backend, bos_token_id, eos_token_id, chat_template, token_bytes, control)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike | GGUFFile, pre_tokenizer: str | None = None) -> BaseTokenizer:
@@ -149,62 +113,94 @@ class Tokenizer(BaseTokenizer):
             add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", False)),
         )
 
-    # ---- encode --------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids of ``text``. ``parse_special``: special-token strings in the text become their ids.
 
-        ``add_special_tokens`` prepends BOS when the model asks for it (``add_bos_token``), like transformers.
-        """
-        ids: list[int] = []
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            ids.append(self.bos_token_id)
-        pieces = self._special_split.split(text) if (parse_special and self._special_split) else [text]
-        for i, piece in enumerate(pieces):
-            if i % 2 == 1:  # a captured special token
-                ids.append(self.special_tokens[piece])
-            elif piece:
-                for word in self.pre_tokenize(piece):
-                    ids.extend(self._bpe(word))
-        return ids
+def byte_level_backend(
+    tokens: Sequence[str],
+    merges: Sequence[str],
+    token_types: Sequence[int],
+    pre_tokenizer: str = "gpt2",
+    bos_token_id: int | None = None,
+) -> Any:
+    """The `tokenizers.Tokenizer` of a byte-level BPE vocabulary: ``tokens`` (their GGUF spelling), ``merges``
+    (``"left right"``, best first), CONTROL tokens as special added tokens and USER_DEFINED ones as plain
+    added tokens, the pre-tokenizer ``pre_tokenizer`` names (`PRE_TOKENIZERS`), ``bos_token_id`` (if not None)
+    prepended by the post-processor."""
+    if pre_tokenizer not in PRE_TOKENIZERS:
+        raise TokenizerError(
+            f"pre-tokenizer {pre_tokenizer!r} (tokenizer.ggml.pre) is not supported; supported: "
+            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    tokenizers = tokenizers_library()
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-    def pre_tokenize(self, text: str) -> list[str]:
-        """The pieces BPE runs on (plain text, not yet byte-spelled)."""
-        segments = self._digits.split(text) if self._digits is not None else [text]
-        words: list[str] = []
-        for i, segment in enumerate(segments):
-            if self._digits is not None and i % 2 == 1:
-                words.append(segment)
-            elif segment:
-                words.extend(self._split.findall(segment))
-        return words
+    split_digits, pattern = PRE_TOKENIZERS[pre_tokenizer]
+    alphabet = bytes_to_unicode()
+    byte_of = {char: byte for byte, char in alphabet.items()}
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        if not all(char in byte_of for char in token):  # not byte-level spelled (some added tokens): spell its bytes
+            token = "".join(alphabet[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, index)
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    llama3 = pattern == _LLAMA3_SPLIT
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=llama3))
+    except Exception as error:  # the library raises plain Exception, e.g. for a merge of unknown tokens
+        raise TokenizerError(f"the byte-level BPE vocabulary does not build: {error}") from error
+    if llama3:  # Llama 3's own split, then the byte alphabet without GPT-2's regex
+        steps = [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    else:
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        if split_digits:
+            steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    added = [(t, kind == _CONTROL) for t, kind in zip(tokens, token_types) if kind in (_CONTROL, _USER_DEFINED) and t]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, control in added if control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, control in added if not control])
+    if bos_token_id is not None:
+        text = tokens[bos_token_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{text} $A", pair=f"{text} $A {text}:1 $B:1", special_tokens=[(text, int(bos_token_id))]
+        )
+    return backend
 
-    def _bpe(self, word: str) -> tuple[int, ...]:
-        cached = self._cache.get(word)
-        if cached is not None:
-            return cached
-        symbols = [self._alphabet[b] for b in word.encode("utf-8")]
-        ranks = self.merge_ranks
-        while len(symbols) > 1:
-            best_rank, best = None, None
-            for pair in zip(symbols, symbols[1:]):
-                rank = ranks.get(pair)
-                if rank is not None and (best_rank is None or rank < best_rank):
-                    best_rank, best = rank, pair
-            if best is None:
-                break
-            merged, i = [], 0
-            while i < len(symbols):  # merge every occurrence of the best pair, left to right
-                if i + 1 < len(symbols) and symbols[i] == best[0] and symbols[i + 1] == best[1]:
-                    merged.append(best[0] + best[1])
-                    i += 2
-                else:
-                    merged.append(symbols[i])
-                    i += 1
-            symbols = merged
-        try:
-            ids = tuple(self.vocab[s] for s in symbols)
-        except KeyError as error:
-            raise TokenizerError(f"BPE produced {error.args[0]!r}, which is not in the vocabulary") from error
-        if len(self._cache) < 200_000:
-            self._cache[word] = ids
-        return ids
+
+def save_tokenizer_files(path: str | os.PathLike | GGUFFile, directory: str | os.PathLike) -> Path:
+    """Write a GGUF's tokenizer as a Hugging Face folder's ``tokenizer.json`` (`Tokenizer.from_gguf`'s backend)
+    and ``tokenizer_config.json`` (its chat template, BOS/EOS/unknown/padding tokens): what
+    `tokenizer_hf.HFTokenizer.from_folder` and transformers' ``AutoTokenizer`` read."""
+    gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    tokenizer = Tokenizer.from_gguf(gguf)
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(directory / TOKENIZER_FILE))
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token_id = gguf.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{name}_token"] = tokens[int(token_id)]
+    config["add_bos_token"] = tokenizer.add_bos_token
+    context = gguf.get(f"{gguf.get('general.architecture')}.context_length")
+    if context:
+        config["model_max_length"] = int(context)
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
+    (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return directory
+
+
+def load_tokenizer(path: str | os.PathLike) -> BaseTokenizer | None:
+    """The tokenizer of a model path: a GGUF file's own (`Tokenizer.from_gguf`), a Hugging Face folder's
+    (`tokenizer_hf.HFTokenizer.from_folder`); None for a folder without ``tokenizer.json`` or a file that is
+    not GGUF."""
+    path = Path(path)
+    if path.is_dir():
+        return HFTokenizer.from_folder(path) if (path / TOKENIZER_FILE).is_file() else None
+    if path.suffix != ".gguf":
+        return None
+    return Tokenizer.from_gguf(path)

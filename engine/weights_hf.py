@@ -3,8 +3,8 @@
 The tensor names are Hugging Face's own, the same names `weights_gguf.load_gguf` produces, so both
 loaders feed `LlamaModel` the same dict. `save_hf` writes a directory that `load_hf` and
 `transformers.AutoModelForCausalLM.from_pretrained` both read; `export_gguf_to_hf` adds a GGUF's tokenizer
-files (`tokenizer_hf`), so the folder runs end to end. EOS ids come from ``generation_config.json`` when it
-has them (as in transformers), else from ``config.json``.
+files (`tokenizer.save_tokenizer_files`), so the folder runs end to end. EOS ids come from
+``generation_config.json`` when it has them (as in transformers), else from ``config.json``.
 
     config, weights = load_hf("path/to/SmolLM2-135M-Instruct", dtype=torch.float32)
 """
@@ -279,9 +279,9 @@ def export_gguf_to_hf(
     path: str | os.PathLike, directory: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> Path:
     """A GGUF model as a Hugging Face folder: `save_hf`'s files (weights dequantized to ``dtype``) plus its
-    tokenizer's (`tokenizer_hf.save_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json`` with the
+    tokenizer's (`tokenizer.save_tokenizer_files`: ``tokenizer.json``, ``tokenizer_config.json`` with the
     chat template). `load_hf`, the engine's ``--model`` and transformers read the folder."""
-    from .tokenizer_hf import save_tokenizer_files
+    from .tokenizer import save_tokenizer_files
     from .weights_gguf import load_gguf
 
     config, weights = load_gguf(path, dtype=dtype)

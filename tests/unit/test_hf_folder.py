@@ -10,13 +10,11 @@ import json
 import pytest
 from speccycle.cli import main
 from speccycle.engine import LLM
-from speccycle.engine.errors import TokenizerError
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.tokenizer_hf import HFTokenizer, load_tokenizer
+from speccycle.engine.errors import ModelLoadError, TokenizerError
+from speccycle.engine.tokenizer import Tokenizer, load_tokenizer, save_tokenizer_files
+from speccycle.engine.tokenizer_hf import HFTokenizer
 from speccycle.engine.weights_hf import export_gguf_to_hf, generation_eos_ids, load_hf
 from speccycle.testing.prompts import one_prompt_of, spec_bench_prompts
-
-tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package (a dependency) is not installed")
 
 NEW = 12
 CATEGORIES = ("writing", "math", "qa")
@@ -70,6 +68,25 @@ def test_folder_generates_the_gguf_tokens(folder, model_path, capsys):
     argv = ["generate", prompts[0], "--model", str(folder), "--draft", "ngram", "--device", "cpu"]
     assert main([*argv, "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == from_gguf.generate(prompts[0], max_new_tokens=NEW) + "\n"
+
+
+@pytest.mark.slow
+def test_a_sentencepiece_gguf_exports_its_tokenizer(tmp_path):
+    """Gemma 3's SentencePiece vocabulary written as tokenizer.json reads back to the same ids, bytes and chat."""
+    from speccycle.engine.models import gemma3_270m_path
+
+    try:
+        path = gemma3_270m_path()
+    except ModelLoadError as error:
+        pytest.skip(str(error))
+    gguf, hf = Tokenizer.from_gguf(path), HFTokenizer.from_folder(save_tokenizer_files(path, tmp_path))
+    assert hf._token_bytes == gguf._token_bytes and hf.special_ids == gguf.special_ids
+    assert (hf.bos_token_id, hf.eos_token_id, hf.add_bos_token) == (gguf.bos_token_id, gguf.eos_token_id, True)
+    for text in [*one_prompt_of(CATEGORIES), " " * 40 + "x", "<start_of_turn>user\n  x\t<end_of_turn>", "é中文🙂"]:
+        for parse_special in (True, False):
+            assert hf.encode(text, parse_special=parse_special) == gguf.encode(text, parse_special=parse_special)
+        messages = [{"role": "user", "content": text}]
+        assert hf.apply_chat_template(messages) == gguf.apply_chat_template(messages)
 
 
 # ---- the folder readers, on small files -----------------------------------------------------------------------
