@@ -263,7 +263,9 @@ def test_fast_engine_is_lossless(weights, draft, spec):
     ar = engine.generate_autoregressive(prompts, 16)
     results, stats = engine.generate(prompts, 16, checked=True)
     assert [list(r.output) for r in results] == ar
-    if draft != "ngram":  # the draft loop ran over the padded static buffers
+    if draft == "eagle":  # the static executor ran the cycles, checked (`statemachine.static`)
+        assert engine.fused_cycles is not None and engine.fused_cycles.run_s > 0
+    elif draft != "ngram":  # the draft loop ran over the padded static buffers
         assert engine.draft.level_runs > 0
     assert pool.num_free_pages == pool.num_pages
     reference = Engine(LlamaModel(TINY, weights), PagedKVPool(num_pages=512, page_size=1), None, SpecConfig())

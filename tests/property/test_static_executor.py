@@ -1,0 +1,178 @@
+"""The static executor (`statemachine.static`) against the eager table, on the real model, in checked mode.
+
+Random configs (S 1..5, K 1..3, N within bounds), batches of one to three prompts, a token budget that cuts
+runs mid-cycle and stop tokens drawn from the reply: the executor runs the fused cycles on a CPU (the graphed
+executor's rows, eagerly), with every boundary of every cycle validated (`StaticExecutor.check`), and the
+eager table (`runner.generate`, checked) runs the same batch. Held equal: every request's output and finish
+reason, the committed count of every cycle, and the pages (all back in the pool). The steps the executor ran
+are the table's rows for the config once its fusions are expanded, and a fault put into the fused op's torch
+twin (the bonus read one row late, a KV move kept past the committed run) is caught by checked mode.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from speccycle.backends.cuda import cycle as cycle_ops
+from speccycle.core import Admitted, Ports, Ready, Request, SamplingParams, SpecConfig
+from speccycle.core.config import max_tree_nodes
+from speccycle.engine.engine import Engine
+from speccycle.engine.fused_cycle import FusedCycles
+from speccycle.engine.models import default_model_path
+from speccycle.statemachine import runner
+from speccycle.statemachine.checks import InvariantViolation
+from speccycle.statemachine.static import expand
+from speccycle.statemachine.table import TABLE
+
+MESSAGES = ("Write a haiku about KV caches.", "List three prime numbers.", "Name three colors.")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        path = default_model_path()
+    except Exception as error:  # the model package is missing: the install command is in the message
+        pytest.skip(str(error))
+    spec = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8, page_size=16)
+    built = Engine.load(path, draft="eagle", spec=spec, dtype=torch.float32, fast=True, kv_tokens=4096)
+    assert built.fused_cycles is not None
+    return built
+
+
+@st.composite
+def configs(draw) -> SpecConfig:
+    steps, topk = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    n = steps + 1 if topk == 1 else draw(st.integers(2, min(1 + max_tree_nodes(steps, topk), 12)))
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n, page_size=16)
+
+
+def _requests(engine, count: int, max_new: int, stops: tuple[int, ...]) -> list[Request]:
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=stops)
+    return [Request(1000 + i, tuple(engine.chat_prompt(m)), params) for i, m in enumerate(MESSAGES[:count])]
+
+
+def _eager(engine, config, requests):
+    """The table's own run: every request's result and each cycle's committed counts."""
+    ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
+    counts: dict[int, list[int]] = {r.request_id: [] for r in requests}
+
+    record = runner.run_cycle(Admitted(config=config, requests=tuple(requests)), ports, engine.backend, checked=True)
+    done = {r.request_id: r for r in record.retired}
+    while record.requests:
+        before = {r.request_id: len(r.output) for r in record.requests}
+        record = runner.run_cycle(record, ports, engine.backend, checked=True)
+        for r in record.requests + record.retired:
+            if r.request_id in before:
+                counts[r.request_id].append(len(r.output) - before[r.request_id])
+        done.update({r.request_id: r for r in record.retired})
+    return [done[r.request_id] for r in requests], [tuple(counts[r.request_id]) for r in requests]
+
+
+def _static(engine, config, requests, fused: FusedCycles):
+    """The static executor's run from the table's prefill and first extend, in checked mode, retired by the table."""
+    ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
+    ready = runner.run_cycle(Admitted(config=config, requests=tuple(requests)), ports, engine.backend, checked=True)
+    stops = requests[0].sampling.stop_token_ids
+    run = fused.run(ready, requests[0].sampling.max_new_tokens, stops, checked=True)
+    done = {r.request_id: r for r in ready.retired}  # a request the prefill finished left before the cycles
+    if run.final.requests:
+        record = runner.step(run.final, ports, engine.backend, event="retire", checked=True)
+        done.update({r.request_id: r for r in record.retired})
+    counts = {r.request_id: lens for r, lens in zip(run.final.requests, run.accept_lens)}
+    return [done[r.request_id] for r in requests], [counts.get(r.request_id, ()) for r in requests], run
+
+
+def _fused(engine, config) -> FusedCycles:
+    return FusedCycles(engine.target, engine.draft, engine.pool, config, engine.fused_cycles.options)
+
+
+# each example runs the real model twice (about a second a cycle on two CPU cores, both runs checked): a dozen
+# examples, shrinking included, keep it near a minute
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(config=configs(), count=st.integers(1, 3), max_new=st.integers(1, 14), stop_at=st.integers(-1, 12))
+def test_the_static_executor_commits_what_the_table_commits(engine, config, count, max_new, stop_at):
+    free = engine.pool.num_free_pages
+    ar = engine.generate_autoregressive([engine.chat_prompt(MESSAGES[0])], 14)[0]
+    stops = (ar[stop_at],) if stop_at >= 0 else ()  # a token the first reply reaches: its run is cut there
+    ref, ref_counts = _eager(engine, config, _requests(engine, count, max_new, stops))
+    assert engine.pool.num_free_pages == free
+    got, got_counts, run = _static(engine, config, _requests(engine, count, max_new, stops), _fused(engine, config))
+    assert engine.pool.num_free_pages == free
+    for g, r in zip(got, ref):
+        assert (g.output, g.finish_reason) == (r.output, r.finish_reason)
+    assert [tuple(c) for c in got_counts] == ref_counts
+
+
+def _one_cycle_rows(engine, config) -> tuple:
+    """The rows the eager runner takes from a `Ready` record to the next one (`runner.select`)."""
+    ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
+    requests = _requests(engine, 1, 8, ())
+    record = runner.run_cycle(Admitted(config=config, requests=tuple(requests)), ports, engine.backend)
+    rows = []
+    try:
+        while True:
+            row = runner.select(record, ports)
+            rows.append(row)
+            record = runner.step(record, ports, engine.backend)
+            if isinstance(record, Ready):
+                return tuple(rows)
+    finally:
+        engine.pool.free(requests[0].request_id)
+
+
+@pytest.mark.parametrize("config", [SpecConfig(num_steps=3, page_size=16), SpecConfig(4, 2, 8, page_size=16)])
+def test_the_executor_runs_the_tables_rows(engine, config):
+    """The steps a static cycle ran, its fusions expanded, are the rows the eager runner takes for the config."""
+    fused = _fused(engine, config)
+    _static(engine, config, _requests(engine, 1, 8, ()), fused)
+    assert fused.steps and expand(fused.steps) == _one_cycle_rows(engine, config)
+    assert all(row in TABLE for row in expand(fused.steps))
+
+
+def _mutated_twin(old: str, new: str):
+    """`accept_commit_torch` with one line of its source changed (a mutant of the fused op's twin)."""
+    source = inspect.getsource(cycle_ops.accept_commit_torch)
+    assert old in source, old
+    scope = dict(vars(cycle_ops))
+    exec(compile(source.replace(old, new), cycle_ops.__file__, "exec"), scope)
+    return scope["accept_commit_torch"]
+
+
+MUTANTS = {
+    # the next root read one row past the committed run (the bonus at the wrong stride)
+    "bonus stride": (
+        "committed.gather(1, (keep - 1).clamp(min=0)[:, None])",
+        "committed.gather(1, keep.clamp(max=W - 1)[:, None])",
+        6,
+    ),
+    # a tree's KV moves sized by the walk's run, past the rows the cut committed
+    "move bound": ("moves = kept & (rows != width[None])", "moves = (rows != width[None])", 7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_checked_mode_catches_a_fault_in_the_fused_twin(engine, monkeypatch, name):
+    old, new, number = MUTANTS[name]
+    config = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8, page_size=16)
+    fused = _fused(engine, config)
+    fused.kernels = False  # the torch twins run, the mutant among them
+    monkeypatch.setattr(cycle_ops, "accept_commit_torch", _mutated_twin(old, new))
+    free = engine.pool.num_free_pages
+    requests = _requests(engine, 2, 12, ())
+    with pytest.raises(InvariantViolation) as caught:
+        _static(engine, config, requests, fused)
+    assert caught.value.number == number
+    for r in requests:  # the failed run's pages go back as an engine's would
+        if engine.pool.pages_held(r.request_id):
+            engine.pool.free(r.request_id)
+    assert engine.pool.num_free_pages == free
+    monkeypatch.undo()
+    got, _, _ = _static(engine, config, _requests(engine, 2, 12, ()), fused)  # the real twin passes
+    assert all(attrs.has(type(r)) and r.finish_reason == "length" for r in got)
