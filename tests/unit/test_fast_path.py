@@ -595,9 +595,20 @@ def test_two_layer_eagle3_head_on_cuda(weights, spec):
     engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
     assert len(engine.draft.extra_kv) == 1
     ar = engine.generate_autoregressive(prompts, 16)
-    results, stats = engine.generate(prompts, 16, checked=True)
+    results, stats = engine.generate(prompts, 16, checked=True)  # every boundary of every replay validated
     assert [list(r.output) for r in results] == ar and stats.verifies > 0
     assert pool.num_free_pages == pool.num_pages
+    # the graphs captured the table's rows for the config (the accept_commit fusion standing for three)
+    from speccycle.statemachine import transitions as t
+    from speccycle.statemachine.static import expand
+    from speccycle.statemachine.table import TABLE
+
+    fused = engine.fused_cycles
+    assert fused.use_graphs and fused.replays > 0
+    want = tuple(next(r for r in TABLE if r.run is f) for f in (t.draft_tree, t.verify, t.accept, t.compact))
+    assert expand(fused.steps) == want + (next(r for r in TABLE if r.run is t.draft_extend),)
+    results, _ = engine.generate(prompts, 16)  # unchecked: the same graphs, the same output
+    assert [list(r.output) for r in results] == ar
 
 
 def test_an_unknown_blas_library_is_refused_with_the_choices(weights, monkeypatch):
