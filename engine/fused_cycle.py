@@ -226,6 +226,7 @@ class FusedCycles:
                 for i in range(max_cycles):
                     if self.use_graphs:
                         bt.graphs[i % 2].replay()
+                        self.replays += 1
                         boundaries = bt.captured[i % 2]
                     else:
                         boundaries = self._cycle(bt, i % 2, bound, requests)
