@@ -73,7 +73,6 @@ def _load_engine(args: argparse.Namespace, spec):
     import torch
 
     from .engine.engine import Engine
-    from .engine.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,8 +93,6 @@ def _load_engine(args: argparse.Namespace, spec):
         raise
     except ValueError as err:  # `Engine.load` refuses a combination of the options given (a draft the model can't use)
         raise UsageError(str(err)) from err
-    if engine.tokenizer is None and args.model:  # a Hugging Face folder's tokenizer.json (Engine.load reads a GGUF's)
-        engine.tokenizer = load_tokenizer(args.model)
     return engine
 
 

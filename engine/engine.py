@@ -408,13 +408,11 @@ def _sampling_for(sampling: SamplingParams, engine_params: SamplingParams, index
 
 
 def _tokenizer(path: Path):
-    if path.is_dir() or path.suffix != ".gguf":
-        return None
-    try:
-        from .tokenizer import Tokenizer
-    except ImportError:
-        return None
-    return Tokenizer.from_gguf(path)
+    """A GGUF file's tokenizer, or a Hugging Face folder's ``tokenizer.json`` (`tokenizer.load_tokenizer`); None
+    for a model without one."""
+    from .tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def eagle_head_for(engine_or_config, version: int = 1, seed: int = 0, draft_vocab_size: int | None = None) -> EagleHead:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..core.ports import DraftCapabilities, ForwardBatch, ModelOutput, StaticForwards
 from .drafters.eagle import EagleDraft
+from .drafters.eagle_config import normalize_features
 from .drafters.layerskip import LlamaDraft
 from .fused_cycle import FusedCycles
 from .graphs import (
@@ -232,7 +233,7 @@ def _eagle_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_t
         attn_in, norm_weight = x, head.input_norm.weight  # normed in the QKV kernel
     else:
         if from_target:
-            x = ops.linear(x, head.fc)  # [T, 3H] -> [T, H]
+            x = ops.linear(_fc_input(head, x), head.fc)  # [T, 3H] -> [T, H]
         attn_in = torch.cat(
             [ops.rms_norm(embed, head.embed_norm.weight, eps), ops.rms_norm(x, head.hidden_norm.weight, eps)], -1
         )
@@ -271,6 +272,14 @@ def fold_head_weights(head) -> torch.Tensor:
     return folded
 
 
+def _fc_input(head, features: torch.Tensor) -> torch.Tensor:
+    """The target features as ``fc`` reads them: through a published head's feature norms (EAGLE-3.1's per-layer
+    ``fc_norm``, speculators' ``norm_before_fc``: `EagleConfig.feature_norm`), unchanged without one."""
+    if head.config.feature_norm is None:
+        return features
+    return normalize_features(features, head.config, lambda name: head.feature_norms[name.replace(".", "__")])
+
+
 def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_target: bool) -> torch.Tensor:
     """The EAGLE-3 head's layer with `FoldedNormOps`: one kernel for the embedding, the two input norms and
     their concatenation (`kernels.eagle_input_triton`, which also copies the residual stream), the O and
@@ -281,7 +290,7 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     c = head.config
     rows, eps = inputs.input_ids.shape[0], c.rms_norm_eps
     if from_target:
-        x = _linear(ops, x, w.fc)  # [T, 3H] -> [T, H]
+        x = _linear(ops, _fc_input(head, x), w.fc)  # [T, 3H] -> [T, H]
     attn_in, residual = ops.eagle_input(inputs.input_ids, target.embed_weight, x, head.embed_norm.weight,
                                         head.hidden_norm.weight, eps)  # fmt: skip
     k_cache, v_cache = draft.kv

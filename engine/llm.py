@@ -28,7 +28,6 @@ import torch
 from ..core.config import SamplingParams
 from .engine import Engine
 from .errors import UsageError
-from .tokenizer import load_tokenizer
 
 
 class LLM:
@@ -53,8 +52,6 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
         engine_options.setdefault("fast", "auto")
         self.engine = Engine.load(model, draft=draft, device=device, dtype=dtype, **engine_options)
-        if self.engine.tokenizer is None and model is not None:  # a Hugging Face folder's tokenizer.json
-            self.engine.tokenizer = load_tokenizer(model)
         if self.engine.tokenizer is None:
             raise UsageError("this model has no tokenizer in its file: use generate_ids with token ids")
 

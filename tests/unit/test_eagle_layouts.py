@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from speccycle.cli import main
-from speccycle.core import SpecConfig
+from speccycle.core import Admitted, Ports, Request, SpecConfig
 from speccycle.engine.drafters import eagle_heads
 from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead, check_target
 from speccycle.engine.drafters.eagle_layouts import HeadPath, head_path_for, read_published, write_layout
@@ -33,6 +33,7 @@ from speccycle.engine.greedy import extend_batch
 from speccycle.engine.kv_pool import PagedKVPool
 from speccycle.engine.llama import LlamaModel, random_llama_weights
 from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.statemachine import run_cycle
 
 NEW_TOKENS = 12
 CHAIN = SpecConfig(num_steps=3, topk=1, page_size=16)
@@ -544,3 +545,33 @@ def test_aux_ids_listed_out_of_order_are_read_in_layer_order(tmp_path):
     """SGLang and vLLM capture the streams as their layer loop meets them, so fc reads them in layer order."""
     small_eagle3(tmp_path / "eagle3", eagle_config={"eagle_aux_hidden_state_layer_ids": [26, 1, 14]})
     assert EagleHead.load(tmp_path / "eagle3").config.feature_layers == (2, 15, 27)
+
+
+@pytest.mark.parametrize("norm", ["per_layer", "concat"])
+def test_the_fast_path_applies_a_published_heads_feature_norm(norm):
+    """The fast path's EAGLE-3 layer (`fast._eagle_layer`, `_folded_eagle3_layer`) reads the features through the
+    head's feature norm as the reference draft does: the draft extend's depth-1 top-K after a prefill agree
+    (the norm's weights far from 1, so skipping it would move them)."""
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, 32), feature_norm=norm)
+    head = EagleHead.random(config, seed=4, target_vocab=TINY.vocab_size)
+    gen = torch.Generator().manual_seed(11)
+    state = {
+        k: (0.2 + 3 * torch.rand(v.shape, generator=gen)) if "feature" in k else v for k, v in head.state().items()
+    }
+    head = EagleHead(config, state)
+    weights = random_llama_weights(TINY, seed=3, scale=0.08)
+    prompt = (1, 40, 41, 300, 7, 9, 12, 5, 77)
+    tops = []
+    for fast in (False, True):
+        model = LlamaModel(TINY, weights, feature_layers=config.feature_layers)
+        pool = PagedKVPool(num_pages=64, page_size=16)
+        engine = Engine(
+            model, pool, lambda e, m=model, p=pool: EagleDraft(head, m, p), SpecConfig(3, 4, 8, 16), fast=fast
+        )
+
+        ports = Ports(target=engine.target, draft=engine.draft, kv_pool=pool)
+        ready = run_cycle(Admitted(config=engine.spec, requests=(Request(0, prompt),)), ports, engine.backend)
+        tops.append((ready.topk_index.clone(), ready.topk_p.clone()))
+    (ref_index, ref_p), (fast_index, fast_p) = tops
+    assert torch.equal(fast_index, ref_index)
+    torch.testing.assert_close(fast_p, ref_p, rtol=1e-4, atol=1e-5)
