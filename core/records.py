@@ -81,9 +81,9 @@ class OutputLog:
     """A batch's committed tokens on its device, for executors that commit without a host copy.
 
     Every record of one run shares ``tokens``, ``accepted``, ``max_new`` and ``stops``; the others are the
-    record's own (a cycle reads one set and writes the next). Request ``b``'s output is
-    ``tokens[b, :lengths[b]]``: the output it had when the log began, then every cycle's commit. ``O`` the
-    longest output, ``C`` the most cycles, ``X`` stop ids.
+    record's own (a cycle reads one set and writes the next). Request ``b``'s output is its `Request.output`
+    (the record's requests are the host's view as of the log's start) followed by ``tokens[b, :lengths[b]]``.
+    ``O`` the most tokens a log takes, ``C`` the most cycles, ``X`` stop ids.
     """
 
     tokens: torch.Tensor  # [bs, O + 1] int64; column O takes the masked writes
@@ -92,7 +92,7 @@ class OutputLog:
     all_done: torch.Tensor  # [1] bool
     cycle: torch.Tensor  # [1] int64: cycles run since the log began
     accepted: torch.Tensor  # [C + 1, bs] int64: tokens cycle c committed (0 once done)
-    max_new: torch.Tensor  # [bs] int64: output length at which a request finishes
+    max_new: torch.Tensor  # [bs] int64: log length at which a request finishes (its remaining max_new_tokens)
     stops: torch.Tensor  # [X] int64: stop token ids, -1 padded
 
 

@@ -38,8 +38,9 @@ from ..backends.registry import get_backend
 from ..core.config import SpecConfig
 from ..core.ports import Ports
 from ..core.records import Compacted, Ready
-from ..statemachine.static import Boundary, StaticExecutor, accepted_counts, materialize
+from ..statemachine.static import Boundary, StaticExecutor, accepted_counts, materialize, materialize_ready
 from ..statemachine.static_rows import MAX_STOPS, CycleBuffers
+from ..statemachine.transitions import reserve
 from .graphs import GraphPool, bucket
 
 # Cycles the host launches ahead of the one whose "all done" flag it waits for. One is enough to keep the GPU
@@ -112,6 +113,15 @@ class FusedCycles:
         (`fast.accelerate` builds them for one). What the table's `accept_commit` fusion covers."""
         plain = sampling is None or (sampling.greedy and not sampling.logprobs and not sampling.stop_strings)
         return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
+
+    def covers(self, ready: Ready) -> bool:
+        """Whether `step` serves a `Ready` batch: what the table's fusion covers (`static_rows.static_covers`: greedy,
+        one stop list, no stop strings or logprobs) within the log's bounds (``max_new_tokens`` up to
+        ``FastOptions.max_decode_steps``)."""
+        requests = ready.requests
+        if not requests or max(r.sampling.max_new_tokens for r in requests) > self.options.max_decode_steps:
+            return False
+        return self.executor().covers(ready)
 
     def executor(self) -> StaticExecutor:
         """The static executor over these ports, with this object's kernel choice and walk."""
@@ -198,8 +208,8 @@ class FusedCycles:
             )
         ids = [r.request_id for r in requests]
         lens = ready.seq_lens.tolist()
-        for rid, length in zip(ids, lens):
-            self.pool.allocate(rid, length + max_new_tokens + self.spec.reserve_len() + 1)
+        for r, length in zip(requests, lens):  # the run's pages at once: L grows by the remaining budget at most
+            self.pool.allocate(r.request_id, length + max_new_tokens - len(r.output) + self.spec.reserve_len() + 1)
         bt = self._batch(B)
         bt.buffers.load(ready, self.pool.page_table(ids), max_new_tokens, stops)
         bound = self.table_width * self.page_size
@@ -216,6 +226,53 @@ class FusedCycles:
         cycles = self._loop(bt, bound, max_cycles, requests, executor)
         final = bt.buffers.ready(cycles % 2, requests)
         return FusedRun(materialize(final, stops), tuple(accepted_counts(final, cycles)), cycles)
+
+    def step(self, ready: Ready, checked: bool = False) -> tuple[Ready, list[int]]:
+        """One cycle of an eager `Ready` batch whose composition changes between cycles (the scheduler's).
+
+        The pages grow by one cycle's reservation (`transitions.reserve`: all or nothing, `KVPoolExhausted` leaves
+        the pool as it was); the batch is loaded into the buffers of its size; one replay of the captured cycle
+        (eagerly on a CPU); the commits are read back. Returns the next eager `Ready` record, its finished requests
+        still in it (the table's Ready ``retire`` row takes them), and each request's committed count.
+        ``checked``: every boundary of the cycle is validated after it ran.
+        """
+        start = time.perf_counter()
+        try:
+            return self._step(ready, checked)
+        finally:
+            self.run_s += time.perf_counter() - start
+
+    def _step(self, ready: Ready, checked: bool) -> tuple[Ready, list[int]]:
+        requests = ready.requests
+        ids = [r.request_id for r in requests]
+        lens = ready.seq_lens.tolist()
+        reserve(self.pool, ids, [length + self.spec.reserve_len() for length in lens])
+        stops = sorted(set(requests[0].sampling.stop_token_ids))
+        limits = [r.sampling.max_new_tokens for r in requests]
+        if len(stops) > MAX_STOPS or max(limits) > self.options.max_decode_steps:
+            raise ValueError(
+                f"a fused cycle takes up to {MAX_STOPS} stop ids and max_new_tokens up to "
+                f"FastOptions.max_decode_steps={self.options.max_decode_steps}"
+            )
+        bt = self._batch(len(requests))
+        bt.buffers.load(ready, self.pool.page_table(ids), limits, stops)
+        bound = self.table_width * self.page_size
+        if not self.use_graphs and self.options.ops.needs_kv_bound:
+            bound = max(lens) + self.spec.reserve_len() + 1
+        with torch.no_grad():
+            if self.use_graphs:
+                if 0 not in bt.graphs:
+                    bt.graphs[0] = self._capture(bt, 0, bound, requests)
+                bt.graphs[0].replay()
+                self.replays += 1
+                boundaries = bt.captured[0]
+            else:
+                boundaries = self._cycle(bt, 0, bound, requests)
+        self.steps = tuple(b.step for b in boundaries)
+        if checked:
+            self.executor().check([_with_requests(b, requests) for b in boundaries])
+        final = bt.buffers.ready(1, requests)
+        return materialize_ready(final, stops), final.log.lengths.tolist()
 
     def _loop(self, bt: _Batch, bound: int, max_cycles: int, requests, executor: StaticExecutor | None) -> int:
         """Replay until every request is done; returns the number of cycles run. ``executor``: check every

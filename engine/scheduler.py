@@ -105,6 +105,7 @@ class Scheduler:
         on_tokens: Callable[[int, list[int]], None] | None = None,
         on_finish: Callable[[Request], None] | None = None,
         request_ids: Iterator[int] | None = None,
+        fused_cycles=None,
     ) -> None:
         if not isinstance(ports, Ports):
             raise ValueError(f"ports must be a speccycle.core.Ports, got {type(ports).__name__}")
@@ -149,6 +150,9 @@ class Scheduler:
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._admit_one = False
+        # the graphed executor of the engine's fast EAGLE draft (`engine.fused_cycle`): speculative cycles it covers
+        # run as its captured cycle; None, or a batch it does not cover, runs the table eagerly
+        self.fused_cycles = fused_cycles if fused_cycles is not None and fused_cycles.draft is ports.draft else None
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> Scheduler:
@@ -158,6 +162,7 @@ class Scheduler:
         kwargs.setdefault("eos_token_ids", engine.stop_token_ids)
         kwargs.setdefault("backend", engine.backend)
         kwargs.setdefault("request_ids", engine._ids)  # ids stay unique beside Engine.generate
+        kwargs.setdefault("fused_cycles", engine.fused_cycles)
         if engine.draft is None:
             kwargs["speculation"] = "off"
         return cls(ports, engine.spec, **kwargs)
@@ -298,6 +303,9 @@ class Scheduler:
         if not self.num_running:
             return
         batch_size = self.num_running
+        if ports is self.ports and self.fused_cycles is not None and self.fused_cycles.covers(self.running):
+            self._fused_cycle(finished, batch_size)
+            return
         start = time.perf_counter()
         try:
             record = run_step(self.running, ports, self.backend, event="draft", checked=self.checked)
@@ -323,6 +331,28 @@ class Scheduler:
             self.stats.accepted += sum(lens[i] for i in ok)
         if self.controller is not None:
             self.controller.record(ports is not self.plain_ports, batch_size, seconds, mean)
+
+    def _fused_cycle(self, finished: list[Request], batch_size: int) -> None:
+        """One speculative cycle as the graphed executor's captured cycle (`FusedCycles.step`); the requests that
+        finished in it leave through the table's Ready ``retire`` row."""
+        start = time.perf_counter()
+        try:
+            ready, counts = self.fused_cycles.step(self.running, checked=self.checked)
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
+            self._retract_newest(self._reserve_len(self.ports), finished)
+            return
+        self._stream(ready.requests)
+        if any(r.finish_reason is not None for r in ready.requests):
+            ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
+            finished += ready.retired
+            ready = attrs.evolve(ready, retired=())
+        self.running = ready
+        seconds = time.perf_counter() - start
+        self.stats.spec_cycles += 1
+        self.stats.verifies += len(counts)
+        self.stats.accepted += sum(counts)
+        if self.controller is not None:
+            self.controller.record(True, batch_size, seconds, sum(counts) / len(counts))
 
     def _to_ready(self, record, finished: list[Request]) -> Ready:
         """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""

@@ -104,14 +104,15 @@ class StaticExecutor:
 
 
 def materialize(record, stop_ids: Sequence[int]) -> Compacted:
-    """The eager `Compacted` record of a static one (`Ready` or `Compacted` with a log): each request's output from
-    the log, a finished request's reason (``stop``: its last token is a stop id, else ``length``), no log."""
+    """The eager `Compacted` record of a static one (`Ready` or `Compacted` with a log): each request's output with
+    the log's tokens appended, a finished request's reason (``stop``: its last token is a stop id, else
+    ``length``), no log."""
     log, requests = record.log, []
     lengths, done = (log.lengths.tolist(), log.done.tolist()) if record.requests else ([], [])
     rows = log.tokens[:, :-1].cpu() if record.requests else None
     stops = set(stop_ids)
     for b, request in enumerate(record.requests):
-        output = tuple(rows[b, : lengths[b]].tolist())
+        output = request.output + tuple(rows[b, : lengths[b]].tolist())
         reason = None
         if done[b]:
             reason = "stop" if output and output[-1] in stops else "length"
@@ -123,6 +124,21 @@ def materialize(record, stop_ids: Sequence[int]) -> Compacted:
         seq_lens=record.seq_lens.clone(),
         root_tokens=record.root_tokens.clone(),
         extend=ExtendRows(input_ids=empty, positions=empty, row_request=empty, hidden=None),
+    )
+
+
+def materialize_ready(record: Ready, stop_ids: Sequence[int]) -> Ready:
+    """The eager `Ready` record of a static one: the requests as `materialize` gives them, the state cloned off the
+    buffers (a later cycle overwrites them). Requests that finished retire through the table's Ready ``retire``."""
+    done = materialize(record, stop_ids)
+    return Ready(
+        config=record.config,
+        requests=done.requests,
+        seq_lens=done.seq_lens,
+        root_tokens=done.root_tokens,
+        topk_p=record.topk_p.clone(),
+        topk_index=record.topk_index.clone(),
+        draft_hidden=record.draft_hidden.clone(),
     )
 
 

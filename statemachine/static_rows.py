@@ -109,9 +109,10 @@ class CycleBuffers:
                      topk_p=s["topk_p"], topk_index=s["topk_index"], draft_hidden=s["dh"],
                      log=self.log(parity))  # fmt: skip
 
-    def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens: int, stop_ids) -> Ready:
-        """Set 0 from an eager `Ready` record (a prefill's and its draft extend's): its state, each request's output so
-        far as the log's start, the pages, the limit and the stops. Returns the `Ready` record over set 0."""
+    def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids) -> Ready:
+        """Set 0 from an eager `Ready` record (a prefill's and its draft extend's, or a cycle's): its state, an empty
+        log, the pages, each request's remaining budget (``max_new_tokens``, one for all or one a request, less the
+        output it has) and the stops. Returns the `Ready` record over set 0."""
         cur = self.sets[0]
         self.table.fill_(-1)
         self.table[:, : page_table.shape[1]].copy_(page_table)
@@ -123,13 +124,11 @@ class CycleBuffers:
         cur["done"].zero_()
         cur["all_done"].zero_()
         cur["cycle"].zero_()
-        cur["out_len"].copy_(torch.tensor([len(r.output) for r in ready.requests]))
+        cur["out_len"].zero_()
         self.out.zero_()
         self.hist.zero_()
-        for b, r in enumerate(ready.requests):
-            if r.output:
-                self.out[b, : len(r.output)] = torch.tensor(r.output)
-        self.max_new.fill_(max_new_tokens)
+        limits = [max_new_tokens] * len(ready.requests) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        self.max_new.copy_(torch.tensor([m - len(r.output) for m, r in zip(limits, ready.requests)]))
         self.stops.fill_(-1)
         if stop_ids:
             self.stops[: len(stop_ids)] = torch.tensor(list(stop_ids))
@@ -172,17 +171,15 @@ def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) ->
 
 # ---- coverage ----------------------------------------------------------------------------------------
 def static_covers(rec, ports) -> bool:
-    """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings or logprobs, at
-    most `MAX_STOPS` stop ids in all, a forward draft paired shifted whose ports declare static forwards."""
+    """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings or logprobs, all
+    with the same stop ids (at most `MAX_STOPS`: the log holds one list), a forward draft paired shifted whose
+    ports declare static forwards."""
     if static_forwards(ports) is None or draft_pairing(ports) != "shifted":
         return False
-    stops = set()
-    for r in rec.requests:
-        sp = r.sampling
-        if not sp.greedy or sp.logprobs or sp.stop_strings:
-            return False
-        stops.update(sp.stop_token_ids)
-    return len(stops) <= MAX_STOPS
+    stops = {frozenset(r.sampling.stop_token_ids) for r in rec.requests}
+    if len(stops) > 1 or any(len(s) > MAX_STOPS for s in stops):
+        return False
+    return all(r.sampling.greedy and not r.sampling.logprobs and not r.sampling.stop_strings for r in rec.requests)
 
 
 # ---- draft -------------------------------------------------------------------------------------------

@@ -83,10 +83,19 @@ TABLE: tuple[Transition, ...] = (
     ),
     Transition(
         Ready,
+        "retire",
+        Ready,
+        t.retire_ready,
+        guard=t.any_finished,
+        doc="Requests that finished in a static cycle (it commits and extends in one replay) leave the batch; "
+        "every page they held is freed once.",
+    ),
+    Transition(
+        Ready,
         "draft",
         Drafted,
         t.draft_tree,
-        guard=t.forward_draft,
+        guard=t.forward_draft_live,
         ops=(
             "slots_for_positions",
             "select_topk",
@@ -104,7 +113,7 @@ TABLE: tuple[Transition, ...] = (
         "draft",
         Drafted,
         t.lookup_tree,
-        guard=t.lookup_draft,
+        guard=t.lookup_draft_live,
         ops=("slots_for_positions",),
         doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify).",
     ),
@@ -113,7 +122,7 @@ TABLE: tuple[Transition, ...] = (
         "draft",
         Drafted,
         blk.draft_block,
-        guard=t.block_draft,
+        guard=t.block_draft_live,
         ops=("slots_for_positions", "greedy_predict"),
         doc="Reserve the cycle's slots; one non-causal draft forward over [root, mask x (B - 1)] at L + i.",
     ),

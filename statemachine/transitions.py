@@ -328,6 +328,20 @@ def retire(rec: Compacted, ports: Ports, backend) -> Compacted:
     )
 
 
+def retire_ready(rec: Ready, ports: Ports, backend) -> Ready:
+    """Finished requests leave a `Ready` batch; every page they held is freed, once. A static cycle commits and
+    runs the draft extend in one replay (`statemachine.static`), so its requests finish in a `Ready` record."""
+    from .batching import select_ready
+
+    keep = [i for i, r in enumerate(rec.requests) if r.finish_reason is None]
+    gone = tuple(r for r in rec.requests if r.finish_reason is not None)
+    for request in gone:
+        if ports.kv_pool.pages_held(request.request_id):
+            ports.kv_pool.free(request.request_id)
+        ports.recurrent.free(request_id=request.request_id)
+    return attrs.evolve(select_ready(rec, keep), retired=gone)
+
+
 # ---- draft extend ------------------------------------------------------------------------------
 def forward_draft(rec, ports: Ports) -> bool:
     return is_forward(ports)
@@ -355,6 +369,19 @@ def lookup_ready(rec: Compacted, ports: Ports) -> bool:
 
 
 def block_ready(rec: Compacted, ports: Ports) -> bool:
+    return none_finished(rec, ports) and block_draft(rec, ports)
+
+
+def forward_draft_live(rec: Ready, ports: Ports) -> bool:
+    """A forward draft, and no request of the batch has finished (finished requests retire first)."""
+    return none_finished(rec, ports) and forward_draft(rec, ports)
+
+
+def lookup_draft_live(rec: Ready, ports: Ports) -> bool:
+    return none_finished(rec, ports) and lookup_draft(rec, ports)
+
+
+def block_draft_live(rec: Ready, ports: Ports) -> bool:
     return none_finished(rec, ports) and block_draft(rec, ports)
 
 

@@ -45,7 +45,7 @@ def test_block_rows_call_only_the_ops_they_name(recurrent):
         assert set(backend.calls) <= set(row.ops), f"{row.event} called {set(backend.calls) - set(row.ops)}"
         seen.add((row.event, row.guard_name))
         finished += getattr(record, "retired", ()) if row.event == "retire" else ()
-    assert {("extend", "block_ready"), ("draft", "block_draft"), ("verify", "block_draft")} <= seen
+    assert {("extend", "block_ready"), ("draft", "block_draft_live"), ("verify", "block_draft")} <= seen
     assert sorted(r.request_id for r in finished) == [0, 1]
     for request in finished:
         assert list(request.output) == target.greedy(request.prompt, 10)

@@ -143,3 +143,24 @@ def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engine
     results, _ = engine.generate([prompt], NEW_TOKENS, sampling=SamplingParams(stop_strings=(text,)))
     assert engine.fused_cycles.run_s == before  # the table ran: the fusion does not cover stop strings
     assert results[0].finish_reason == "stop" and len(results[0].output) < len(ar)
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name):
+    """Continuous batching on the graphed executor (`FusedCycles.step`, eagerly on a CPU): requests of different
+    budgets finish in different cycles and leave through the table's Ready retire row while a waiting one joins
+    (batches of two); checked at every boundary; every output is the autoregressive one, every page goes back."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.scheduler import Scheduler
+
+    engine = engines[name]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.",)]
+    budgets = (NEW_TOKENS, 7, 12)
+    ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
+    free, before = engine.pool.num_free_pages, engine.fused_cycles.run_s
+    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=2)
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == ar
+    assert engine.fused_cycles.run_s > before and scheduler.stats.spec_cycles > 0 and scheduler.stats.tau > 1.0
+    assert engine.pool.num_free_pages == free
