@@ -58,8 +58,14 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=256, help="fast path: requests its static buffers hold")
     args = parser.parse_args()
     prompts = load_prompts(args.prompts, args.limit)
-    record = {"device": device_label(args.device), "dtype": args.dtype, "prompts": len(prompts),
-              "new_tokens": args.max_new_tokens, "fast": args.fast, "configs": []}
+    record = {
+        "device": device_label(args.device),
+        "dtype": args.dtype,
+        "prompts": len(prompts),
+        "new_tokens": args.max_new_tokens,
+        "fast": args.fast,
+        "configs": [],
+    }
     head = eagle_head_for(load_gguf_config(default_model_path()), version=1, seed=1)
     head = head.to(args.device, getattr(torch, args.dtype))
     head.dtype = getattr(torch, args.dtype)
@@ -72,8 +78,15 @@ def main() -> None:
     ar = None
     for draft, spec in CASES:
         start = time.time()
-        engine = Engine.load(draft=draft, spec=spec, device=args.device, dtype=getattr(torch, args.dtype),
-                             kv_tokens=kv_tokens, layerskip_layers=8, eagle_head=head if draft == "eagle" else None)
+        engine = Engine.load(
+            draft=draft,
+            spec=spec,
+            device=args.device,
+            dtype=getattr(torch, args.dtype),
+            kv_tokens=kv_tokens,
+            layerskip_layers=8,
+            eagle_head=head if draft == "eagle" else None,
+        )
         ops = fast_ops(args.fast)
         if ops is not None:
             from speccycle.engine.fast import accelerate
@@ -86,10 +99,18 @@ def main() -> None:
             start = time.time()
         results, stats = engine.generate(ids, args.max_new_tokens)
         same = [list(r.output) == a for r, a in zip(results, ar)]
-        row = {"draft": draft, "S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size,
-               "identical_to_ar": sum(same), "prompts": len(same), "tau": round(stats.tau, 3),
-               "first_mismatches": [prompts[i]["id"] for i, s in enumerate(same) if not s][:10],
-               "seconds": round(time.time() - start, 1)}
+        row = {
+            "draft": draft,
+            "S": spec.num_steps,
+            "K": spec.topk,
+            "N": spec.num_draft_tokens,
+            "P": spec.page_size,
+            "identical_to_ar": sum(same),
+            "prompts": len(same),
+            "tau": round(stats.tau, 3),
+            "first_mismatches": [prompts[i]["id"] for i, s in enumerate(same) if not s][:10],
+            "seconds": round(time.time() - start, 1),
+        }
         record["configs"].append(row)
         print(row, flush=True)
         with open(args.out, "w") as f:

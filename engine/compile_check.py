@@ -133,8 +133,18 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                     for per in (fused.rope_heads_per_program(heads, kv_heads),)
                     for norm, block_h, copy in ((False, 16, False), (True, 1024, False), (True, 1024, True))
                 ],  # fmt: skip
-                ("qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_ptr", "v_ptr", "src_ptr", "copy_ptr",
-                 "stride_copy", *rope_strides),  # fmt: skip
+                (
+                    "qkv_ptr",
+                    "cos_ptr",
+                    "sin_ptr",
+                    "q_out_ptr",
+                    "k_ptr",
+                    "v_ptr",
+                    "src_ptr",
+                    "copy_ptr",
+                    "stride_copy",
+                    *rope_strides,
+                ),  # fmt: skip
             )
         )
         out.append(

@@ -10,9 +10,7 @@ tokenizer.json; the transformers reference gets that pre-tokenizer put back, and
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch

@@ -49,7 +49,10 @@ def test_stage_and_run_both_trees(tmp_path):
     lines = [line for line in run.stdout.splitlines() if not line.startswith("==")]
     old, new = _git(clone, "rev-parse", "--short", "HEAD~1"), _git(clone, "rev-parse", "--short", "HEAD")
     assert [line.split()[:3] for line in lines] == [
-        ["old", "1", old], ["new", "1", new], ["old", "2", old], ["new", "2", new]
+        ["old", "1", old],
+        ["new", "1", new],
+        ["old", "2", old],
+        ["new", "2", new],
     ]
     assert all("new readme" not in line and "added.txt" not in line for line in lines[0::2])
     assert all("new readme" in line and "added.txt" in line for line in lines[1::2])

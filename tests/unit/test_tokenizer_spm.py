@@ -9,15 +9,13 @@ such token): 40 spaces are 31 + 9 here, 16 + 24 there. That case is asserted sep
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 from speccycle.engine.errors import ModelLoadError, TokenizerError
 from speccycle.engine.tokenizer import Tokenizer
-from speccycle.testing.prompts import spec_bench_prompts
 from speccycle.engine.tokenizer_spm import GEMMA_CHAT_TEMPLATE, SentencePieceTokenizer
+from speccycle.testing.prompts import spec_bench_prompts
 
 TRICKY = [
     "hello world 123",
