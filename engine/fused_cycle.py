@@ -121,6 +121,8 @@ class FusedCycles:
         requests = ready.requests
         if not requests or max(r.sampling.max_new_tokens for r in requests) > self.options.max_decode_steps:
             return False
+        if ready.topk_p is None or ready.draft_hidden is None:  # extended by another draft (speculation off)
+            return False
         return self.executor().covers(ready)
 
     def executor(self) -> StaticExecutor:

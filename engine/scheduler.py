@@ -303,7 +303,8 @@ class Scheduler:
         if not self.num_running:
             return
         batch_size = self.num_running
-        if ports is self.ports and self.fused_cycles is not None and self.fused_cycles.covers(self.running):
+        fused = self.fused_cycles
+        if fused is not None and ports.draft is fused.draft and fused.covers(self.running):
             self._fused_cycle(finished, batch_size)
             return
         start = time.perf_counter()
