@@ -9,8 +9,8 @@ once per mode:
 * ``adaptive``: `AdaptiveSpeculation()`: drafting while the measured tau beats the measured cost ratio.
 
 Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
-``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. One
-warm-up run per mode precedes the timed ones.
+``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. Warm-up runs
+of every mode at every batch size and power of two below precede the timed ones (compilation, graph capture).
 
     python -m bench.scheduler_throughput --device cuda --batch-sizes 1,2,4,8,16,32,64 --max-new-tokens 128
     .venv/bin/python -m bench.scheduler_throughput --batch-sizes 1,4,8 --max-new-tokens 16   # CPU, small
@@ -118,8 +118,12 @@ def main() -> None:
         layerskip_layers=args.layerskip_layers,
         fast=args.fast,
     )
-    for mode in modes:  # warm-up: lazy initialization, allocator, kernels
-        run_mode(engine, mode, prompts, 2, 4, args.device, args.max_prefill_tokens)
+    # warm-up: lazy initialization, allocator, kernels, and the graphs of every batch bucket a run passes through
+    # (a batch shrinks as its requests finish; the fused cycles capture one graph a power of two)
+    warm = sorted({1 << k for bs in batch_sizes for k in range(bs.bit_length())} | set(batch_sizes))
+    for mode in modes:
+        for bs in warm:
+            run_mode(engine, mode, prompts, bs, 4, args.device, args.max_prefill_tokens)
 
     rows = []
     for bs in batch_sizes:

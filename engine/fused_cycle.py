@@ -256,7 +256,7 @@ class FusedCycles:
                 f"a fused cycle takes up to {MAX_STOPS} stop ids and max_new_tokens up to "
                 f"FastOptions.max_decode_steps={self.options.max_decode_steps}"
             )
-        bt = self._batch(len(requests))
+        bt = self._batch(1 << (len(requests) - 1).bit_length())  # padded to a power of two: one graph a bucket
         bt.buffers.load(ready, self.pool.page_table(ids), limits, stops)
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
@@ -274,7 +274,7 @@ class FusedCycles:
         if checked:
             self.executor().check([_with_requests(b, requests) for b in boundaries])
         final = bt.buffers.ready(1, requests)
-        return materialize_ready(final, stops), final.log.lengths.tolist()
+        return materialize_ready(final, stops), final.log.lengths[: len(requests)].tolist()
 
     def _loop(self, bt: _Batch, bound: int, max_cycles: int, requests, executor: StaticExecutor | None) -> int:
         """Replay until every request is done; returns the number of cycles run. ``executor``: check every

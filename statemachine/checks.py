@@ -217,9 +217,9 @@ def _check_reserved(record, ports) -> None:
     page_size = pool.page_size
     page_table = pool.page_table(tuple(r.request_id for r in record.requests)).tolist()
     bs = len(record.requests)
-    kinds = [record.verify_slots.reshape(bs, -1).tolist()]
+    kinds = [record.verify_slots[:bs].reshape(bs, -1).tolist()]  # rows past bs: a padded batch's padding
     if isinstance(record, Drafted):
-        kinds.append(record.draft_slots.reshape(bs, -1).tolist())
+        kinds.append(record.draft_slots[:bs].reshape(bs, -1).tolist())
     seq_lens = record.seq_lens.tolist()
     reserve = cfg.reserve_len("aligned" if _offset(record, ports) else "shifted")
     finished = [done for _, done in _committed(record)] if getattr(record, "log", None) is not None else None

@@ -118,11 +118,12 @@ def materialize(record, stop_ids: Sequence[int]) -> Compacted:
             reason = "stop" if output and output[-1] in stops else "length"
         requests.append(attrs.evolve(request, output=output, finish_reason=reason))
     empty = torch.zeros(0, dtype=torch.long, device=record.seq_lens.device)
+    n = len(requests)  # rows past n: a padded batch's padding
     return Compacted(
         config=record.config,
         requests=tuple(requests),
-        seq_lens=record.seq_lens.clone(),
-        root_tokens=record.root_tokens.clone(),
+        seq_lens=record.seq_lens[:n].clone(),
+        root_tokens=record.root_tokens[:n].clone(),
         extend=ExtendRows(input_ids=empty, positions=empty, row_request=empty, hidden=None),
     )
 
@@ -131,19 +132,20 @@ def materialize_ready(record: Ready, stop_ids: Sequence[int]) -> Ready:
     """The eager `Ready` record of a static one: the requests as `materialize` gives them, the state cloned off the
     buffers (a later cycle overwrites them). Requests that finished retire through the table's Ready ``retire``."""
     done = materialize(record, stop_ids)
+    n = len(record.requests)  # rows past n: a padded batch's padding
     return Ready(
         config=record.config,
         requests=done.requests,
         seq_lens=done.seq_lens,
         root_tokens=done.root_tokens,
-        topk_p=record.topk_p.clone(),
-        topk_index=record.topk_index.clone(),
-        draft_hidden=record.draft_hidden.clone(),
+        topk_p=record.topk_p[:n].clone(),
+        topk_index=record.topk_index[:n].clone(),
+        draft_hidden=record.draft_hidden[:n].clone(),
     )
 
 
 def accepted_counts(record, cycles: int) -> list[tuple[int, ...]]:
     """Each request's committed count of each of the first ``cycles`` cycles of a static record's log (the cycles
     after it finished, 0, left out)."""
-    hist = record.log.accepted[:cycles].cpu().T.tolist()
+    hist = record.log.accepted[:cycles, : len(record.requests)].cpu().T.tolist()
     return [tuple(n for n in row if n > 0) for row in hist]

@@ -112,23 +112,30 @@ class CycleBuffers:
     def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids) -> Ready:
         """Set 0 from an eager `Ready` record (a prefill's and its draft extend's, or a cycle's): its state, an empty
         log, the pages, each request's remaining budget (``max_new_tokens``, one for all or one a request, less the
-        output it has) and the stops. Returns the `Ready` record over set 0."""
+        output it has) and the stops. A batch of fewer requests than the buffers hold fills the first rows; the
+        rest are padding, finished from the start (slot -1 everywhere: they write and read no KV, commit nothing).
+        Returns the `Ready` record over set 0."""
+        n = len(ready.requests)
+        if n > self.batch:
+            raise ValueError(f"a batch of {n} requests does not fit buffers of {self.batch}")
         cur = self.sets[0]
+        for name in ("L", "root", "topk_p", "topk_index", "dh", "out_len", "cycle"):
+            cur[name].zero_()
         self.table.fill_(-1)
-        self.table[:, : page_table.shape[1]].copy_(page_table)
-        cur["L"].copy_(ready.seq_lens)
-        cur["root"].copy_(ready.root_tokens)
-        cur["topk_p"].copy_(ready.topk_p)
-        cur["topk_index"].copy_(ready.topk_index)
-        cur["dh"].copy_(ready.draft_hidden)
-        cur["done"].zero_()
-        cur["all_done"].zero_()
-        cur["cycle"].zero_()
-        cur["out_len"].zero_()
+        self.table[:n, : page_table.shape[1]].copy_(page_table)
+        cur["L"][:n].copy_(ready.seq_lens)
+        cur["root"][:n].copy_(ready.root_tokens)
+        cur["topk_p"][:n].copy_(ready.topk_p)
+        cur["topk_index"][:n].copy_(ready.topk_index)
+        cur["dh"][:n].copy_(ready.draft_hidden)
+        cur["done"].fill_(True)
+        cur["done"][:n].zero_()
+        cur["all_done"].fill_(n == 0)
         self.out.zero_()
         self.hist.zero_()
-        limits = [max_new_tokens] * len(ready.requests) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        self.max_new.copy_(torch.tensor([m - len(r.output) for m, r in zip(limits, ready.requests)]))
+        limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        budgets = [m - len(r.output) for m, r in zip(limits, ready.requests)] + [0] * (self.batch - n)
+        self.max_new.copy_(torch.tensor(budgets))
         self.stops.fill_(-1)
         if stop_ids:
             self.stops[: len(stop_ids)] = torch.tensor(list(stop_ids))

@@ -149,18 +149,19 @@ def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engine
 def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, speculation):
     """Continuous batching on the graphed executor (`FusedCycles.step`, eagerly on a CPU): requests of different
     budgets finish in different cycles and leave through the table's Ready retire row while a waiting one joins
-    (batches of two); checked at every boundary; every output is the autoregressive one, every page goes back.
+    (batches of up to three, padded to a power of two); checked at every boundary; every output is the autoregressive one, every page goes back.
     With speculation off the cycles are plain decoding through the table (no draft: the fused cycle never runs);
     adaptive speculation switches between the two."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.scheduler import Scheduler
 
     engine = engines[name]
-    prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.",)]
-    budgets = (NEW_TOKENS, 7, 12)
+    prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.", "Count to five.")]
+    budgets = (NEW_TOKENS, 7, 12, 9)
     ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
     free, before = engine.pool.num_free_pages, engine.fused_cycles.run_s
-    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=2, speculation=speculation)
+    # batches of up to three: a batch of three runs padded to the graph bucket of four
+    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3, speculation=speculation)
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     scheduler.run()
     assert [list(scheduler.finished[i].output) for i in ids] == ar
