@@ -149,9 +149,9 @@ def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engine
 def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, speculation):
     """Continuous batching on the graphed executor (`FusedCycles.step`, eagerly on a CPU): requests of different
     budgets finish in different cycles and leave through the table's Ready retire row while a waiting one joins
-    (batches of up to three, padded to a power of two); checked at every boundary; every output is the autoregressive one, every page goes back.
-    With speculation off the cycles are plain decoding through the table (no draft: the fused cycle never runs);
-    adaptive speculation switches between the two."""
+    (batches of up to three, padded to a power of two); checked at every boundary; every output is the
+    autoregressive one, every page goes back. With speculation off the cycles are plain decoding through the
+    table (no draft: the fused cycle never runs); adaptive speculation switches between the two."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.scheduler import Scheduler
 
