@@ -93,6 +93,10 @@ class ModelOutput:
     # column ``j`` the target token ``vocab_map[j]`` (``[Vd]`` int64), every other target token at ``-inf``.
     # Greedy drafting picks its top-K there and maps the ids; None: ``logits`` cover the target vocabulary.
     vocab_map: torch.Tensor | None = None
+    # A draft's top-K of its logits rows taken inside its forward, ``(probs [R, K] float32, ids [R, K] int64)`` on
+    # the port's device: exactly ``select_topk(logits, K, vocab_map)``. The draft extend uses it in place of
+    # selecting itself when ``K`` is the cycle's (greedy rows); None: the transition selects.
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @runtime_checkable

@@ -559,11 +559,13 @@ class GraphedDraftLevels(DraftCapabilities):
         ``ports`` and ``backend``: the device's (the loop runs there). ``draft_hidden``: the rows of the
         draft's output on the device that feed the first level (`graphs.HiddenRows`, rows on the host).
         ``first_level``: the first level's top-K still on the device, ``[bs, 2K]`` packed (probabilities,
-        then ids; `graphs.pack_rows`), in place of ``topk_p`` and ``topk_index``.
+        then ids; `graphs.pack_rows`), in place of ``topk_p`` and ``topk_index``; or ``topk_p`` and ``topk_index``
+        themselves on the device (a draft extend's `ModelOutput.topk`).
         One host-to-device copy of the inputs, one graph, one device-to-host copy of the outputs.
         """
         bs, width, k = L.shape[0], page_table.shape[1], cfg.topk
         device = self.options.device
+        on_device = first_level is None and topk_p.device.type != "cpu"  # the extend's top-K, left where it is
         hidden_dtype = None if draft_hidden is None else draft_hidden.source.dtype
         entry = self._levels_entry(L, page_table, cfg, hidden_dtype)
         if entry is None:  # too big for the static buffers: the loop on the device, eagerly
@@ -582,7 +584,7 @@ class GraphedDraftLevels(DraftCapabilities):
         s["L"][bs:] = 0  # padding requests: L 0, no slot
         s["slots"][:bs] = draft_slots
         s["slots"][bs:] = -1
-        if first_level is None:
+        if first_level is None and not on_device:
             s["topk_p"][:bs] = topk_p
             s["topk_index"][:bs] = topk_index
         s["topk_p"][bs:] = 1.0
@@ -598,6 +600,9 @@ class GraphedDraftLevels(DraftCapabilities):
         if first_level is not None:  # after the copy, on the device
             b["topk_p"][:bs].copy_(first_level[:, :k])
             b["topk_index"][:bs].copy_(first_level[:, k:])
+        elif on_device:
+            b["topk_p"][:bs].copy_(topk_p)
+            b["topk_index"][:bs].copy_(topk_index)
         if draft_hidden is not None:
             b["hidden"][:bs].copy_(draft_hidden.source.index_select(0, b["hidden_rows"][:bs]))
         packed = self._replay_levels(entry, fn, ports, backend, cfg, ids, device, pack=True)

@@ -21,13 +21,13 @@ What crosses to the GPU, and back, crosses at the ports:
   compact and retire them like any per-row field (one mechanism, invariant 9); the port that
   consumes them turns them into `graphs.HiddenRows`, whose indices cross with the batch's rows and
   whose rows are gathered on the GPU. A reference to an output that was since replaced is refused.
-* `HostDraft` (a forward draft: EAGLE heads, layer skip, a smaller model) runs the draft's part of
-  a cycle at its extend: the extend's graph, which also takes the top-K of its last rows
-  (`PackedTopK`), then the ``S - 1`` levels as one graph over inputs that cross in one copy, fed
-  the extend's top-K and hidden state on the GPU (`fast.GraphedDraftLevels.run_draft_levels_on_host`).
-  One copy back brings the top-K (handed to `HostBackend.select_topk`) and the levels' candidates
-  (returned to the ``draft`` transition, whose inputs they are checked against). Target features
-  reach the draft extend, and the draft's hidden state its first level, without leaving the GPU.
+* `HostDraft` (a forward draft: EAGLE heads, layer skip, a smaller model): its extend's graph also
+  takes the top-K of its last rows (`PackedTopK`), handed to the draft extend row in the port's output
+  (`ModelOutput.topk`, on the device: the `Ready` record holds it there, nothing crosses); the ``draft``
+  row's ``S - 1`` levels then run as one graph over inputs that cross in one copy, fed that top-K and the
+  extend's hidden state on the GPU (`fast.GraphedDraftLevels.run_draft_levels_on_host`), and one copy
+  back brings the levels' candidates. Target features reach the draft extend, and the draft's hidden
+  state its first level, without leaving the GPU. Nothing is kept between the two rows but the record.
 * `HostPool.page_table` builds page tables on the CPU (the pool's bookkeeping is Python lists
   anyway); the KV buffers stay on the GPU, and a tree's KV move indexes them with indices that
   cross in one pinned copy.
@@ -70,9 +70,7 @@ class HostBackend(TorchBackend):
       ops; measured 14 us against 5-11 us on a CPU, `bench/cycle_overhead.py`).
     * ``move_kv``: a tree's KV move runs on the KV's device: the indices (at most ``bs * (S + 1)``)
       go there in one pinned copy and the device's backend moves every buffer (one Triton launch on CUDA).
-    * ``select_topk``: of a forward draft's extend, the top-K its graph computed (`HostDraft`, handed
-      over with `hand_over_topk`: the device backend's ``select_topk`` of the same logits); of other
-      logits on the device, the device backend's, brought over.
+    * ``select_topk``: of logits on the device, the device backend's, brought over.
 
     Each is tested equal to the torch reference (tests/property/test_host_backend.py,
     tests/unit/test_fast_path.py for the top-K).
@@ -83,19 +81,8 @@ class HostBackend(TorchBackend):
     def __init__(self, device: torch.device | str = HOST) -> None:
         self.device = torch.device(device)
         self.device_backend = get_backend(self.device)
-        self._handed: tuple | None = None  # (logits, K, probs, ids) from `hand_over_topk`
-        self.handed_topk = 0  # selections served from a draft graph's top-K
-
-    def hand_over_topk(self, logits: torch.Tensor, topk: int, probs: torch.Tensor, ids: torch.Tensor) -> None:
-        """``select_topk(logits, topk)`` of exactly this tensor is ``(probs, ids)`` (host tensors), computed
-        with the logits on the device. Consumed by the next ``select_topk`` call."""
-        self._handed = (logits, topk, probs, ids)
 
     def select_topk(self, logits, topk, vocab_map=None, out=None):
-        handed, self._handed = self._handed, None
-        if handed is not None and handed[0] is logits and handed[1] == topk and vocab_map is None and out is None:
-            self.handed_topk += 1
-            return handed[2], handed[3]
         if logits.device.type != "cpu":  # logits on the device: its backend's selection, brought over
             device_map = None if vocab_map is None else vocab_map.to(logits.device)
             probs, ids = self.device_backend.select_topk(logits, topk, device_map)
@@ -223,19 +210,11 @@ class HostPool:
 class HostDraft(DraftCapabilities):
     """A fast forward draft port, seen from records on the host (module docstring).
 
-    ``extend`` runs the draft's whole part of the cycle on the device with one sync. It launches the
-    extend's graph, which also takes the top-K of its last rows (`PackedTopK`, at the cycle's K); while
-    that runs it works out on the host what the next ``draft`` transition will ask for (the same
-    reservation, page table and draft slots, from the same functions: the extend's last row of each
-    request sits at ``L - 1 + offset``, invariant 2), launches the ``S - 1`` levels as one graph fed
-    with the extend's top-K and hidden state without a round trip
-    (`fast.GraphedDraftLevels.run_draft_levels_on_host`), and brings back the top-K and the levels'
-    candidates together. The top-K goes to the backend's ``select_topk``; the hidden states stay on
-    the device (`DeviceRows`) and the record gets references. ``run_draft_levels`` then returns the
-    candidates computed ahead when its inputs are exactly those (always, in the state machine's
-    order), else runs the levels itself.
-
-    ``step`` (a cycle that drafts level by level, which greedy host cycles do not) works on references
+    ``extend`` launches the extend's graph, which also takes the top-K of its last rows (`PackedTopK`, at the
+    cycle's K), and returns it on the device (`ModelOutput.topk`) with row references for the hidden states
+    (`DeviceRows`); no sync. ``run_draft_levels`` (the ``draft`` row's levels) runs the ``S - 1`` levels as
+    one graph fed with that top-K and hidden state on the device, its one sync the copy of the candidates
+    back. ``step`` (a cycle that drafts level by level, which greedy host cycles do not) works on references
     too, each selection then a copy back of its own.
     """
 
@@ -254,41 +233,12 @@ class HostDraft(DraftCapabilities):
         self.hidden = DeviceRows("draft's hidden states")
         self.reduce = PackedTopK(spec.topk, backend.device_backend)
         self.device_ports = Ports(target=target.inner, draft=draft, kv_pool=pool)  # where the levels run
-        self._ahead: tuple | None = None  # (inputs, outputs) of the levels run by the last extend
-        self.ahead_used = self.ahead_missed = 0
 
     def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
-        from ..statemachine.transitions import draft_levels
-
         fed = None if self.pairing != "shifted" else self.target.features.rows(_required(target_hidden, "extend"))
         out, top = self.inner.extend_reduced(batch, fed, self.reduce)
         hidden = None if out.hidden is None else self.hidden.keep(out.hidden)
-        top_host = top.to(HOST, non_blocking=True)  # complete once the levels' copy below returns
-        cfg, ids, bs = self.spec, batch.request_ids, len(batch.request_ids)
-        last = torch.cumsum(torch.bincount(batch.row_request, minlength=bs), 0) - 1
-        offset = cfg.draft_scratch_offset(self.pairing)
-        L = batch.positions[last] + 1 - offset
-        page_table, draft_slots = self._cycle_slots(ids, L)
-        draft_hidden = None if hidden is None else hidden[last]
-        fed_levels = None if draft_hidden is None else self.hidden.rows(draft_hidden)
-        outputs = self.inner.run_draft_levels_on_host(draft_levels, self.device_ports, self.backend.device_backend,
-                                                      cfg, ids, L, page_table, draft_slots, None, None, fed_levels,
-                                                      first_level=top)  # fmt: skip  # the draft's one sync
-        probs, top_ids = self.reduce.unpack(top_host)
-        self._ahead = ((draft_levels, ids, L, page_table, draft_slots, probs, top_ids, draft_hidden), outputs)
-        self.backend.hand_over_topk(out.logits, self.reduce.k, probs, top_ids)
-        return ModelOutput(logits=out.logits, hidden=hidden)
-
-    def _cycle_slots(self, ids, L) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next draft's reservation, page table and draft slots, as `transitions.draft_tree` makes them."""
-        from ..core.tree import draft_scratch_positions
-        from ..statemachine.transitions import reserve
-
-        cfg = self.spec
-        reserve(self.pool, ids, (L + cfg.reserve_len(self.pairing)).tolist())
-        page_table = self.pool.page_table(ids, device=HOST)
-        scratch = draft_scratch_positions(L, cfg.num_steps, cfg.topk, cfg.draft_scratch_offset(self.pairing))
-        return page_table, self.backend.slots_for_positions(page_table, scratch, self.pool.page_size)
+        return ModelOutput(logits=out.logits, hidden=hidden, topk=self.reduce.unpack(top))
 
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
         fed = None if parent_hidden is None else self.hidden.rows(parent_hidden)
@@ -297,29 +247,13 @@ class HostDraft(DraftCapabilities):
 
     def run_draft_levels(self, fn, ports, backend, cfg, ids, L, page_table, draft_slots, topk_p, topk_index,
                          draft_hidden):  # fmt: skip
-        ahead, self._ahead = self._ahead, None
-        inputs = (fn, ids, L, page_table, draft_slots, topk_p, topk_index, draft_hidden)
-        if ahead is not None and cfg == self.spec and _same(ahead[0], inputs):
-            self.ahead_used += 1
-            return ahead[1]
-        self.ahead_missed += ahead is not None
+        # the extend's top-K (`ModelOutput.topk`) is still on the device: the levels read it there
         fed = None if draft_hidden is None else self.hidden.rows(draft_hidden)
         return self.inner.run_draft_levels_on_host(fn, self.device_ports, self.backend.device_backend, cfg, ids, L,
                                                    page_table, draft_slots, topk_p, topk_index, fed)  # fmt: skip
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Equal inputs: the same objects or ids, equal tensors (shape and values)."""
-    for x, y in zip(a, b):
-        if torch.is_tensor(x) or torch.is_tensor(y):
-            if not (torch.is_tensor(x) and torch.is_tensor(y) and x.shape == y.shape and torch.equal(x, y)):
-                return False
-        elif x is not y and x != y:
-            return False
-    return len(a) == len(b)
 
 
 def _required(hidden: torch.Tensor | None, where: str) -> torch.Tensor:

@@ -411,7 +411,10 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     out = ports.draft.extend(batch, ext.hidden)
     rows = sampling.sampled_rows(rec.requests, out.logits.device)
     _refuse_draft_vocabulary_when_sampled(out, rows)
-    topk_p, topk_index = backend.select_topk(out.logits, cfg.topk, out.vocab_map)
+    if rows is None and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
+        topk_p, topk_index = out.topk  # taken inside the port's forward (`ModelOutput.topk`)
+    else:
+        topk_p, topk_index = backend.select_topk(out.logits, cfg.topk, out.vocab_map)
     draft_probs = None
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, out.logits, 1, topk_p, topk_index, 0, backend)
