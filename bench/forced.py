@@ -81,7 +81,7 @@ class ForcedFusedCycles(FusedCycles):
 
     def _walk(self, drafted, tokens: torch.Tensor, parents: torch.Tensor | None,
               predict: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        accept = self._accepts[len(drafted.requests)].index_select(0, drafted.log.cycle)  # [1]
+        accept = self._accepts[drafted.tree.tokens.shape[0]].index_select(0, drafted.log.cycle)  # [1] (buffer rows)
         return forced_walk(tokens, parents, accept, self.spec.accept_width - 1)
 
 

@@ -94,6 +94,7 @@ class OutputLog:
     accepted: torch.Tensor  # [C + 1, bs] int64: tokens cycle c committed (0 once done)
     max_new: torch.Tensor  # [bs] int64: log length at which a request finishes (its remaining max_new_tokens)
     stops: torch.Tensor  # [X] int64: stop token ids, -1 padded
+    reserved_for_run: bool = False  # the requests' pages cover their whole budget (else one cycle's reservation)
 
 
 @attrs.frozen(eq=False)

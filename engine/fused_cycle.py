@@ -115,11 +115,10 @@ class FusedCycles:
         return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
 
     def covers(self, ready: Ready) -> bool:
-        """Whether `step` serves a `Ready` batch: what the table's fusion covers (`static_rows.static_covers`: greedy,
-        one stop list, no stop strings or logprobs) within the log's bounds (``max_new_tokens`` up to
-        ``FastOptions.max_decode_steps``)."""
-        requests = ready.requests
-        if not requests or max(r.sampling.max_new_tokens for r in requests) > self.options.max_decode_steps:
+        """Whether `step` serves a `Ready` batch: the config these cycles were built for, and what the table's fusion
+        covers (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs). A step's log holds
+        one cycle, so any ``max_new_tokens`` fits."""
+        if not ready.requests or ready.config != self.spec:  # the buffers and graphs are shaped for self.spec
             return False
         if ready.topk_p is None or ready.draft_hidden is None:  # extended by another draft (speculation off)
             return False
@@ -127,7 +126,8 @@ class FusedCycles:
 
     def executor(self) -> StaticExecutor:
         """The static executor over these ports, with this object's kernel choice and walk."""
-        return StaticExecutor(self.ports, self.backend, kernels=self.kernels, walk=self._walk)
+        forced = type(self)._walk is not FusedCycles._walk  # a benchmark's override (`bench.forced`)
+        return StaticExecutor(self.ports, self.backend, kernels=self.kernels, walk=self._walk if forced else None)
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _cycle(self, bt: _Batch, parity: int, kv_bound: int, requests) -> tuple[Boundary, ...]:
@@ -213,7 +213,7 @@ class FusedCycles:
         for r, length in zip(requests, lens):  # the run's pages at once: L grows by the remaining budget at most
             self.pool.allocate(r.request_id, length + max_new_tokens - len(r.output) + self.spec.reserve_len() + 1)
         bt = self._batch(B)
-        bt.buffers.load(ready, self.pool.page_table(ids), max_new_tokens, stops)
+        bt.buffers.load(ready, self.pool.page_table(ids), max_new_tokens, stops, whole_run=True)
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + max_new_tokens + N + 1
@@ -251,13 +251,10 @@ class FusedCycles:
         reserve(self.pool, ids, [length + self.spec.reserve_len() for length in lens])
         stops = sorted(set(requests[0].sampling.stop_token_ids))
         limits = [r.sampling.max_new_tokens for r in requests]
-        if len(stops) > MAX_STOPS or max(limits) > self.options.max_decode_steps:
-            raise ValueError(
-                f"a fused cycle takes up to {MAX_STOPS} stop ids and max_new_tokens up to "
-                f"FastOptions.max_decode_steps={self.options.max_decode_steps}"
-            )
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"a fused cycle takes up to {MAX_STOPS} stop token ids, got {len(stops)}")
         bt = self._batch(1 << (len(requests) - 1).bit_length())  # padded to a power of two: one graph a bucket
-        bt.buffers.load(ready, self.pool.page_table(ids), limits, stops)
+        bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=self.spec.accept_width)
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + self.spec.reserve_len() + 1

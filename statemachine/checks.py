@@ -96,7 +96,8 @@ def _committed(record) -> list[tuple[tuple[int, ...], bool]]:
 def _most_pages(record, i: int, request, L: int, reserve: int, page_size: int) -> int:
     """Pages request ``i`` may hold at a boundary: a cycle's reservation past ``L``; with an `OutputLog` (a static
     run may reserve its pages at its start), up to the reservation of the log's whole run."""
-    if getattr(record, "log", None) is None:
+    log = getattr(record, "log", None)
+    if log is None or not log.reserved_for_run:
         return math.ceil((L + reserve) / page_size)
     start = len(request.prompt) + len(request.output) - 1
     return math.ceil((start + int(record.log.max_new[i]) + reserve + 1) / page_size)
@@ -354,13 +355,16 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
         require(before is None or before.shape[:2] == (bs, cfg.accept_width), 9, f"{field.name} not compacted")
 
 
-def check_fusion(source: Drafted, result: Compacted, rows: RowOutputs, walk: torch.Tensor, ports) -> None:
+def check_fusion(
+    source: Drafted, result: Compacted, rows: RowOutputs, walk: torch.Tensor, ports, forced: bool = False
+) -> None:
     """A fusion of the verify, accept and compact rows (`table.FUSIONS`), on records with an `OutputLog`: the rows'
     work recomputed on the host from ``source`` (the walk of the reference backend, the cut at stops and the
     limit, the bonus, the KV moves, the extend rows) and ``result`` held equal to it, invariant by invariant.
 
     ``rows``: the verify's row outputs (``predict [B * N]``, ``hidden``); ``walk [B, N]``: the predictions the
-    walk followed (the target's, unless a benchmark forces acceptance). Then ``result`` alone (`check_record`).
+    walk followed, the target's unless ``forced`` (a benchmark forcing acceptance). The log's budgets and stops
+    are held to the requests'. Then ``result`` alone (`check_record`).
     """
     from ..backends.torch.ops import TorchBackend
 
@@ -373,19 +377,16 @@ def check_fusion(source: Drafted, result: Compacted, rows: RowOutputs, walk: tor
     before, after = source.log, result.log
     lengths, done = before.lengths.tolist(), before.done.tolist()
     max_new, stops = before.max_new.tolist(), {s for s in before.stops.tolist() if s >= 0}
+    require(forced or torch.equal(walk, predict), 10, "an unforced walk must follow the target's predictions")
+    n = len(source.requests)  # rows past n: a padded batch's padding, finished from the start
+    for b, r in enumerate(source.requests):
+        want = r.sampling.max_new_tokens - len(r.output)
+        require(max_new[b] == want, 5, f"request {b}: the log's budget is {max_new[b]}, its requests' {want}")
+        require(set(r.sampling.stop_token_ids) == stops, 5, f"request {b}: the log stops at {sorted(stops)}")
+    for b in range(n, B):
+        require(done[b] and max_new[b] == 0, 5, f"padding row {b} must be finished with no budget")
+    # the reference walk (the verify row's op, on the host), then the fused op's results held equal to it
     accept_index, run = TorchBackend().verify_greedy(tokens, parents, walk, W)
-    verified = Verified(
-        config=cfg,
-        requests=source.requests,
-        seq_lens=source.seq_lens.cpu(),
-        tree=attrs.evolve(tree, tokens=tokens, parents=parents),
-        verify_slots=vslots,
-        rows=RowOutputs(predict=walk.reshape(-1)),
-        accept_index=accept_index,
-        accept_len=run,
-    )
-    _check_accept(cfg, verified.tree, accept_index, run)
-    _check_greedy_path(verified)  # against the walked predictions: the target's on every unforced run
     committed = predict.reshape(-1)[accept_index.clamp(min=0)].tolist()  # [B, W]
     flat = accept_index.tolist()
     new_L, new_root = result.seq_lens.tolist(), result.root_tokens.tolist()
@@ -404,6 +405,10 @@ def check_fusion(source: Drafted, result: Compacted, rows: RowOutputs, walk: tor
     want_moves = set()
     hidden_rows = []
     for b in range(B):
+        for d in range(W):  # every extend row writes draft KV: its own verify slot, or none past the tree's rows
+            want_slot = int(vslots[b, d]) if d < N else -1
+            require(ext_slots[b * W + d] == want_slot, 3, f"request {b}: extend row {d} writes slot "
+                    f"{ext_slots[b * W + d]}, expected {want_slot}")  # fmt: skip
         keep = 0
         if not done[b]:
             run_b = committed[b][: int(run[b])]

@@ -19,6 +19,7 @@ from ..core.ports import Ports, target_device
 from ..core.records import Admitted, Compacted, Ready, Request
 from . import checks
 from .table import TABLE, Transition
+from .transitions import any_finished
 
 
 class NoTransition(RuntimeError):
@@ -87,9 +88,15 @@ def step(
 
 
 def run_cycle(record, ports: Ports, backend=None, **kwargs) -> Ready:
-    """Step until the next `Ready` record: from `Admitted` through prefill, from `Ready` one full cycle."""
-    record = step(record, ports, backend, **kwargs)
+    """Step until the next `Ready` record: from `Admitted` through prefill, from `Ready` one full cycle (after the
+    Ready ``retire`` row, where requests of the record had finished). ``retired``: every request that left."""
     retired: tuple[Request, ...] = ()
+    if isinstance(record, Ready) and any_finished(record, ports):
+        record = step(record, ports, backend, event="retire", **kwargs)
+        retired, record = record.retired, attrs.evolve(record, retired=())
+        if not record.requests:
+            return attrs.evolve(record, retired=retired)
+    record = step(record, ports, backend, **kwargs)
     while not isinstance(record, Ready):
         if isinstance(record, Compacted) and record.retired:
             retired += record.retired

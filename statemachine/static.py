@@ -98,7 +98,7 @@ class StaticExecutor:
         """Checked mode: every invariant at every boundary of a cycle that ran (docs/invariants.md)."""
         for b in boundaries:
             if isinstance(b.step, Fusion):
-                checks.check_fusion(b.source, b.result, b.rows, b.walk, self.ports)
+                checks.check_fusion(b.source, b.result, b.rows, b.walk, self.ports, forced=self.walk is not None)
             else:
                 checks.check_transition(b.source, b.result, self.ports)
 
@@ -109,7 +109,8 @@ def materialize(record, stop_ids: Sequence[int]) -> Compacted:
     ``length``), no log."""
     log, requests = record.log, []
     lengths, done = (log.lengths.tolist(), log.done.tolist()) if record.requests else ([], [])
-    rows = log.tokens[:, :-1].cpu() if record.requests else None
+    width = max(lengths, default=0)
+    rows = log.tokens[: len(record.requests), :width].cpu() if record.requests else None
     stops = set(stop_ids)
     for b, request in enumerate(record.requests):
         output = request.output + tuple(rows[b, : lengths[b]].tolist())

@@ -57,6 +57,7 @@ class CycleBuffers:
         long = dict(dtype=torch.long, device=device)
         n, width = cfg.num_draft_tokens, cfg.accept_width
         self.batch, self.config, self.device = batch, cfg, torch.device(device)
+        self.whole_run = False  # whether the loaded requests' pages cover their whole budget (`load`)
         self.sets = [
             dict(
                 L=torch.zeros(batch, **long),
@@ -100,7 +101,8 @@ class CycleBuffers:
     def log(self, parity: int) -> OutputLog:
         s = self.sets[parity]
         return OutputLog(tokens=self.out, lengths=s["out_len"], done=s["done"], all_done=s["all_done"],
-                         cycle=s["cycle"], accepted=self.hist, max_new=self.max_new, stops=self.stops)  # fmt: skip
+                         cycle=s["cycle"], accepted=self.hist, max_new=self.max_new, stops=self.stops,
+                         reserved_for_run=self.whole_run)  # fmt: skip
 
     def ready(self, parity: int, requests) -> Ready:
         """The `Ready` record over set ``parity``."""
@@ -109,13 +111,17 @@ class CycleBuffers:
                      topk_p=s["topk_p"], topk_index=s["topk_index"], draft_hidden=s["dh"],
                      log=self.log(parity))  # fmt: skip
 
-    def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids) -> Ready:
+    def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids, columns: int | None = None,
+             whole_run: bool = False) -> Ready:  # fmt: skip
         """Set 0 from an eager `Ready` record (a prefill's and its draft extend's, or a cycle's): its state, an empty
         log, the pages, each request's remaining budget (``max_new_tokens``, one for all or one a request, less the
         output it has) and the stops. A batch of fewer requests than the buffers hold fills the first rows; the
         rest are padding, finished from the start (slot -1 everywhere: they write and read no KV, commit nothing).
+        ``columns``: the log columns the run may write (one cycle's: ``S + 1``; None: all), the rest left as they
+        are. ``whole_run``: the requests' pages cover the whole budget (`OutputLog.reserved_for_run`).
         Returns the `Ready` record over set 0."""
         n = len(ready.requests)
+        self.whole_run = whole_run
         if n > self.batch:
             raise ValueError(f"a batch of {n} requests does not fit buffers of {self.batch}")
         cur = self.sets[0]
@@ -131,8 +137,9 @@ class CycleBuffers:
         cur["done"].fill_(True)
         cur["done"][:n].zero_()
         cur["all_done"].fill_(n == 0)
-        self.out.zero_()
-        self.hist.zero_()
+        self.out[:, :columns].zero_()
+        self.out[:, -1].zero_()
+        self.hist[: 1 if columns else None].zero_()
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         budgets = [m - len(r.output) for m, r in zip(limits, ready.requests)] + [0] * (self.batch - n)
         self.max_new.copy_(torch.tensor(budgets))

@@ -339,7 +339,7 @@ def retire_ready(rec: Ready, ports: Ports, backend) -> Ready:
         if ports.kv_pool.pages_held(request.request_id):
             ports.kv_pool.free(request.request_id)
         ports.recurrent.free(request_id=request.request_id)
-    return attrs.evolve(select_ready(rec, keep), retired=gone)
+    return attrs.evolve(select_ready(rec, keep), retired=rec.retired + gone)
 
 
 # ---- draft extend ------------------------------------------------------------------------------

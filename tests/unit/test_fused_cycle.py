@@ -165,6 +165,12 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     scheduler.run()
     assert [list(scheduler.finished[i].output) for i in ids] == ar
+    eos = set(engine.stop_token_ids)
+    for i, out in zip(ids, ar):
+        want = "stop" if out and out[-1] in eos else "length"
+        assert scheduler.finished[i].finish_reason == want
+    if speculation == "on":  # three requests ran padded to the bucket of four
+        assert 4 in engine.fused_cycles._batches
     if speculation == "off":
         assert engine.fused_cycles.run_s == before and scheduler.stats.spec_cycles == 0
     else:

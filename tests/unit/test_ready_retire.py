@@ -1,0 +1,42 @@
+"""The Ready ``retire`` row: requests that finished in a static cycle (it commits and extends in one replay) leave a
+`Ready` batch, their pages freed once, and `runner.run_cycle` reports them and runs the cycle of the others."""
+
+from __future__ import annotations
+
+import attrs
+from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
+from speccycle.statemachine import run_cycle
+from speccycle.statemachine.runner import select, step
+from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
+
+
+def _ready(config: SpecConfig):
+    pool = FingerprintPool(num_pages=256, page_size=config.page_size)
+    target = HashedNgramTarget(pool, vocab_size=24, n=3)
+    ports = Ports(target=target, draft=NoisyDraft(target, 0.7, "shifted"), kv_pool=pool)
+    params = SamplingParams(max_new_tokens=12)
+    requests = tuple(Request(i, (1 + i, 5, 7, 2 + i), params) for i in range(3))
+    return ports, pool, run_cycle(Admitted(config=config, requests=requests), ports, checked=True)
+
+
+def test_finished_requests_leave_a_ready_batch_and_the_others_cycle():
+    config = SpecConfig(num_steps=3, page_size=4)
+    ports, pool, ready = _ready(config)
+    done = attrs.evolve(ready.requests[1], finish_reason="length")
+    ready = attrs.evolve(ready, requests=(ready.requests[0], done, ready.requests[2]))
+    assert select(ready, ports).event == "retire"  # the draft rows' guards require no finished request
+    before = {r.request_id: len(r.output) for r in ready.requests}
+    after = run_cycle(ready, ports, checked=True)
+    assert [r.request_id for r in after.retired] == [1]
+    assert pool.pages_held(1) == 0
+    assert [r.request_id for r in after.requests] == [0, 2]
+    assert all(len(r.output) > before[r.request_id] for r in after.requests)  # their cycle ran
+
+
+def test_a_ready_batch_whose_requests_all_finished_retires_them_all():
+    ports, pool, ready = _ready(SpecConfig(num_steps=2, page_size=4))
+    ready = attrs.evolve(ready, requests=tuple(attrs.evolve(r, finish_reason="stop") for r in ready.requests))
+    after = step(ready, ports, event="retire", checked=True)
+    assert after.requests == () and [r.request_id for r in after.retired] == [0, 1, 2]
+    assert all(pool.pages_held(i) == 0 for i in range(3))
+    assert run_cycle(ready, ports).retired == after.retired
