@@ -19,8 +19,13 @@ holds them equal to the table's rows), and in checked mode every boundary is val
 Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs or stop strings on the
 fast path with a fast EAGLE draft, chain or tree (`FusedCycles.serves`: what the table's `accept_commit`
 fusion covers), checked or not; the prefill and the first draft extend run through `statemachine.step`, the
-loop starts from their `Ready` record, and the requests retire through the table's ``retire`` row from the
-record `statemachine.static.materialize` makes of the log. On a CPU (tests) the same executor runs eagerly.
+loop (`FusedCycles.run`) starts from their `Ready` record, and the requests retire through the table's
+``retire`` row from the record `statemachine.static.materialize` makes of the log. The scheduler runs one
+cycle at a time (`FusedCycles.step`): its batch changes between cycles, so each step loads the batch into the
+buffers of its power-of-two bucket (padding rows finished from the start) and reads the commits back; the
+requests that finished leave through the table's ``Ready --retire--> Ready`` row. On a CPU (tests) the same
+executor runs eagerly. A request whose logits turn non-finite inside a captured cycle is not errored there
+(the eager verify errors it): the cycle commits the argmax of its rows.
 Tested: tests/unit/test_fused_cycle.py (the engine's autoregressive output, the table's accept lengths),
 tests/property/test_static_executor.py (random configs in checked mode against the eager table).
 """

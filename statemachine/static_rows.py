@@ -18,7 +18,7 @@ import torch
 
 from ..backends.cuda import cycle as cycle_ops
 from ..core.config import SpecConfig
-from ..core.ports import ForwardBatch, ModelOutput, StaticPorts, draft_pairing, static_forwards
+from ..core.ports import ForwardBatch, ModelOutput, NoRecurrentState, StaticPorts, draft_pairing, static_forwards
 from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog, Ready, RowOutputs
 from ..core.tree import draft_scratch_offsets
 from .transitions import draft_levels
@@ -187,8 +187,10 @@ def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) ->
 def static_covers(rec, ports) -> bool:
     """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings or logprobs, all
     with the same stop ids (at most `MAX_STOPS`: the log holds one list), a forward draft paired shifted whose
-    ports declare static forwards."""
+    ports declare static forwards, no recurrent state."""
     if static_forwards(ports) is None or draft_pairing(ports) != "shifted":
+        return False
+    if not isinstance(ports.recurrent, NoRecurrentState):  # recurrent state commits per accepted row: eager only
         return False
     stops = {frozenset(r.sampling.stop_token_ids) for r in rec.requests}
     if len(stops) > 1 or any(len(s) > MAX_STOPS for s in stops):

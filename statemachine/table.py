@@ -209,8 +209,8 @@ FUSIONS: tuple[Fusion, ...] = (
         module="speccycle.backends.cuda.cycle",
         doc="After the verify forward: the greedy walk, the cut at stop tokens and max_new_tokens, the bonus, "
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
-        "and the done flag the retire row's guard reads. Greedy requests without stop strings, logprobs or "
-        "recurrent state, a forward draft paired shifted.",
+        "and the done flags (the requests finish from them when the log is read back). Greedy requests with one "
+        "stop list and no stop strings or logprobs, no recurrent state, a forward draft paired shifted.",
         static=sr.accept_commit_static,
         covers=sr.static_covers,
     ),
