@@ -612,6 +612,34 @@ def test_two_layer_eagle3_head_on_cuda(weights, spec):
     assert [list(r.output) for r in results] == ar
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the fused cycles need a GPU")
+@pytest.mark.parametrize(
+    "spec",
+    [SpecConfig(num_steps=4, topk=1, page_size=4), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)],
+)
+def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, spec):
+    """`FusedCycles.step` under CUDA graphs: requests of different budgets leave and a waiting one joins, so the
+    batch moves between graph buckets (three requests padded to four, then two, then one); checked at every
+    boundary of every replay; each output is the autoregressive one, every page goes back."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.scheduler import Scheduler
+
+    prompts = [tokens_of(81, 6) * 2, tokens_of(82, 5), tokens_of(83, 7), tokens_of(84, 4)]
+    budgets = (16, 5, 11, 8)
+    model = LlamaModel(TINY, weights, device="cuda")
+    pool = PagedKVPool(num_pages=256, page_size=spec.page_size, device="cuda")
+    head = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3, device="cuda")
+    engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
+    ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
+    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3)
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == ar
+    fused = engine.fused_cycles
+    assert fused.use_graphs and fused.replays > 0 and {4, 2, 1} <= set(fused._batches)
+    assert pool.num_free_pages == pool.num_pages
+
+
 def test_an_unknown_blas_library_is_refused_with_the_choices(weights, monkeypatch):
     """``SPECCYCLE_BLAS``: a name the fast path does not take is refused before anything is swapped, on any
     device; a known one leaves a CPU engine's GEMMs to torch (the choice applies on CUDA only)."""
