@@ -1,6 +1,6 @@
 """The paged row attention on a GPU: the single-pass kernel against the split (flash-decoding) kernel.
 
-`engine.attention_triton` cuts each row's keys into chunks of ``CHUNK`` keys (``block_n`` per block,
+`engine.kernels.attention_triton` cuts each row's keys into chunks of ``CHUNK`` keys (``block_n`` per block,
 at most ``max_chunks`` chunks: longer rows get longer chunks), runs programs per (row, KV head) that
 each take every ``P``-th chunk (``programs_per_row``, default `default_programs_per_row`), and merges
 a row's chunks in the last of its programs to finish (or, ``fused_combine=False``, in a second
@@ -79,7 +79,7 @@ VARIANTS = {
     "split-s4": dict(num_stages=4),
     "split-r96": dict(maxnreg=96),
     "split-s1-r96": dict(num_stages=1, maxnreg=96),
-    # the tile kernel (engine/attention_tiles.py): a verify's rows share their request's prefix blocks
+    # the tile kernel (engine/kernels/attention_tiles.py): a verify's rows share their request's prefix blocks
     "tiles": dict(kernel="tiles"),
     "tiles-r2": dict(kernel="tiles", rows_per_tile=2),
     "tiles-p64": dict(kernel="tiles", programs=64),
@@ -176,9 +176,10 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
 
 
 def attend(args, options=None, **kwargs):
-    """One call of the variant: ``kernel="tiles"`` the tile kernel (`engine.attention_tiles`), else the rows kernel."""
-    from speccycle.engine.attention_tiles import paged_attention_tiles_triton
-    from speccycle.engine.attention_triton import paged_attention_rows_triton
+    """One call of the variant: ``kernel="tiles"`` the tile kernel (`engine.kernels.attention_tiles`), else the rows
+    kernel."""
+    from speccycle.engine.kernels.attention_tiles import paged_attention_tiles_triton
+    from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton
 
     options = {**(options or {}), **kwargs}
     kernel = options.pop("kernel", "rows")
@@ -190,7 +191,7 @@ def attend(args, options=None, **kwargs):
 
 
 def twin(args, keys: int) -> torch.Tensor:
-    from speccycle.engine.attention_triton import paged_attention_rows_torch
+    from speccycle.engine.kernels.attention_triton import paged_attention_rows_torch
 
     return paged_attention_rows_torch(*args, PAGE, kv_bound=keys).float()
 
@@ -231,7 +232,7 @@ def time_part(models, variants, contexts, rows_cases, tables) -> list[dict]:
 
 def compiled_kernels() -> list[dict]:
     """Registers, spills and shared memory of every compiled attention kernel (occupancy: what limits it)."""
-    from speccycle.engine import attention_tiles, attention_triton
+    from speccycle.engine.kernels import attention_tiles, attention_triton
 
     out = []
     for module, name in ((attention_tiles, "_paged_attention_tile_kernel"),
@@ -341,7 +342,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_bench needs a CUDA GPU")
-    from speccycle.engine import attention_triton
+    from speccycle.engine.kernels import attention_triton
 
     models = args.models.split(",")
     variants = args.variants.split(",")

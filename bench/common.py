@@ -67,8 +67,8 @@ def transformers_model(dtype: torch.dtype, device: str):
     accelerate. Returns the model in eval mode on ``device``."""
     import tempfile
 
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf
-    from speccycle.engine.weights_hf import save_hf
+    from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf
+    from speccycle.engine.weights.weights_hf import save_hf
     from transformers import AutoModelForCausalLM
 
     config, weights = load_gguf(default_model_path(), dtype=torch.float32)

@@ -2,13 +2,13 @@
 
 The models are constant test models (every draft accepted, tau = S + 1); their forward time is
 measured and subtracted, so what remains is the runner, the records, the backend ops and (checked)
-the invariant checks: the host cost of a cycle, what `engine.host_control` pays on a GPU host.
+the invariant checks: the host cost of a cycle, what `engine.fast.host_control` pays on a GPU host.
 
     .venv/bin/python -m bench.cycle_overhead [--cycles 300] [--baseline DIR]
 
 Per draft family (``forward``: a model draft, EAGLE-like; ``lookup``: an n-gram-like draft), config,
 batch size and backend (``torch``: the reference ops, the CPU engine's; ``host``:
-`engine.host_control.HostBackend`, the GPU host plane's), unchecked and checked: the median and p90
+`engine.fast.host_control.HostBackend`, the GPU host plane's), unchecked and checked: the median and p90
 per cycle, and unchecked the median per transition (``phases``: the row's ``run`` only, models out,
 from as many cycles with a trace, interleaved; ``runner``: the untraced median less theirs, row selection
 and the runner). ``--baseline DIR`` first runs this
@@ -95,8 +95,8 @@ PAGE_SIZE = 16  # P, as the GPU benchmarks and the CLI run
 
 
 def make_pool():
-    """The engine's pool (`engine.kv_pool.PagedKVPool`) with room for every request and a one-number KV."""
-    from speccycle.engine.kv_pool import PagedKVPool
+    """The engine's pool (`engine.memory.kv_pool.PagedKVPool`) with room for every request and a one-number KV."""
+    from speccycle.engine.memory.kv_pool import PagedKVPool
 
     pool = PagedKVPool(num_pages=1 << 14, page_size=PAGE_SIZE)
     pool.add_cache("target", num_layers=1, num_kv_heads=1, head_dim=1)
@@ -105,7 +105,7 @@ def make_pool():
 
 def make_backend(name: str):
     if name == "host":
-        from speccycle.engine.host_control import HostBackend
+        from speccycle.engine.fast.host_control import HostBackend
 
         return HostBackend("cpu")
     return TorchBackend()

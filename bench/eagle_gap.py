@@ -34,10 +34,10 @@ from speccycle.core import SpecConfig
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.drafters.eagle import EagleDraft, EagleHead
 from speccycle.engine.engine import Engine, load_model
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import default_model_path
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import default_model_path
 from speccycle.train.data import SelfDistilledData
 from speccycle.train.evaluate import accept_lengths, summarize
 from speccycle.train.features import target_outputs

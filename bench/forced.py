@@ -9,7 +9,7 @@ predictions along each tree's first-child path, not its greedy output.
 
 Two ways, one per control plane:
 
-* `ForcedFusedCycles`: `engine.fused_cycle.FusedCycles` with its walk's predictions replaced inside the cycle's
+* `ForcedFusedCycles`: `engine.fast.fused_cycle.FusedCycles` with its walk's predictions replaced inside the cycle's
   graph (`FusedCycles._walk`), by `forced_walk`; `force_fused_acceptance` puts it on an engine.
 * `ForcedAcceptance`: a backend wrapper for the host and device planes' greedy verifies;
   `force_plane_acceptance` wraps the backend of each `generate` call.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
-from speccycle.engine.fused_cycle import FusedCycles
+from speccycle.engine.fast.fused_cycle import FusedCycles
 
 
 def beatty(tau: float, count: int, cap: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ class ForcedFusedCycles(FusedCycles):
 
 
 def force_fused_acceptance(engine, tau: float) -> ForcedFusedCycles:
-    """Replace the engine's fused cycles (`fast.accelerate` builds them for a fast EAGLE draft) with
+    """Replace the engine's fused cycles (`fast.path.accelerate` builds them for a fast EAGLE draft) with
     `ForcedFusedCycles` over the same target, draft, pool, config and options; returns them."""
     fused = engine.fused_cycles
     if fused is None:

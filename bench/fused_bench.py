@@ -1,4 +1,4 @@
-"""Fused EAGLE cycles (`engine.fused_cycle`) against the host control plane and autoregressive decoding.
+"""Fused EAGLE cycles (`engine.fast.fused_cycle`) against the host control plane and autoregressive decoding.
 
 SmolLM2-135M (``$SPECCYCLE_DEFAULT_MODEL`` or the embedded GGUF), the shipped EAGLE-3 head, bfloat16,
 batch 1, greedy, on the fast path. For each ``--configs`` entry (chains ``S4,S5``, trees ``S6K4N32``;
@@ -49,14 +49,15 @@ def main() -> None:
         default="",
         help="comma list of engine variants, each '+'-joined settings: w<n> (attention warps), frontier-torch "
         "(`CudaBackend.advance_frontier` as torch ops), an op set "
-        "(triton-cublas, triton-cublas-folded, triton: `kernels.CUDA_OPS`), "
+        "(triton-cublas, triton-cublas-folded, triton: `kernels.fused_ops.CUDA_OPS`), "
         "head=PATH (this EAGLE head instead of --eagle-head's); "
         "one engine each, every way run on each, "
         "interleaved; labels get '@<variant>' (e.g. --variants triton-cublas,triton-cublas-folded)",
     )
     args = ap.parse_args()
     from speccycle.backends.cuda.ops import CudaBackend
-    from speccycle.engine import attention_triton, kernels
+    from speccycle.engine.kernels import attention_triton
+    from speccycle.engine.kernels import fused_ops as kernels
 
     op_sets = {ops.name: ops for ops in (kernels.TritonCublasOps, kernels.FoldedNormOps, kernels.TritonOps)}
 

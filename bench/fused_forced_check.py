@@ -18,9 +18,9 @@ def main() -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.drafters.eagle import EagleDraft
     from speccycle.engine.engine import Engine
-    from speccycle.engine.kv_pool import PagedKVPool
-    from speccycle.engine.llama import LlamaModel
-    from speccycle.engine.weights_gguf import LlamaConfig
+    from speccycle.engine.memory.kv_pool import PagedKVPool
+    from speccycle.engine.models.llama import LlamaModel
+    from speccycle.engine.weights.weights_gguf import LlamaConfig
 
     config = LlamaConfig(**{**LLAMA3_8B, "hidden_size": 512, "intermediate_size": 1024, "num_layers": 8,
                             "num_heads": 8, "num_kv_heads": 2, "head_dim": 64})  # fmt: skip
@@ -35,7 +35,7 @@ def main() -> None:
         for graphs in (False, True):
             pool = PagedKVPool(num_pages=64, page_size=16, device="cuda")
             engine = Engine(model, pool, lambda e, pool=pool: EagleDraft(head, model, pool), spec)
-            from speccycle.engine.fast import accelerate
+            from speccycle.engine.fast.path import accelerate
 
             accelerate(engine, graphs=graphs)
             force_fused_acceptance(engine, 3.0)

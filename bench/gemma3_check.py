@@ -27,12 +27,12 @@ from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.models import build_model, gemma3_270m_path
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import load_gguf
-from speccycle.engine.weights_hf import save_hf
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.catalog import build_model, gemma3_270m_path
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import load_gguf
+from speccycle.engine.weights.weights_hf import save_hf
 
 from .common import write_result
 

@@ -107,7 +107,7 @@ def eagle_head_path(arg: str | None):
     if arg:
         return arg
     from speccycle.engine.drafters.eagle_heads import shipped_eagle_head
-    from speccycle.engine.weights_gguf import default_model_path
+    from speccycle.engine.weights.weights_gguf import default_model_path
 
     return shipped_eagle_head(default_model_path())
 
@@ -124,7 +124,7 @@ def timed_ar(engine, ids: list[list[int]], new_tokens: int) -> tuple[list[list[i
 
 
 def draft_weights(engine) -> dict:
-    """``{"draft_weights": "int8" | "dtype"}`` for an EAGLE engine on the fast path (`fast.HeadGemms`), else {}."""
+    """``{"draft_weights": "int8" | "dtype"}`` for an EAGLE engine on the fast path (`fast.path.HeadGemms`), else {}."""
     gemms = getattr(engine.draft, "gemms", None)
     return {"draft_weights": gemms.kind} if gemms is not None else {}
 
@@ -177,7 +177,7 @@ def part_real(args, prompts: list[dict]) -> None:
     # The engine without a draft pads its decode rows to its SpecConfig's N (`accelerate`'s min_target_rows: 5,
     # a bucket of 8), so that its outputs are bitwise those of a verify; the plain decode, one row a step, is
     # what a user without speculation would run: the speedups are also given against it.
-    from speccycle.engine.fast import accelerate
+    from speccycle.engine.fast.path import accelerate
 
     plain = Engine.load(draft="none", device="cuda", dtype=dtype, kv_tokens=kv_tokens)
     accelerate(plain, min_target_rows=1)
@@ -281,7 +281,7 @@ LLAMA3_8B = dict(
 
 
 def random_weights_on_device(config, device, dtype, scale=0.02) -> dict:
-    from speccycle.engine.weights_gguf import expected_shapes
+    from speccycle.engine.weights.weights_gguf import expected_shapes
 
     gen = torch.Generator(device=device).manual_seed(0)
     weights = {}
@@ -335,10 +335,10 @@ def part_scale(args) -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.drafters.eagle import EagleDraft
     from speccycle.engine.engine import Engine
-    from speccycle.engine.fast import FastGreedyDecoder, FastOptions
-    from speccycle.engine.kv_pool import PagedKVPool
-    from speccycle.engine.llama import LlamaModel
-    from speccycle.engine.weights_gguf import LlamaConfig
+    from speccycle.engine.fast.path import FastGreedyDecoder, FastOptions
+    from speccycle.engine.memory.kv_pool import PagedKVPool
+    from speccycle.engine.models.llama import LlamaModel
+    from speccycle.engine.weights.weights_gguf import LlamaConfig
 
     dtype = torch.bfloat16
     bw = bandwidth()
@@ -446,7 +446,7 @@ def part_scale(args) -> None:
 # ---- batch sizes ------------------------------------------------------------------------------------
 def part_batch(args, prompts: list[dict]) -> None:
     from speccycle.engine.engine import Engine
-    from speccycle.engine.fast import accelerate
+    from speccycle.engine.fast.path import accelerate
 
     dtype = torch.bfloat16
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -615,8 +615,8 @@ def attention_case(heads: int, kv_heads: int, dim: int, rows: int, length: int) 
     """The kernels to time on one request: ``rows == 1`` a decode row, else a binary tree of verify rows."""
     from speccycle.core.ports import ForwardBatch
     from speccycle.core.tree import ancestor_mask, tree_depths
-    from speccycle.engine.attention import paged_attention, plan_attention
-    from speccycle.engine.attention_triton import paged_attention_rows_triton
+    from speccycle.engine.kernels.attention import paged_attention, plan_attention
+    from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton
 
     dtype, page_size, device = torch.bfloat16, 16, "cuda"
     pages = math.ceil((length + rows) / page_size)

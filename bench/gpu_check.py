@@ -1,4 +1,4 @@
-"""GPU smoke test of the fast path (engine/fast.py): run on the CUDA machine before trusting its numbers.
+"""GPU smoke test of the fast path (engine/fast/path.py): run on the CUDA machine before trusting its numbers.
 
 Checks, each printed as it finishes and written to one JSON (``--out`` directory):
 
@@ -95,8 +95,8 @@ def _paged_case(gen, page_size, heads, kv_heads, dim, dtype, device):
 
 
 def check_kernels(device: str) -> None:
-    from speccycle.engine.attention import paged_attention, plan_attention
-    from speccycle.engine.attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
+    from speccycle.engine.kernels.attention import paged_attention, plan_attention
+    from speccycle.engine.kernels.attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 
     gen = torch.Generator().manual_seed(0)
     for heads, kv_heads, dim in ((9, 3, 64), (32, 8, 128)):
@@ -124,7 +124,7 @@ def check_kernels(device: str) -> None:
 def check_graphs(device: str, prompts: list[str]) -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.engine import Engine
-    from speccycle.engine.graphs import bucket
+    from speccycle.engine.fast.graphs import bucket
     from speccycle.engine.greedy import extend_batch
 
     engine = Engine.load(draft="layerskip", spec=SpecConfig(num_steps=4, topk=1, page_size=16), device=device,
@@ -193,7 +193,7 @@ def check_graphs(device: str, prompts: list[str]) -> None:
 def check_tokens(device: str, prompts: list[str], new_tokens: int) -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.engine import Engine, eagle_head_for
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf_config
+    from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf_config
 
     config = load_gguf_config(default_model_path())
     reference = Engine.load(draft="none", device=device, dtype=torch.float32, kv_tokens=8192)

@@ -123,16 +123,16 @@ def check_cycle(device: str) -> None:
     from collections import Counter
 
     from speccycle.core import Ports, Request, SamplingParams, SpecConfig
-    from speccycle.engine.hybrid import (
+    from speccycle.engine.memory.kv_pool import PagedKVPool
+    from speccycle.engine.memory.recurrent_pool import RecurrentPools
+    from speccycle.engine.models.hybrid import (
         HybridConfig,
         HybridSkipDraft,
         HybridTarget,
         hybrid_greedy,
         random_hybrid_weights,
     )
-    from speccycle.engine.kv_pool import PagedKVPool
-    from speccycle.engine.recurrent_pool import RecurrentPools
-    from speccycle.engine.weights_gguf import LlamaConfig
+    from speccycle.engine.weights.weights_gguf import LlamaConfig
     from speccycle.statemachine import generate
 
     llama = LlamaConfig(

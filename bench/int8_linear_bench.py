@@ -1,9 +1,10 @@
-"""An 8B-shaped EAGLE-3 head's GEMMs in bfloat16 (cuBLAS / cuBLASLt) and in weight-only int8 (`engine.int8_linear`).
+"""An 8B-shaped EAGLE-3 head's GEMMs in bfloat16 (cuBLAS / cuBLASLt) and in weight-only int8
+(`engine.kernels.int8_linear`).
 
 The head drafts at a decode's few rows (1 for a chain, the tree's frontier of K for a tree, a verify's accepted
 rows for an extend), so its GEMMs read weights: int8 halves the bytes. Per shape (`SHAPES`: the head's ``fc``
 12288 -> 4096, QKV 8192 -> 6144, O, gate-up, down, and a 32,000-token draft LM head) and row count this times
-``F.linear`` in bfloat16 with torch's default BLAS library and with cuBLASLt (the fast path's, `fast.blas_scope`),
+``F.linear`` in bfloat16 with torch's default BLAS library and with cuBLASLt (the fast path's, `fast.path.blas_scope`),
 and `int8_linear.int8_linear_triton` with its default tile (`int8_config`) and, with ``--sweep``, the tiles of
 `SWEEP`. Weights are cold: each graph replay calls a shape once per copy of its weight, the copies together
 larger than L2 (`COPY_BYTES`). It sums a draft level (QKV, O, gate-up, down, LM head) per library and checks the
@@ -52,8 +53,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from speccycle.engine.int8_linear import Int8Config, Int8Rowwise, int8_config, int8_linear_torch
-    from speccycle.engine.int8_linear import int8_linear_triton as int8_linear
+    from speccycle.engine.kernels.int8_linear import Int8Config, Int8Rowwise, int8_config, int8_linear_torch
+    from speccycle.engine.kernels.int8_linear import int8_linear_triton as int8_linear
 
     rows = [int(r) for r in args.rows.split(",")]
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}

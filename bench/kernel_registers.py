@@ -4,7 +4,7 @@ The tile attention kernel is latency-bound and its residency (programs a multipr
 registers a thread, so register pressure decides its speed (before fff0a2d its preamble's int64 key counts held
 ~45 registers; in int32, 32 tree-verify rows went from 26.0 to 17.8 µs on an H100, figures below). This
 compiles kernels for ``sm_90`` with the Triton on this machine, at the constexpr sets of
-`engine.compile_check` (real models' shapes), under each register cap of ``--maxnreg``, and reads
+`engine.kernels.compile_check` (real models' shapes), under each register cap of ``--maxnreg``, and reads
 ``ptxas -v`` (Triton's own ptxas and flags): registers a thread, spill stores and loads, stack frame. The GPU
 machine's Triton may allocate differently (3.6 there: the tile kernel took ~231 registers where this machine's
 3.9 takes 210): compare variants with each other, on one Triton.
@@ -67,7 +67,7 @@ def measure(names: list[str] | None, caps: list[int], num_warps: int = 4, num_st
     """One row per (kernel of `compile_check.engine_specs` named in ``names``, constexpr set holding every item
     of ``where``, register cap; 0 or None: no cap)."""
     from ..backends.cuda.compile_specs import TARGETS, compile_kernel, require_compiled
-    from ..engine import compile_check
+    from ..engine.kernels import compile_check
 
     os.environ.pop("TRITON_INTERPRET", None)  # the JIT must compile, not interpret
     rows = []

@@ -6,11 +6,11 @@ so a run cut short still reports what it finished.
 
     python -m bench.lossless_sweep --prompts spec_bench_dev.jsonl --device cuda --out sweep.json
 
-``--fast`` runs the engine's fast path (`engine.fast`) with one of its op sets: ``invariant``
-(`kernels.BatchInvariantOps`: the row-invariant GEMMs of `engine.linear_triton` at every row count, so
+``--fast`` runs the engine's fast path (`engine.fast.path`) with one of its op sets: ``invariant``
+(`kernels.fused_ops.BatchInvariantOps`: the row-invariant GEMMs of `engine.kernels.linear_triton` at every row count, so
 the 240-prompt batch's decode rows and verify rows compute the same bits: the bfloat16 parity run),
-``triton`` (the default `kernels.TritonOps`: those GEMMs up to 64 rows, cuBLAS above) or ``cublas``
-(`kernels.TritonCublasOps`: cuBLAS GEMMs, the fast path before them). ``off``: the reference path.
+``triton`` (the default `kernels.fused_ops.TritonOps`: those GEMMs up to 64 rows, cuBLAS above) or ``cublas``
+(`kernels.fused_ops.TritonCublasOps`: cuBLAS GEMMs, the fast path before them). ``off``: the reference path.
 
     python -m bench.lossless_sweep --prompts spec_bench_dev.jsonl --device cuda --dtype bfloat16 \
         --max-new-tokens 128 --fast invariant --out sweep-bf16-invariant.json
@@ -26,7 +26,7 @@ import torch
 from speccycle.core import SpecConfig
 from speccycle.engine.bench import device_label, load_prompts
 from speccycle.engine.engine import Engine, eagle_head_for
-from speccycle.engine.weights_gguf import default_model_path, load_gguf_config
+from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf_config
 
 CASES = [
     ("ngram", SpecConfig(num_steps=5, topk=1, page_size=1)),
@@ -40,7 +40,7 @@ CASES = [
 
 def fast_ops(name: str):
     """The op set of ``--fast`` (None: the reference path)."""
-    from speccycle.engine import kernels
+    from speccycle.engine.kernels import fused_ops as kernels
 
     return {"off": None, "invariant": kernels.BatchInvariantOps, "triton": kernels.TritonOps,
             "cublas": kernels.TritonCublasOps}[name]  # fmt: skip
@@ -69,7 +69,7 @@ def main() -> None:
     head = eagle_head_for(load_gguf_config(default_model_path()), version=1, seed=1)
     head = head.to(args.device, getattr(torch, args.dtype))
     head.dtype = getattr(torch, args.dtype)
-    from speccycle.engine.tokenizer import Tokenizer
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(default_model_path())
     lengths = [len(tokenizer.apply_chat_template([{"role": "user", "content": p["text"]}])) for p in prompts]
@@ -89,7 +89,7 @@ def main() -> None:
         )
         ops = fast_ops(args.fast)
         if ops is not None:
-            from speccycle.engine.fast import accelerate
+            from speccycle.engine.fast.path import accelerate
 
             accelerate(engine, ops=ops, max_requests=max(args.max_requests, len(prompts)))
         ids = [engine.chat_prompt(p["text"]) for p in prompts]

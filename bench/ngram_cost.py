@@ -31,8 +31,8 @@ from speccycle.core import SpecConfig
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import default_model_path
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import default_model_path
 
 from .common import write_result
 from .ngram_tau import DEV, autoregressive_outputs, pick, replay

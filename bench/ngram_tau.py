@@ -41,8 +41,8 @@ from speccycle.engine.bench import load_prompts
 from speccycle.engine.drafters.ngram import CPU_OPTIONS, NgramDraft
 from speccycle.engine.engine import Engine
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import default_model_path
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import default_model_path
 
 from .common import write_result
 

@@ -1,4 +1,4 @@
-"""The row-invariant GEMMs of `engine.linear_triton` on a GPU: speed against cuBLAS, invariance, model steps.
+"""The row-invariant GEMMs of `engine.kernels.linear_triton` on a GPU: speed against cuBLAS, invariance, model steps.
 
 Parts (``--parts``, comma-separated):
 
@@ -89,8 +89,8 @@ def graph_us(fn, *args, reps: int = 20, rounds: int = 7, iters: int = 10, **kwar
 def ops_for(kind: str, n: int, k: int, dtype, gen):
     """(fused Triton call, the call it replaces) for one shape: ``f(x, r, start) -> output`` (``x``: rows
     ``start ..`` of the 64 the invariance check uses; the RoPE kernel reads their positions and slots)."""
-    from speccycle.engine import kernels
-    from speccycle.engine import linear_triton as lt
+    from speccycle.engine.kernels import fused_ops as kernels
+    from speccycle.engine.kernels import linear_triton as lt
 
     rows_w = 2 * n if kind == "silu" else n
     w = (torch.randn(rows_w, k, device="cuda", generator=gen) / k**0.5).to(dtype)
@@ -105,7 +105,7 @@ def ops_for(kind: str, n: int, k: int, dtype, gen):
         plain = lambda x, r, start=0: F.linear(kernels.add_rms_norm_triton(x, r, nw, 1e-5)[1], w)  # noqa: E731
         return fused, plain
     if kind == "rope":  # Q compared; K and V go to 64 distinct slots of a cache
-        from speccycle.engine.llama import rope_cos_sin
+        from speccycle.engine.models.llama import rope_cos_sin
 
         heads, kv_heads, head_dim = HEADS[k]
         cos, sin = rope_cos_sin(torch.arange(4096, device="cuda"), head_dim, 500000.0, dtype)
@@ -162,7 +162,7 @@ def part_gemm(args, record) -> None:
 
 
 def part_configs(args, record) -> None:
-    from speccycle.engine import linear_triton as lt
+    from speccycle.engine.kernels import linear_triton as lt
 
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -236,9 +236,9 @@ def chain_verify_batch(pool, rid: int, length: int, tokens: list[int]):
 def part_model(args, record) -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.engine import Engine
-    from speccycle.engine.fast import FastGreedyDecoder, FastOptions, accelerate
+    from speccycle.engine.fast.path import FastGreedyDecoder, FastOptions, accelerate
     from speccycle.engine.greedy import extend_batch
-    from speccycle.engine.kernels import TritonCublasOps, TritonOps
+    from speccycle.engine.kernels.fused_ops import TritonCublasOps, TritonOps
 
     prompt_text = "Explain how a hash map handles collisions, with a short example in Python."
     out = []

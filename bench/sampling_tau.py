@@ -24,7 +24,7 @@ from speccycle.core import SamplingParams, SpecConfig
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.drafters.eagle_heads import shipped_eagle_head
 from speccycle.engine.engine import Engine, eagle_head_for
-from speccycle.engine.weights_gguf import default_model_path
+from speccycle.engine.weights.weights_gguf import default_model_path
 
 from .common import write_result
 

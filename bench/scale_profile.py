@@ -97,10 +97,10 @@ def main() -> None:
     from speccycle.core import SpecConfig
     from speccycle.engine.drafters.eagle import EagleDraft
     from speccycle.engine.engine import Engine
-    from speccycle.engine.fast import FastGreedyDecoder, FastOptions
-    from speccycle.engine.kv_pool import PagedKVPool
-    from speccycle.engine.llama import LlamaModel
-    from speccycle.engine.weights_gguf import LlamaConfig
+    from speccycle.engine.fast.path import FastGreedyDecoder, FastOptions
+    from speccycle.engine.memory.kv_pool import PagedKVPool
+    from speccycle.engine.models.llama import LlamaModel
+    from speccycle.engine.weights.weights_gguf import LlamaConfig
     from torch.profiler import ProfilerActivity, profile
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

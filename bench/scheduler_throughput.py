@@ -25,12 +25,12 @@ import time
 import attrs
 import torch
 from speccycle.core import SamplingParams, SpecConfig
-from speccycle.engine.adaptive import AdaptiveSpeculation
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.engine import Engine
-from speccycle.engine.scheduler import Scheduler
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import default_model_path
+from speccycle.engine.serving.adaptive import AdaptiveSpeculation
+from speccycle.engine.serving.scheduler import Scheduler
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import default_model_path
 
 from .common import write_result
 

@@ -45,12 +45,12 @@ from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from speccycle.engine.drafters.eagle_tp import ShardedEagleDraft, TPEagleDraft
 from speccycle.engine.drafters.oracle import OracleDraft
 from speccycle.engine.engine import Engine
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
-from speccycle.engine.tp import TPEngine, init_tp, shared_generator
-from speccycle.engine.tp_group import CommTimer, TPGroup
-from speccycle.engine.tp_model import TPLlamaModel
-from speccycle.engine.weights_gguf import LlamaConfig, expected_shapes
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel
+from speccycle.engine.tp.engine import TPEngine, init_tp, shared_generator
+from speccycle.engine.tp.tp_group import CommTimer, TPGroup
+from speccycle.engine.tp.tp_model import TPLlamaModel
+from speccycle.engine.weights.weights_gguf import LlamaConfig, expected_shapes
 
 from .common import write_result
 
@@ -266,8 +266,8 @@ def load(name: str, args, device: torch.device, dtype: torch.dtype):
         return config, RandomWeights(config, device, dtype, seed=args.seed), prompts
     if name == "smollm2":
         from speccycle.engine.bench import load_prompts
-        from speccycle.engine.tokenizer import Tokenizer
-        from speccycle.engine.weights_gguf import default_model_path, load_gguf
+        from speccycle.engine.tokenizers.tokenizer import Tokenizer
+        from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf
 
         path = default_model_path()
         config, weights = load_gguf(path, dtype=dtype)
@@ -335,8 +335,8 @@ def lossless(tp: TPGroup, args) -> dict:
     from speccycle.engine.bench import load_prompts
     from speccycle.engine.drafters.layerskip import LlamaDraft
     from speccycle.engine.drafters.ngram import NgramDraft
-    from speccycle.engine.tokenizer import Tokenizer
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
+    from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf
 
     path = default_model_path()
     config, weights = load_gguf(path, dtype=torch.float32)

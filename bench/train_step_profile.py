@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 from speccycle.engine.engine import load_model
-from speccycle.engine.llama import LlamaModel
+from speccycle.engine.models.llama import LlamaModel
 from speccycle.train.data import SelfDistilledData
 from speccycle.train.head import TrainableEagleHead
 from speccycle.train.pipeline import HEADS, V3_INTERMEDIATE, V3FULL_INTERMEDIATE

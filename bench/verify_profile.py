@@ -27,10 +27,10 @@ import time
 
 import torch
 from speccycle.core.ports import ForwardBatch
-from speccycle.engine import attention
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.engine import Engine
 from speccycle.engine.greedy import extend_batch
+from speccycle.engine.kernels import attention
 
 from .common import write_result
 from .ngram_tau import DEV

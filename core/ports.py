@@ -148,7 +148,7 @@ class DraftCapabilities:
       by calling ``fn`` (`statemachine.transitions.draft_levels`) with these arguments or returning exactly
       what it returns. None: the draft transition calls ``fn`` (and ``step``) directly.
     * ``run_draft_levels_on_host(...)``: the same levels for inputs that live on the host (the engine's host
-      control plane, `engine.host_control`); None: the draft has no host path.
+      control plane, `engine.fast.host_control`); None: the draft has no host path.
 
     A draft subclasses this and defines the methods it has; one that does not subclass it may still define
     them (they are read by name).

@@ -1,4 +1,4 @@
-"""The engine's command-line options: the ``speccycle generate`` and ``bench`` commands and `engine.tp`'s
+"""The engine's command-line options: the ``speccycle generate`` and ``bench`` commands and `engine.tp.engine`'s
 torchrun entry take the same ones (`add_engine_args`) and read the `SpecConfig` of a run from them
 (`spec_from_args`, after `resolve_draft` for ``--draft auto``). `check_engine_args` refuses a bad
 option before a model loads, `check_output_path` an output file that could not be written, and
@@ -101,7 +101,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--fast",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="fast path: static buffers, Triton kernels, CUDA graphs, fused EAGLE cycles (engine.fast); "
+        help="fast path: static buffers, Triton kernels, CUDA graphs, fused EAGLE cycles (engine.fast.path); "
         "off: the reference path (default: on for a Llama model on CUDA, off on a CPU)",
     )
 
@@ -191,8 +191,8 @@ def check_device(device: str) -> None:
 
 
 def check_model_path(path: str, option: str) -> None:
-    """``path`` is a file, a directory or a named model (`models.NAMED_MODELS`)."""
-    from .models import NAMED_MODELS
+    """``path`` is a file, a directory or a named model (`models.catalog.NAMED_MODELS`)."""
+    from .models.catalog import NAMED_MODELS
 
     if not Path(path).exists() and path not in NAMED_MODELS:
         raise UsageError(

@@ -31,10 +31,10 @@ from .drafters.ngram import CPU_NUM_STEPS as NGRAM_CPU_NUM_STEPS
 from .drafters.ngram import NgramDraft
 from .errors import ModelLoadError
 from .greedy import greedy_decode
-from .kv_pool import PagedKVPool
-from .llama import LlamaModel
-from .models import NAMED_MODELS, build_model, named_model_path
-from .weights_gguf import LlamaConfig, default_model_path, load_gguf
+from .memory.kv_pool import PagedKVPool
+from .models.catalog import NAMED_MODELS, build_model, named_model_path
+from .models.llama import LlamaModel
+from .weights.weights_gguf import LlamaConfig, default_model_path, load_gguf
 
 DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
 
@@ -107,7 +107,7 @@ class GenerationStats:
 
 
 def load_model(path: str | os.PathLike | None, dtype: torch.dtype) -> tuple[LlamaConfig, dict, Path]:
-    """A GGUF file, a Hugging Face directory (config.json + safetensors) or a name of `models.NAMED_MODELS`
+    """A GGUF file, a Hugging Face directory (config.json + safetensors) or a name of `models.catalog.NAMED_MODELS`
     (``gemma3-270m``); None: the embedded default."""
     if path is None:
         path = default_model_path()
@@ -115,7 +115,7 @@ def load_model(path: str | os.PathLike | None, dtype: torch.dtype) -> tuple[Llam
         path = named_model_path(path)
     path = Path(path)
     if path.is_dir():
-        from .weights_hf import load_hf
+        from .weights.weights_hf import load_hf
 
         config, weights = load_hf(path, dtype=dtype)
     else:
@@ -129,8 +129,8 @@ class Engine:
     def __init__(
         self, target_model: LlamaModel, pool: PagedKVPool, draft, spec: SpecConfig, tokenizer=None, fast: bool = False
     ):
-        """``fast``: run the forwards through static buffers, fused kernels and CUDA graphs (`engine.fast`)."""
-        from .target import LlamaTarget
+        """``fast``: run the forwards through static buffers, fused kernels and CUDA graphs (`engine.fast.path`)."""
+        from .models.target import LlamaTarget
 
         self.model, self.pool, self.spec, self.tokenizer = target_model, pool, spec, tokenizer
         c = target_model.config
@@ -142,10 +142,10 @@ class Engine:
         self.backend = get_backend(target_model.device)
         self._ids = itertools.count()
         self.fast_decoder = None
-        self.host_control = False  # `engine.host_control`; `accelerate` turns it on for a GPU
-        self.fused_cycles = None  # `engine.fused_cycle`; `accelerate` builds it for a fast EAGLE draft
+        self.host_control = False  # `engine.fast.host_control`; `accelerate` turns it on for a GPU
+        self.fused_cycles = None  # `engine.fast.fused_cycle`; `accelerate` builds it for a fast EAGLE draft
         if fast:
-            from .fast import accelerate
+            from .fast.path import accelerate
 
             accelerate(self)
 
@@ -171,7 +171,7 @@ class Engine:
         ``draft``: ``ngram`` (prompt lookup), ``layerskip`` (the first ``layerskip_layers`` layers of the
         target), ``eagle`` (an EAGLE head: ``eagle_head`` path or object), ``model`` (``draft_model``: a
         smaller model with the same tokenizer), ``none`` (autoregressive only). ``fast``: the fast path
-        (`engine.fast`: CUDA graphs, Triton kernels, fused EAGLE cycles); None: off (the reference path);
+        (`engine.fast.path`: CUDA graphs, Triton kernels, fused EAGLE cycles); None: off (the reference path);
         ``"auto"`` (the CLI's default): on for a Llama-architecture model on CUDA, off elsewhere.
         ``spec`` None: `default_spec`; ``max_ngram`` None: the ngram draft's default. ``eagle_dtype``: the
         dtype an EAGLE head loaded from a file runs in (None: the target's on the fast path, else
@@ -201,7 +201,7 @@ class Engine:
                     f"(a .safetensors path; train one with `speccycle train-draft`)"
                 )
             if not isinstance(eagle_head, EagleHead):
-                # the fast path's head forward runs in the target's dtype (`fast.eagle_rows_forward`)
+                # the fast path's head forward runs in the target's dtype (`fast.path.eagle_rows_forward`)
                 head_dtype = eagle_dtype or (dtype if fast else eagle_head_dtype(device, dtype))
                 eagle_head = EagleHead.load(eagle_head, head_dtype, device)
             head = eagle_head
@@ -362,16 +362,16 @@ class Engine:
         return [done[rid] for rid in ids], stats
 
     def _fused_for(self, sampling, checked: bool, on_step, stop_token_ids):
-        """The fused cycles (`engine.fused_cycle`) when they serve this call (checked or not); not with ``on_step``,
-        which sees every record of every cycle on the host."""
+        """The fused cycles (`engine.fast.fused_cycle`) when they serve this call (checked or not); not with
+        ``on_step``, which sees every record of every cycle on the host."""
         if self.fused_cycles is None or on_step is not None:
             return None
         return self.fused_cycles if self.fused_cycles.serves(self.draft, sampling, stop_token_ids) else None
 
     def _cycle_ports(self, sampling: SamplingParams | None) -> tuple[Ports, object]:
         """The ports and backend of a `generate` call: the host control plane where it serves the call
-        (`engine.host_control`: fast path on a GPU, greedy, a lookup or fast forward draft), else the device's."""
-        from . import host_control
+        (`engine.fast.host_control`: fast path on a GPU, greedy, a lookup or fast forward draft), else the device's."""
+        from .fast import host_control
 
         if self.host_control and host_control.serves(self.draft, sampling):
             return host_control.host_ports(
@@ -410,7 +410,7 @@ def _sampling_for(sampling: SamplingParams, engine_params: SamplingParams, index
 def _tokenizer(path: Path):
     """A GGUF file's tokenizer, or a Hugging Face folder's ``tokenizer.json`` (`tokenizer.load_tokenizer`); None
     for a model without one."""
-    from .tokenizer import load_tokenizer
+    from .tokenizers.tokenizer import load_tokenizer
 
     return load_tokenizer(path)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..core.ports import ForwardBatch, TargetModel
-from .kv_pool import PagedKVPool, slots_from_page_table
+from .memory.kv_pool import PagedKVPool, slots_from_page_table
 
 
 def extend_batch(

@@ -4,7 +4,7 @@
 (`runner.select`: the record's type and the guards), through their static forms (`Transition.static`), and a
 declared fusion's form in place of the rows it covers where the fusion covers the record (`Fusion.covers`).
 The forms write into `static_rows.CycleBuffers`, so a cycle from set ``p`` leaves its records in set ``1 - p``
-at the same addresses every time: the graphed executor (`engine.fused_cycle`) captures `StaticExecutor.cycle`
+at the same addresses every time: the graphed executor (`engine.fast.fused_cycle`) captures `StaticExecutor.cycle`
 once per parity and replays it, and on a CPU it runs eagerly (tests).
 
 Each call returns the boundaries it crossed (the row or fusion that ran, its source and result records): the

@@ -605,7 +605,7 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         draft_probs = rec.draft_probs.new_zeros((bs, N, rec.draft_probs.shape[-1]))
         draft_probs[:, 0] = rec.draft_probs
     levels = (ports, backend, cfg, ids, L, page_table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden)
-    # A draft may run the greedy loop as one captured CUDA graph (engine.fast), calling draft_levels itself.
+    # A draft may run the greedy loop as one captured CUDA graph (engine.fast.path), calling draft_levels itself.
     graphed = graphed_draft_levels(ports) if rows is None else None
     if graphed is not None:
         cand_tokens, cand_scores, cand_parents, draft_positions = graphed(draft_levels, *levels)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.ports import ForwardBatch, ModelOutput
-from ..engine.recurrent_pool import RecurrentPool
+from ..engine.memory.recurrent_pool import RecurrentPool
 from .models import _hash, _ngram_logits, read_contexts
 
 _MOD = 2_147_483_647

@@ -20,8 +20,8 @@ from ..core import SpecConfig
 from ..engine.drafters.eagle import EagleConfig, EagleHead
 from ..engine.drafters.oracle import OracleDraft
 from ..engine.errors import ModelLoadError
-from ..engine.llama import random_llama_weights
-from ..engine.weights_gguf import LlamaConfig
+from ..engine.models.llama import random_llama_weights
+from ..engine.weights.weights_gguf import LlamaConfig
 
 # SmolLM2's awkward shape in miniature: 3 KV heads (2:1 at TP=2), odd vocabulary and intermediate size,
 # tied embeddings.
@@ -98,7 +98,7 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 
 def _scenarios(result: dict) -> None:
-    from ..engine.tp import RankDivergenceError, build_tp_engine, init_tp, shared_generator
+    from ..engine.tp.engine import RankDivergenceError, build_tp_engine, init_tp, shared_generator
 
     tp = init_tp("gloo", "cpu", timeout_s=120)
     w = weights()

@@ -193,8 +193,8 @@ def _token_counter(args) -> tuple[Callable[[str], int], str]:
     if args.estimate_tokens:
         return estimate_tokens, "estimated (3.2 characters a token)"
     from ..engine.errors import ModelLoadError
-    from ..engine.tokenizer import Tokenizer
-    from ..engine.weights_gguf import default_model_path
+    from ..engine.tokenizers.tokenizer import Tokenizer
+    from ..engine.weights.weights_gguf import default_model_path
 
     try:
         source = args.tokenizer or default_model_path()

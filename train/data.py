@@ -275,8 +275,8 @@ class EngineGenerator:
     sampled (temperature and top-p through `process_logits`, a seeded `torch.Generator`)."""
 
     def __init__(self, config, weights, device: str, dtype: torch.dtype, stop_ids: Sequence[int]):
-        from ..engine.llama import LlamaModel
-        from ..engine.target import LlamaTarget
+        from ..engine.models.llama import LlamaModel
+        from ..engine.models.target import LlamaTarget
 
         self.model = LlamaModel(config, weights, dtype=dtype, device=device)
         self.target_cls, self.device, self.stop_ids = LlamaTarget, device, tuple(stop_ids)
@@ -292,7 +292,7 @@ class EngineGenerator:
     ) -> list[list[int]]:
         from ..backends.torch.sampling import process_logits
         from ..engine.greedy import greedy_decode
-        from ..engine.kv_pool import PagedKVPool
+        from ..engine.memory.kv_pool import PagedKVPool
 
         pick = None
         if temperature:

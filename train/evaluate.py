@@ -100,10 +100,10 @@ def evaluate_heads(
     """Every head x every config over ``prompts`` (`bench.load_prompts` items). Returns the result dict."""
     from ..engine.drafters.eagle import EagleDraft, EagleHead
     from ..engine.engine import Engine, load_model
-    from ..engine.kv_pool import PagedKVPool
-    from ..engine.llama import LlamaModel
-    from ..engine.tokenizer import Tokenizer
-    from ..engine.weights_gguf import default_model_path
+    from ..engine.memory.kv_pool import PagedKVPool
+    from ..engine.models.llama import LlamaModel
+    from ..engine.tokenizers.tokenizer import Tokenizer
+    from ..engine.weights.weights_gguf import default_model_path
 
     config, weights, path = load_model(model_path, torch.float32)
     tokenizer_path = path if path.suffix == ".gguf" else default_model_path()

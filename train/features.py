@@ -16,7 +16,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ..engine.llama import DecoderLayer, LlamaModel, apply_rope, rope_cos_sin
+from ..engine.models.llama import DecoderLayer, LlamaModel, apply_rope, rope_cos_sin
 
 
 @attrs.frozen(eq=False)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.drafters.eagle import EagleConfig, EagleHead, _shapes, extra_layer_prefix, normalize_features
-from ..engine.llama import LlamaModel, apply_rope, rope_cos_sin
+from ..engine.models.llama import LlamaModel, apply_rope, rope_cos_sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

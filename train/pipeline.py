@@ -176,8 +176,8 @@ def _device(args) -> str:
 
 
 def _tokenizer(args, model_path: Path):
-    from ..engine.tokenizer import Tokenizer
-    from ..engine.weights_gguf import default_model_path
+    from ..engine.tokenizers.tokenizer import Tokenizer
+    from ..engine.weights.weights_gguf import default_model_path
 
     source = args.tokenizer or (model_path if model_path.suffix == ".gguf" else default_model_path())
     return Tokenizer.from_gguf(source)
@@ -274,7 +274,7 @@ def stage_generate(args, log: Log) -> None:
 
         stop_ids = tuple(dict.fromkeys([*stop_ids, *user_turn_prefix(tokenizer).end_ids]))
     if args.generator == "hf":
-        from ..engine.weights_hf import save_hf
+        from ..engine.weights.weights_hf import save_hf
 
         hf_dir = model_path if model_path.is_dir() else save_hf(Path(args.work_dir) / "hf-model", config, weights)
         generator = HFGenerator(hf_dir, device, dtype, stop_ids)
@@ -379,7 +379,7 @@ def stage_train(args, log: Log) -> None:
     import torch
 
     from ..engine.engine import load_model
-    from ..engine.llama import LlamaModel
+    from ..engine.models.llama import LlamaModel
     from .trainer import train_head
 
     device = _device(args)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.drafters.eagle import EagleConfig, _shapes, extra_layer_prefix, file_metadata
-from ..engine.llama import LlamaModel
+from ..engine.models.llama import LlamaModel
 from .data import SelfDistilledData
 from .features import target_outputs
 from .head import TrainableEagleHead, shift_left

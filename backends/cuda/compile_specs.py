@@ -4,10 +4,10 @@ The interpreter (how CI runs the kernels) checks what a kernel computes, not tha
 accepts it. `kernel_specs` lists each kernel of this backend with its argument types and the constexpr
 sets the backend picks on a GPU (a real vocabulary and tree); `compile_kernel` compiles one of them down
 to a cubin for ``sm_90`` or a code object for ``gfx942`` (`TARGETS`; the ROCm backend's "kernels that
-port"), with the compilers that ship inside the triton wheel. `engine.compile_check` compiles these and
+port"), with the compilers that ship inside the triton wheel. `engine.kernels.compile_check` compiles these and
 the fast engine path's kernels (whose specs sit in the engine) for both targets:
 
-    python -m speccycle.engine.compile_check [cuda] [hip]
+    python -m speccycle.engine.kernels.compile_check [cuda] [hip]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def kernel_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
 def cycle_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]], tuple[str, ...]]]:
     """The fused cycle's bookkeeping kernels (`cycle`): a chain and a tree at SmolLM2's defaults, with the
     arguments the JIT marks 16-divisible. They run on CUDA devices only (the fused cycle is a CUDA graph):
-    `engine.compile_check` compiles them for ``cuda``, beside the fast path's kernels."""
+    `engine.kernels.compile_check` compiles them for ``cuda``, beside the fast path's kernels."""
     i64, i32 = "*i64", "i32"
     out = []
     out.append((cycle._cycle_slots_kernel,

@@ -1,6 +1,6 @@
 """The fused cycle's bookkeeping as three Triton kernels, each beside its plain-torch twin.
 
-`engine.fused_cycle` runs a greedy EAGLE cycle as one CUDA graph. Between its forwards sat some 150
+`engine.fast.fused_cycle` runs a greedy EAGLE cycle as one CUDA graph. Between its forwards sat some 150
 small torch kernels per cycle (slot lookups, the tree's depths and mask, the verify rows' inputs, the
 greedy walk, the stop cut, the output log, the next state, the draft extend's inputs): each ~1-2 us of
 GPU time plus a gap, together more than the forwards they connect (the profile before them, 2026-11-25: 585 kernels a

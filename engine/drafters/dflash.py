@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.ports import ForwardBatch, ModelOutput
-from ..attention import paged_attention, plan_attention, write_kv
 from ..errors import ModelLoadError
-from ..kv_pool import PagedKVPool
-from ..llama import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
+from ..kernels.attention import paged_attention, plan_attention, write_kv
+from ..memory.kv_pool import PagedKVPool
+from ..models.llama import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
 
 
 @attrs.frozen

@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.ports import ForwardBatch, ModelOutput
-from ..attention import paged_attention, plan_attention, write_kv
 from ..errors import ModelLoadError
-from ..kv_pool import PagedKVPool
-from ..llama import DecoderLayer, LlamaModel, RMSNorm, apply_rope, rope_cos_sin
+from ..kernels.attention import paged_attention, plan_attention, write_kv
+from ..memory.kv_pool import PagedKVPool
+from ..models.llama import DecoderLayer, LlamaModel, RMSNorm, apply_rope, rope_cos_sin
 from .eagle_config import (  # noqa: F401  (re-exported: the head's config, file names and shapes live there)
     FEATURE_NORMS,
     LM_HEAD_KEY,

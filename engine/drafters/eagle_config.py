@@ -12,8 +12,8 @@ import attrs
 import torch
 
 from ..errors import ModelLoadError
-from ..rope import rope_base_from_hf, rope_scaling
-from ..weights_gguf import decoder_layer_shapes
+from ..models.rope import rope_base_from_hf, rope_scaling
+from ..weights.weights_gguf import decoder_layer_shapes
 
 METADATA_KEY = "speccycle.eagle"
 LM_HEAD_KEY = "speccycle.eagle.lm_head"  # "own" (EAGLE-3's reduced vocabulary) or "target" (the target's norm and head)

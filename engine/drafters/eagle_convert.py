@@ -47,8 +47,8 @@ def layout_name(path: str | Path) -> str:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from ..models import model_config
-    from ..weights_gguf import default_model_path
+    from ..models.catalog import model_config
+    from ..weights.weights_gguf import default_model_path
     from .eagle import EagleHead, check_target
     from .eagle_heads import model_name
     from .eagle_layouts import write_layout

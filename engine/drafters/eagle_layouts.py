@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
-from ..rope import rope_base_from_hf, rope_scaling
+from ..models.rope import rope_base_from_hf, rope_scaling
 from .eagle_config import METADATA_KEY, EagleConfig, _shapes, check_target, extra_layer_prefix, feature_norm_shapes
 
 LAYOUTS = ("eagle3", "speculators")
@@ -584,10 +584,10 @@ def _check_writable(head, layout: str) -> None:
 
 
 def head_path_for(path: str | os.PathLike, model: str | os.PathLike | None) -> str | os.PathLike:
-    """``path``, as a `HeadPath` with the layer count of the target ``model`` (`models.model_config`: its config
+    """``path``, as a `HeadPath` with the layer count of the target ``model`` (`models.catalog.model_config`: its config
     alone is read) where the head is a published one whose config names no feature layers."""
     if not needs_target_layers(path):
         return path
-    from ..models import model_config
+    from ..models.catalog import model_config
 
     return HeadPath(path, model_config(model).num_layers)

@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from ...core.ports import ForwardBatch, ModelOutput
-from ..attention import paged_attention, plan_attention, write_kv
 from ..errors import ModelLoadError
-from ..kv_pool import PagedKVPool
-from ..llama import apply_rope, rope_cos_sin
-from ..tp_model import TPLlamaModel, plan_shard
-from ..weights_gguf import LlamaConfig
+from ..kernels.attention import paged_attention, plan_attention, write_kv
+from ..memory.kv_pool import PagedKVPool
+from ..models.llama import apply_rope, rope_cos_sin
+from ..tp.tp_model import TPLlamaModel, plan_shard
+from ..weights.weights_gguf import LlamaConfig
 from .eagle import EagleDraft, EagleHead
 
 

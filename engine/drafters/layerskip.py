@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ...core.ports import ForwardBatch, ModelOutput
-from ..kv_pool import PagedKVPool
-from ..llama import LlamaModel
+from ..memory.kv_pool import PagedKVPool
+from ..models.llama import LlamaModel
 
 
 class LlamaDraft:

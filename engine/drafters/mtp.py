@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from ...core.ports import ForwardBatch, ModelOutput
-from ..attention import plan_attention
 from ..errors import ModelLoadError
-from ..kv_pool import PagedKVPool
-from ..llama import DecoderLayer, LlamaModel, RMSNorm, rope_cos_sin
-from ..weights_gguf import expected_shapes
+from ..kernels.attention import plan_attention
+from ..memory.kv_pool import PagedKVPool
+from ..models.llama import DecoderLayer, LlamaModel, RMSNorm, rope_cos_sin
+from ..weights.weights_gguf import expected_shapes
 
 
 def mtp_weight_shapes(target_config, num_modules: int) -> dict[str, tuple[int, ...]]:

@@ -15,9 +15,9 @@ from speccycle.engine.drafters.dflash import DFlashConfig, DFlashDraft
 from speccycle.engine.drafters.mtp import MtpDraft
 from speccycle.engine.engine import Engine
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 from speccycle.statemachine import CycleError
 
 LLAMA = LlamaConfig(

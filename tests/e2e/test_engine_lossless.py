@@ -17,8 +17,8 @@ from speccycle.engine.drafters.eagle import EagleDraft
 from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine, eagle_head_for
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
@@ -29,8 +29,8 @@ DEV_PROMPTS = os.environ.get("SPEC_BENCH_DEV") or None
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from speccycle.engine.tokenizer import Tokenizer
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
+    from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf
 
     torch.manual_seed(0)
     path = default_model_path()
@@ -150,8 +150,8 @@ def test_dev_prompts_are_spec_bench_shaped():
 def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, smollm2):
     import attrs
     from speccycle.engine.errors import ModelLoadError
-    from speccycle.engine.llama import random_llama_weights
-    from speccycle.engine.weights_hf import save_hf
+    from speccycle.engine.models.llama import random_llama_weights
+    from speccycle.engine.weights.weights_hf import save_hf
 
     config, _, _ = smollm2
     small = attrs.evolve(

@@ -16,8 +16,8 @@ from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine, eagle_head_for
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 12
@@ -26,8 +26,8 @@ PARAMS = SamplingParams(temperature=0.8, seed=5, logprobs=True)
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from speccycle.engine.tokenizer import Tokenizer
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
+    from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf
 
     path = default_model_path()
     config, weights = load_gguf(path, dtype=torch.float32)

@@ -19,13 +19,13 @@ from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine
 from speccycle.engine.errors import ModelLoadError
-from speccycle.engine.gemma3 import Gemma3Model
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.models import build_model, gemma3_270m_path, named_model_path
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import load_gguf
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.catalog import build_model, gemma3_270m_path, named_model_path
+from speccycle.engine.models.gemma3 import Gemma3Model
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import load_gguf
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -99,7 +99,7 @@ def test_model_reads_english(gemma, model):
 def test_greedy_equals_transformers(gemma, model, prompts, autoregressive, tmp_path_factory):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers = pytest.importorskip("transformers")
-    from speccycle.engine.weights_hf import save_hf
+    from speccycle.engine.weights.weights_hf import save_hf
 
     _, config, weights, _ = gemma
     directory = save_hf(tmp_path_factory.mktemp("gemma3_hf"), config, weights)

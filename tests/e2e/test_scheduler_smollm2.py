@@ -16,9 +16,9 @@ from speccycle.core import SamplingParams, SpecConfig
 from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
-from speccycle.engine.scheduler import Scheduler
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel
+from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.statemachine.stops import stop_text_reference
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,8 @@ MESSAGES = (
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from speccycle.engine.tokenizer import Tokenizer
-    from speccycle.engine.weights_gguf import default_model_path, load_gguf
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
+    from speccycle.engine.weights.weights_gguf import default_model_path, load_gguf
 
     path = default_model_path()
     config, weights = load_gguf(path, dtype=torch.float32)

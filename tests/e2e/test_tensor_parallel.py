@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from speccycle.core import SpecConfig
 from speccycle.engine.engine import Engine
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel
 from speccycle.testing import tp_worker
 
 WORLD_SIZE = 2

@@ -1,6 +1,6 @@
 """Invariant 14 for the paged row attention: the Triton kernel equals the torch twin and the reference.
 
-The reference is engine/attention.py (plan + SDPA, the engine's plain path); the torch twin is the
+The reference is engine/kernels/attention.py (plan + SDPA, the engine's plain path); the torch twin is the
 static-shape version the fast path uses without Triton. Cases: causal extends, tree rows with extra
 slots (holes included), padding rows, several page sizes, grouped-query heads, rows split into
 several chunks (small ``chunk`` / ``block_n`` so that short contexts split, chunks grown past
@@ -18,14 +18,14 @@ import os
 import pytest
 import torch
 from speccycle.core.ports import ForwardBatch
-from speccycle.engine.attention import paged_attention, plan_attention
-from speccycle.engine.attention_triton import paged_attention_rows_torch
+from speccycle.engine.kernels.attention import paged_attention, plan_attention
+from speccycle.engine.kernels.attention_triton import paged_attention_rows_torch
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine.attention_triton import (  # noqa: E402
+from speccycle.engine.kernels.attention_triton import (  # noqa: E402
     _COUNTERS,
     CHUNK,
     MAX_CHUNKS,
@@ -302,7 +302,7 @@ def test_rows_without_extra_columns_allocate_nothing_and_equal_a_column_of_holes
 def test_default_launch_gives_a_decode_graph_one_program_per_chunk(monkeypatch):
     """`default_programs_per_row` on an H100 (132 SMs), SmolLM2's 3 KV heads: a decode graph of 8 rows
     (1 real, 7 padding) gets every chunk its own program; 32 rows get ~8 programs per SM over all rows."""
-    from speccycle.engine import attention_triton as attention
+    from speccycle.engine.kernels import attention_triton as attention
 
     monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)

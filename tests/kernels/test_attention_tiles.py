@@ -1,4 +1,4 @@
-"""Invariant 14 for the tiled paged attention (engine/attention_tiles.py), and the bits it must keep.
+"""Invariant 14 for the tiled paged attention (engine/kernels/attention_tiles.py), and the bits it must keep.
 
 The tile kernel equals the torch twin (the reference's math) on extend rows, tree rows with holes,
 padding rows, several page sizes and grouped heads, split into chunks or not; a verify's rows computed
@@ -20,14 +20,14 @@ import os
 
 import pytest
 import torch
-from speccycle.engine.attention_triton import paged_attention_rows_torch
+from speccycle.engine.kernels.attention_triton import paged_attention_rows_torch
 from speccycle.testing.bits import assert_same_bits
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine.attention_tiles import default_rows_per_tile, paged_attention_tiles_triton  # noqa: E402
+from speccycle.engine.kernels.attention_tiles import default_rows_per_tile, paged_attention_tiles_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # small chunks so that short contexts split into several (and grown) chunks under the interpreter
@@ -215,7 +215,7 @@ def test_the_discard_takes_whole_lines_of_one_state():
     """`attention_tiles.discard_chunk_states`: only with the PTX hints, an aligned scratch and heads of a multiple of
     32 floats (a 16-wide head failed to compile on an H100, a 48-wide one would drop a line shared with the next
     chunk's state); ``discard_states=False`` turns it off, None takes `DISCARD_STATES`."""
-    from speccycle.engine.attention_tiles import DISCARD_STATES, discard_chunk_states
+    from speccycle.engine.kernels.attention_tiles import DISCARD_STATES, discard_chunk_states
 
     assert discard_chunk_states(None, True, 0, 128) is DISCARD_STATES and discard_chunk_states(True, True, 256, 64)
     assert not discard_chunk_states(True, False, 0, 128)  # no hints: the interpreter, ROCm, before sm_90
@@ -248,10 +248,11 @@ def test_default_rows_per_tile_and_bad_arguments():
 
 
 def test_auto_takes_tiles_for_large_heads_and_rows_below(monkeypatch):
-    """`kernels.paged_attention_auto` (the fast path's default): tiles for heads of 128 and more (every forward
-    of such a model), the rows kernel below; `SPECCYCLE_ATTENTION` names one or the other, anything else fails."""
-    from speccycle.engine import kernels
-    from speccycle.engine.attention_triton import paged_attention_rows_triton
+    """`kernels.fused_ops.paged_attention_auto` (the fast path's default): tiles for heads of 128 and more (every
+    forward of such a model), the rows kernel below; `SPECCYCLE_ATTENTION` names one or the other, anything else
+    fails."""
+    from speccycle.engine.kernels import fused_ops as kernels
+    from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton
 
     for dim, kernel in ((128, paged_attention_tiles_triton), (16, paged_attention_rows_triton)):
         q, k, v, args, _ = _batch(5, 4, 4, 2, dim, 20, CHAIN, extend=1, padding=1)
@@ -270,7 +271,7 @@ def test_auto_takes_tiles_for_large_heads_and_rows_below(monkeypatch):
 def test_the_ptx_cache_hints_run_on_nvidia_hopper_only(monkeypatch):
     """`attention_triton._ptx_hints` (the L2 discard after the merge, written in PTX): an NVIDIA GPU of compute
     capability 9.0 or later; never on ROCm, whose torch also reports ``is_cuda``, nor on an older NVIDIA GPU."""
-    from speccycle.engine import attention_triton
+    from speccycle.engine.kernels import attention_triton
 
     hints = attention_triton._ptx_hints.__wrapped__  # the uncached check
     for hip, capability, expected in ((None, (9, 0), True), (None, (10, 0), True), (None, (8, 9), False),

@@ -143,7 +143,8 @@ def test_fast_path_op_set_and_attention_warps_per_device(monkeypatch):
     """CUDA gets the folded-norm op set (7 kernels a layer), a CPU the torch one; ``CUDA_OPS`` overrides it for
     benchmarks. The rows attention kernel runs 1 warp a program up to head dim 64, 4 above; ``NUM_WARPS``
     overrides it. (Both choices were measured on an H100: docs/decisions.md.)"""
-    from speccycle.engine import attention_triton, kernels
+    from speccycle.engine.kernels import attention_triton
+    from speccycle.engine.kernels import fused_ops as kernels
 
     assert kernels.default_ops("cuda") is kernels.FoldedNormOps
     assert kernels.default_ops("cpu") is kernels.TorchOps

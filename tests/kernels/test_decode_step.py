@@ -1,4 +1,4 @@
-"""Invariant 14 for the decode step's bookkeeping kernels (`engine.decode_step`): each equals its torch
+"""Invariant 14 for the decode step's bookkeeping kernels (`engine.kernels.decode_step`): each equals its torch
 twin exactly (integers), padding rows and page sizes 1 to 16 included; and a graph-stepped decode with
 the fused step gives the tokens of the plain one (tests/unit/test_fast_path.py covers the tokens
 against greedy decoding). Runs on CPU under ``TRITON_INTERPRET=1`` and on a GPU as is."""
@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from speccycle.engine import decode_step  # noqa: E402
+from speccycle.engine.kernels import decode_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

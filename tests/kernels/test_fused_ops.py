@@ -1,6 +1,6 @@
 """Invariant 14 for the fast forward's fused ops: each Triton kernel equals its torch reference.
 
-The references equal engine/llama.py's ops (RMSNorm, RoPE, SiLU-mul), checked here too. Strided
+The references equal engine/models/llama.py's ops (RMSNorm, RoPE, SiLU-mul), checked here too. Strided
 views (a column block of a features buffer), padding rows (slot -1: no KV write) and bfloat16.
 Runs on CPU under ``TRITON_INTERPRET=1`` (CI) and on a GPU as is.
 """
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from speccycle.engine import kernels
-from speccycle.engine.llama import RMSNorm, apply_rope, rope_cos_sin
+from speccycle.engine.kernels import fused_ops as kernels
+from speccycle.engine.models.llama import RMSNorm, apply_rope, rope_cos_sin
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,6 +1,6 @@
-"""`engine.int8_linear`: the weight-only int8 GEMM equals its torch reference (one split and two, adding in place or
-not, ragged rows, columns and K), `Int8Rowwise` recovers the integers a head was stored as, bad input is refused
-with what to do, and the default tile follows the H100 sweep's rule.
+"""`engine.kernels.int8_linear`: the weight-only int8 GEMM equals its torch reference (one split and two, adding in
+place or not, ragged rows, columns and K), `Int8Rowwise` recovers the integers a head was stored as, bad input is
+refused with what to do, and the default tile follows the H100 sweep's rule.
 
 Under ``TRITON_INTERPRET=1`` at small shapes; on an H100 `bench/int8_linear_bench.py` times it and checks it against
 the reference at the 8B head's shapes (bench/results/int8_linear_bench-H100-{20261126-1381642,274181b,4585721}-*).
@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from speccycle.engine.drafters.eagle_pack import dequantize_rowwise, quantize_rowwise  # noqa: E402
-from speccycle.engine.int8_linear import (  # noqa: E402
+from speccycle.engine.kernels.int8_linear import (  # noqa: E402
     Int8Config,
     Int8Rowwise,
     int8_config,

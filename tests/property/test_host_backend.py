@@ -1,4 +1,4 @@
-"""The host control plane's ops (`engine.host_control.HostBackend`) equal the torch reference."""
+"""The host control plane's ops (`engine.fast.host_control.HostBackend`) equal the torch reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from speccycle.backends.torch import TorchBackend
-from speccycle.engine.host_control import HostBackend
+from speccycle.engine.fast.host_control import HostBackend
 
 reference, host = TorchBackend(), HostBackend()
 
@@ -59,7 +59,7 @@ def test_host_slots_for_positions_refuse_unreserved_positions():
 def test_packed_rows_come_back_exactly(rows, k, seed):
     """`graphs.pack_rows` (how a draft graph hands back its top-K and candidates in one copy) is exact for
     token ids (up to 2^53, -1 padding), float32 scores (extremes, subnormals, inf) and bools."""
-    from speccycle.engine.graphs import pack_rows, row_layout, unpack_rows
+    from speccycle.engine.fast.graphs import pack_rows, row_layout, unpack_rows
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(-1, 2**53, (rows, k), generator=gen)
@@ -73,7 +73,7 @@ def test_packed_rows_come_back_exactly(rows, k, seed):
 
 def test_row_references_refuse_a_replaced_output():
     """Host records name device hidden states by (generation, row); a reference to a replaced output is refused."""
-    from speccycle.engine.host_control import DeviceRows
+    from speccycle.engine.fast.host_control import DeviceRows
 
     kept = DeviceRows("target's features")
     first = kept.keep(torch.arange(12.0).view(4, 3))

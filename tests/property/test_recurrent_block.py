@@ -24,8 +24,8 @@ from speccycle.backends.torch.recurrent import selective_scan_tree
 from speccycle.core import Admitted, ForwardBatch, Ports, Request, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
 from speccycle.core.tree import ancestor_mask, chain_tree, tree_depths
-from speccycle.engine.mamba import MambaConfig, MambaMixer, random_mamba_weights
-from speccycle.engine.recurrent_pool import RecurrentPool
+from speccycle.engine.memory.recurrent_pool import RecurrentPool
+from speccycle.engine.models.mamba import MambaConfig, MambaMixer, random_mamba_weights
 from speccycle.statemachine import run_cycle
 from speccycle.statemachine.batching import merge_ready
 from speccycle.testing import FingerprintPool, NoisyDraft, TreeLookupDraft

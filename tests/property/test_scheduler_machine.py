@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from speccycle.core import Ports, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
-from speccycle.engine.adaptive import AdaptiveSpeculation
-from speccycle.engine.scheduler import Scheduler
+from speccycle.engine.serving.adaptive import AdaptiveSpeculation
+from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.statemachine.stops import stop_text_reference
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
 from speccycle.testing.text import ToyDetokenizer

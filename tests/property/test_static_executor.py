@@ -22,8 +22,8 @@ from speccycle.backends.cuda import cycle as cycle_ops
 from speccycle.core import Admitted, Ports, Ready, Request, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
 from speccycle.engine.engine import Engine
-from speccycle.engine.fused_cycle import FusedCycles
-from speccycle.engine.models import default_model_path
+from speccycle.engine.fast.fused_cycle import FusedCycles
+from speccycle.engine.models.catalog import default_model_path
 from speccycle.statemachine import runner
 from speccycle.statemachine.checks import InvariantViolation
 from speccycle.statemachine.static import expand

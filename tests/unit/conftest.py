@@ -3,7 +3,7 @@
 import pytest
 import torch
 from speccycle.engine.errors import ModelLoadError
-from speccycle.engine.weights_gguf import default_model_path
+from speccycle.engine.weights.weights_gguf import default_model_path
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from speccycle.core import Ports, SamplingParams, SpecConfig
-from speccycle.engine.adaptive import AdaptiveSpeculation, SpeculationController
-from speccycle.engine.scheduler import Scheduler
+from speccycle.engine.serving.adaptive import AdaptiveSpeculation, SpeculationController
+from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
 
 

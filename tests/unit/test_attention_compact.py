@@ -1,4 +1,4 @@
-"""The one-request CPU attention plan (engine/attention.py): same keys and mask as the reference layout,
+"""The one-request CPU attention plan (engine/kernels/attention.py): same keys and mask as the reference layout,
 the same attention up to rounding, on decode, prefill, chain and tree verify batches."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from attrs import evolve
 from speccycle.core.ports import ForwardBatch
-from speccycle.engine import attention
-from speccycle.engine.attention import paged_attention, plan_attention
+from speccycle.engine.kernels import attention
+from speccycle.engine.kernels.attention import paged_attention, plan_attention
 
 H, HKV, D = 6, 2, 8
 

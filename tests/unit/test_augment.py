@@ -15,9 +15,9 @@ import re
 import numpy as np
 import pytest
 import torch
-from speccycle.engine.llama import random_llama_weights
-from speccycle.engine.weights_gguf import LlamaConfig
-from speccycle.engine.weights_hf import save_hf
+from speccycle.engine.models.llama import random_llama_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
+from speccycle.engine.weights.weights_hf import save_hf
 from speccycle.train.augment import OverlapFilter, augment, excluded_texts, main
 from speccycle.train.augment_kinds import KINDS
 from speccycle.train.data import EngineGenerator, SelfDistilledData, load_train_prompts
@@ -239,7 +239,7 @@ WORDS = "the a cat dog sat ran on under big small red house tree river today ple
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path):
-    from speccycle.engine.tokenizer import Tokenizer
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(model_path)
 

@@ -30,9 +30,9 @@ from speccycle.engine.drafters.eagle_layouts import HeadPath, head_path_for, rea
 from speccycle.engine.engine import Engine
 from speccycle.engine.errors import ModelLoadError
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 from speccycle.statemachine import run_cycle
 
 NEW_TOKENS = 12
@@ -68,8 +68,8 @@ def shipped():
 @pytest.fixture(scope="module")
 def smollm2(model_path, shipped):
     """SmolLM2 (float32) returning the shipped head's features, shared by the engines; one chat prompt."""
-    from speccycle.engine.tokenizer import Tokenizer
-    from speccycle.engine.weights_gguf import load_gguf
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
+    from speccycle.engine.weights.weights_gguf import load_gguf
 
     config, weights = load_gguf(model_path, dtype=torch.float32)
     model = LlamaModel(config, weights, feature_layers=shipped[1].config.feature_layers)
@@ -342,7 +342,7 @@ def test_a_feature_layer_is_the_residual_stream_entering_that_target_layer():
     """The index the layouts' aux ids are mapped to: the engine's target returns, at feature index ``k``, the
     stream after ``k`` layers (what a model of the first ``k`` layers ends on; ``0`` the embedding), which is
     Hugging Face's ``hidden_states[k]`` (test_engine_model checks SmolLM2's (2, 15, 27) against transformers)."""
-    from speccycle.engine.target import LlamaTarget
+    from speccycle.engine.models.target import LlamaTarget
 
     weights = random_llama_weights(TINY, seed=2, scale=0.08)
     ids = [1, 17, 99, 250, 3, 8]
@@ -445,7 +445,7 @@ def refused(folder: Path, capsys, *needles: str) -> str:
 
 
 def _smollm2_config():
-    from speccycle.engine.models import model_config
+    from speccycle.engine.models.catalog import model_config
 
     return model_config(None)
 
@@ -532,7 +532,7 @@ def test_convert_draft_refuses_bad_arguments_in_one_line(tmp_path, shipped, caps
     eagle1 = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=0)
     eagle1.save(tmp_path / "eagle1.safetensors")
     model = tmp_path / "tiny"
-    from speccycle.engine.weights_hf import save_hf
+    from speccycle.engine.weights.weights_hf import save_hf
 
     save_hf(model, TINY, random_llama_weights(TINY, seed=0))
     argv = [str(tmp_path / "eagle1.safetensors"), str(tmp_path / "e1"), "--export", "eagle3", "--model", str(model)]
@@ -549,7 +549,7 @@ def test_aux_ids_listed_out_of_order_are_read_in_layer_order(tmp_path):
 
 @pytest.mark.parametrize("norm", ["per_layer", "concat"])
 def test_the_fast_path_applies_a_published_heads_feature_norm(norm):
-    """The fast path's EAGLE-3 layer (`fast._eagle_layer`, `_folded_eagle3_layer`) reads the features through the
+    """The fast path's EAGLE-3 layer (`fast.path._eagle_layer`, `_folded_eagle3_layer`) reads the features through the
     head's feature norm as the reference draft does: the draft extend's depth-1 top-K after a prefill agree
     (the norm's weights far from 1, so skipping it would move them)."""
     config = attrs.evolve(EagleConfig.for_target(TINY, 3, 32), feature_norm=norm)

@@ -32,9 +32,9 @@ from speccycle.engine.drafters.eagle_storage import (
 )
 from speccycle.engine.engine import Engine
 from speccycle.engine.errors import ModelLoadError
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = LlamaConfig(

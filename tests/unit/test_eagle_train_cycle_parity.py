@@ -22,9 +22,9 @@ import torch
 from speccycle.core import Drafted, SpecConfig
 from speccycle.engine.drafters.eagle import EagleDraft
 from speccycle.engine.engine import Engine
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 from speccycle.train.data import EngineGenerator, SelfDistilledData
 from speccycle.train.features import target_outputs
 from speccycle.train.head import TrainableEagleHead
@@ -114,7 +114,7 @@ def _unrolled_probs(head, model, sequence: list[int], path: list[int], feature_l
 )
 @pytest.mark.parametrize("plane", ["reference", "host"])
 def test_every_cycle_draft_equals_the_trained_heads_unrolled_draft(weights, prompts, trained_head, spec, plane):
-    """``host``: the fast path with the records on the host (`engine.host_control`, the 'device' a CPU): the
+    """``host``: the fast path with the records on the host (`engine.fast.host_control`, the 'device' a CPU): the
     draft reads the target's features by row references and runs its levels over static buffers."""
     head, version = trained_head, trained_head.config.version
     feature_layers = head.config.feature_layers
@@ -124,9 +124,9 @@ def test_every_cycle_draft_equals_the_trained_heads_unrolled_draft(weights, prom
         model, PagedKVPool(num_pages=256, page_size=4), lambda e: EagleDraft(draft_head, e.model, e.pool), spec
     )
     if plane == "host":
-        from speccycle.engine.fast import accelerate
-        from speccycle.engine.host_control import HostDraft
-        from speccycle.engine.kernels import TorchOps
+        from speccycle.engine.fast.host_control import HostDraft
+        from speccycle.engine.fast.path import accelerate
+        from speccycle.engine.kernels.fused_ops import TorchOps
 
         accelerate(engine, graphs=False, ops=TorchOps, host_control=True)
         assert isinstance(engine._cycle_ports(None)[0].draft, HostDraft)

@@ -8,10 +8,10 @@ import torch
 from speccycle.core.ports import ForwardBatch
 from speccycle.engine.errors import ForwardBatchError
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 
 TINY = LlamaConfig(
     architecture="llama",

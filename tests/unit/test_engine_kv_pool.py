@@ -6,7 +6,7 @@ import pytest
 import torch
 from speccycle.core.ports import KVPool, KVPoolExhausted
 from speccycle.engine.errors import KVPoolError
-from speccycle.engine.kv_pool import PagedKVPool, slots_from_page_table
+from speccycle.engine.memory.kv_pool import PagedKVPool, slots_from_page_table
 
 
 def test_pool_is_a_kvpool():

@@ -12,10 +12,10 @@ import pytest
 import torch
 from speccycle.core.ports import ForwardBatch
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.weights_gguf import load_gguf
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.weights.weights_gguf import load_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from speccycle.engine.errors import TokenizerError
-from speccycle.engine.tokenizer import Tokenizer
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
 from speccycle.testing.prompts import spec_bench_prompts
 
 TRICKY = [

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 from speccycle.engine.errors import ModelLoadError
-from speccycle.engine.llama import random_llama_weights
-from speccycle.engine.weights_gguf import (
+from speccycle.engine.models.llama import random_llama_weights
+from speccycle.engine.weights.weights_gguf import (
     LlamaConfig,
     default_model_path,
     load_gguf,
     load_gguf_config,
     unpermute_rope_rows,
 )
-from speccycle.engine.weights_hf import config_from_hf, load_hf, save_hf
+from speccycle.engine.weights.weights_hf import config_from_hf, load_hf, save_hf
 
 gguf = pytest.importorskip("gguf")
 

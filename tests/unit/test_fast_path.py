@@ -1,4 +1,4 @@
-"""The fast path (engine/fast.py, engine/graphs.py) equals the reference path, on a tiny random Llama.
+"""The fast path (engine/fast/path.py, engine/fast/graphs.py) equals the reference path, on a tiny random Llama.
 
 CPU: the static-buffer code runs eagerly (``graphs=False``), with the torch ops, and with the Triton
 kernels under ``TRITON_INTERPRET=1``. Checked: forwards equal the reference (ragged extends, trees,
@@ -19,7 +19,8 @@ from speccycle.core.ports import ForwardBatch
 from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.engine import Engine
-from speccycle.engine.fast import (
+from speccycle.engine.fast.graphs import bucket
+from speccycle.engine.fast.path import (
     FastEagleDraft,
     FastGreedyDecoder,
     FastLlamaDraft,
@@ -27,13 +28,12 @@ from speccycle.engine.fast import (
     FastTarget,
     accelerate,
 )
-from speccycle.engine.graphs import bucket
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kernels import FoldedNormOps, TorchOps, TritonOps, triton_available
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.kernels.fused_ops import FoldedNormOps, TorchOps, TritonOps, triton_available
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 
 TINY = LlamaConfig(
     architecture="llama",
@@ -222,7 +222,7 @@ def test_graph_stepped_decode_equals_greedy_decode(weights, ops):
     not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"), reason="the fused step's kernels"
 )
 def test_graph_stepped_decode_with_fused_step_equals_greedy_decode(weights):
-    """The step's bookkeeping as Triton kernels (`engine.decode_step`, the CUDA default): same tokens,
+    """The step's bookkeeping as Triton kernels (`engine.kernels.decode_step`, the CUDA default): same tokens,
     with a padding row (3 requests in a bucket of 4)."""
     (ref, ref_pool), (fast, fast_pool) = pair(weights, 4, TorchOps, num_pages=64)
     prompts, steps = [tokens_of(5, 7), tokens_of(6, 3), tokens_of(7, 10)], 6
@@ -358,7 +358,7 @@ def test_graph_pool_is_per_engine_and_dies_with_it(weights):
     import gc
     import weakref
 
-    from speccycle.engine.graphs import ForwardGraphs, GraphPool
+    from speccycle.engine.fast.graphs import ForwardGraphs, GraphPool
 
     prompts = [tokens_of(31, 6), tokens_of(32, 9)]
     first = _layerskip_engine(weights)
@@ -406,17 +406,17 @@ def test_new_engine_captures_after_a_dropped_one(weights):
     ids=["chain-P4", "tree-P1"],
 )
 def test_host_control_plane_is_lossless(weights, spec):
-    """Greedy ngram cycles with their records on the host (`engine.host_control`) equal autoregressive
+    """Greedy ngram cycles with their records on the host (`engine.fast.host_control`) equal autoregressive
     decoding, free every page, and take the argmax the fast target computed beside its logits."""
     from speccycle.core import SamplingParams
     from speccycle.engine.drafters.ngram import NgramDraft
-    from speccycle.engine.host_control import HostBackend, HostPool, HostTarget
+    from speccycle.engine.fast.host_control import HostBackend, HostPool, HostTarget
 
     prompts = [tokens_of(21, 6) * 3, tokens_of(22, 5), tokens_of(23, 9)]
     model = LlamaModel(TINY, weights)
     pool = PagedKVPool(num_pages=-(-512 // spec.page_size), page_size=spec.page_size)
     engine = Engine(model, pool, lambda e: NgramDraft(TINY.vocab_size), spec)
-    from speccycle.engine.fast import accelerate
+    from speccycle.engine.fast.path import accelerate
 
     accelerate(engine, graphs=False, host_control=True)
     ports, backend = engine._cycle_ports(None)
@@ -461,8 +461,8 @@ def test_host_control_plane_runs_forward_drafts(weights, draft, spec):
     from speccycle.backends.torch import TorchBackend
     from speccycle.core import SamplingParams
     from speccycle.core.records import Drafted, Ready
-    from speccycle.engine.fast import accelerate
-    from speccycle.engine.host_control import HostBackend, HostDraft
+    from speccycle.engine.fast.host_control import HostBackend, HostDraft
+    from speccycle.engine.fast.path import accelerate
     from speccycle.statemachine.transitions import draft_levels
 
     prompts = [tokens_of(51, 6) * 2, tokens_of(52, 5), tokens_of(53, 9)]  # 3 requests: one padding request
@@ -549,7 +549,7 @@ def test_host_control_plane_forward_drafts_on_cuda(weights, draft, spec):
     device plane's, frees every page, and syncs twice per cycle (the verify's copy back, the draft's), twice
     more around the prefill (its target forward, the first draft extend; one more than first counted, seen on
     an H100)."""
-    from speccycle.engine.host_control import HostDraft
+    from speccycle.engine.fast.host_control import HostDraft
 
     prompts = [tokens_of(61, 6) * 2, tokens_of(62, 5), tokens_of(63, 9)]
     model = LlamaModel(TINY, weights, device="cuda")
@@ -622,7 +622,7 @@ def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, 
     batch moves between graph buckets (three requests padded to four, then two, then one); checked at every
     boundary of every replay; each output is the autoregressive one, every page goes back."""
     from speccycle.core.config import SamplingParams
-    from speccycle.engine.scheduler import Scheduler
+    from speccycle.engine.serving.scheduler import Scheduler
 
     prompts = [tokens_of(81, 6) * 2, tokens_of(82, 5), tokens_of(83, 7), tokens_of(84, 4)]
     budgets = (16, 5, 11, 8)
@@ -643,7 +643,7 @@ def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, 
 def test_an_unknown_blas_library_is_refused_with_the_choices(weights, monkeypatch):
     """``SPECCYCLE_BLAS``: a name the fast path does not take is refused before anything is swapped, on any
     device; a known one leaves a CPU engine's GEMMs to torch (the choice applies on CUDA only)."""
-    from speccycle.engine.fast import accelerate
+    from speccycle.engine.fast.path import accelerate
 
     model = LlamaModel(TINY, weights)
     engine = Engine(model, PagedKVPool(num_pages=16, page_size=4), None, SpecConfig(num_steps=3, topk=1, page_size=4))
@@ -658,10 +658,11 @@ def test_an_unknown_blas_library_is_refused_with_the_choices(weights, monkeypatc
 
 
 def test_blas_scope_sets_the_library_for_the_fast_forwards_and_puts_it_back(monkeypatch):
-    """`fast.blas_scope`: torch's preferred BLAS library is the fast path's inside (cuBLASLt by default) and what it
-    was after, also when the forward raises; ``torch`` and ``None`` touch nothing; an unset variable is the default."""
+    """`fast.path.blas_scope`: torch's preferred BLAS library is the fast path's inside (cuBLASLt by default) and what
+    it was after, also when the forward raises; ``torch`` and ``None`` touch nothing; an unset variable is the
+    default."""
     import torch
-    from speccycle.engine import fast
+    from speccycle.engine.fast import path as fast
 
     state = {"now": torch._C._BlasBackend.Cublas, "sets": []}
 
@@ -706,11 +707,12 @@ def _int8_grid_head(dtype=torch.float32):
 @pytest.mark.skipif(FoldedNormOps not in OPS, reason="the Triton interpreter (TRITON_INTERPRET=1) or a GPU")
 @pytest.mark.parametrize("max_rows", [32, 4], ids=["int8", "extend-dense"])
 def test_int8_draft_weights_compute_the_heads_draft(max_rows, monkeypatch):
-    """``draft_weights='int8'`` (`fast.HeadGemms`, `engine.int8_linear`): on a head whose weights are on the int8 grid,
-    the fast extend and tree step give the reference draft's logits and hidden states (float32: IEEE products); with
-    `fast.INT8_MAX_ROWS` at 4 the 6-row extend takes the dense weights and the 4-row step the int8 ones."""
-    from speccycle.engine import fast
-    from speccycle.engine.fast import DraftWeight, HeadGemms
+    """``draft_weights='int8'`` (`fast.path.HeadGemms`, `engine.kernels.int8_linear`): on a head whose weights are on
+    the int8 grid, the fast extend and tree step give the reference draft's logits and hidden states (float32: IEEE
+    products); with `fast.path.INT8_MAX_ROWS` at 4 the 6-row extend takes the dense weights and the 4-row step the int8
+    ones."""
+    from speccycle.engine.fast import path as fast
+    from speccycle.engine.fast.path import DraftWeight, HeadGemms
 
     monkeypatch.setattr(fast, "INT8_MAX_ROWS", max_rows)
 
@@ -757,9 +759,9 @@ def test_fast_engine_with_an_int8_draft_is_lossless(weights):
 
 
 def test_engines_over_one_head_share_its_int8_forms():
-    """`fast.int8_form`: a second `HeadGemms` over the same head reuses the int8 forms (no second copy); a weight
+    """`fast.path.int8_form`: a second `HeadGemms` over the same head reuses the int8 forms (no second copy); a weight
     changed in place since is quantized again."""
-    from speccycle.engine.fast import HeadGemms
+    from speccycle.engine.fast.path import HeadGemms
 
     head = _int8_grid_head(torch.bfloat16)
     first = HeadGemms.of(head, FoldedNormOps, "int8", torch.device("cpu"))
@@ -778,7 +780,7 @@ def test_draft_weights_choice_and_refusals(monkeypatch):
     """``auto`` takes int8 on CUDA for a half-precision EAGLE-3 head under folded ops, the head's dtype elsewhere
     (CPU, float32 heads, unfolded ops, EAGLE-1); int8 asked where the folded EAGLE-3 layer does not run is refused
     with what to pass; an unknown choice is refused with the choices, from the options and from the environment."""
-    from speccycle.engine.fast import HeadGemms, draft_weights_choice
+    from speccycle.engine.fast.path import HeadGemms, draft_weights_choice
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     head = _int8_grid_head()
@@ -806,10 +808,10 @@ def test_draft_weights_choice_and_refusals(monkeypatch):
 
 
 def test_int8_draft_gemms_take_the_dense_weight_above_int8_max_rows(monkeypatch):
-    """`fast.INT8_MAX_ROWS`: up to it a `DraftWeight` is multiplied in int8, above it the head's own tensor goes to the
-    op set's GEMM (where cuBLAS beats the int8 kernel's large tiles); plain tensors always go to the op set."""
-    from speccycle.engine import fast
-    from speccycle.engine.int8_linear import Int8Rowwise
+    """`fast.path.INT8_MAX_ROWS`: up to it a `DraftWeight` is multiplied in int8, above it the head's own tensor goes to
+    the op set's GEMM (where cuBLAS beats the int8 kernel's large tiles); plain tensors always go to the op set."""
+    from speccycle.engine.fast import path as fast
+    from speccycle.engine.kernels.int8_linear import Int8Rowwise
 
     calls = []
     monkeypatch.setattr(fast, "int8_linear", lambda x, q, out_dtype=None: calls.append(("int8", x.shape[0])) or x)

@@ -1,4 +1,4 @@
-"""Fused EAGLE cycles (engine/fused_cycle.py) on the real model, CPU, float32, eagerly.
+"""Fused EAGLE cycles (engine/fast/fused_cycle.py) on the real model, CPU, float32, eagerly.
 
 The fused loop is the transition table's greedy cycle written over static buffers; the state machine
 is its reference. For chain and tree configs, page sizes 1 and 16, one request and a ragged batch of
@@ -153,7 +153,7 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
     autoregressive one, every page goes back. With speculation off the cycles are plain decoding through the
     table (no draft: the fused cycle never runs); adaptive speculation switches between the two."""
     from speccycle.core.config import SamplingParams
-    from speccycle.engine.scheduler import Scheduler
+    from speccycle.engine.serving.scheduler import Scheduler
 
     engine = engines[name]
     prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.", "Count to five.")]

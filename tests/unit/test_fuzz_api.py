@@ -18,15 +18,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from speccycle.core import Ports, SamplingParams, SpecConfig
-from speccycle.engine.adaptive import AdaptiveSpeculation
 from speccycle.engine.drafters.layerskip import LlamaDraft
 from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine
 from speccycle.engine.errors import EngineError
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.scheduler import Scheduler
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.serving.adaptive import AdaptiveSpeculation
+from speccycle.engine.serving.scheduler import Scheduler
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 from speccycle.statemachine import CycleError
 
 VOCAB = 64

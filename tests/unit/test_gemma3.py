@@ -13,17 +13,17 @@ import pytest
 import torch
 from speccycle.core import SpecConfig
 from speccycle.core.ports import ForwardBatch
-from speccycle.engine.attention import plan_attention, restrict_to_window
 from speccycle.engine.drafters.eagle import EagleConfig
 from speccycle.engine.engine import Engine
 from speccycle.engine.errors import ForwardBatchError, ModelLoadError
-from speccycle.engine.gemma3 import Gemma3Model, random_gemma3_weights
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.weights_gguf import LlamaConfig, load_gguf
-from speccycle.engine.weights_hf import config_from_hf, config_to_hf, load_hf, save_hf
+from speccycle.engine.kernels.attention import plan_attention, restrict_to_window
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.gemma3 import Gemma3Model, random_gemma3_weights
+from speccycle.engine.models.llama import LlamaModel
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.weights.weights_gguf import LlamaConfig, load_gguf
+from speccycle.engine.weights.weights_hf import config_from_hf, config_to_hf, load_hf, save_hf
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 WINDOW = 4
@@ -201,7 +201,7 @@ def test_config_validation_and_refusals(weights):
         LlamaModel(TINY, weights)
     with pytest.raises(ValueError, match="EAGLE heads are built for Llama-architecture targets"):
         EagleConfig.for_target(TINY)
-    from speccycle.engine.fast import accelerate
+    from speccycle.engine.fast.path import accelerate
 
     engine = Engine(Gemma3Model(TINY, weights), PagedKVPool(num_pages=8, page_size=4), None, SpecConfig())
     with pytest.raises(ValueError, match="fast path .* runs Llama-architecture models; gemma3 needs QK-norm"):

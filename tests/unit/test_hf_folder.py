@@ -11,9 +11,9 @@ import pytest
 from speccycle.cli import main
 from speccycle.engine import LLM
 from speccycle.engine.errors import ModelLoadError, TokenizerError
-from speccycle.engine.tokenizer import Tokenizer, load_tokenizer, save_tokenizer_files
-from speccycle.engine.tokenizer_hf import HFTokenizer
-from speccycle.engine.weights_hf import export_gguf_to_hf, generation_eos_ids, load_hf
+from speccycle.engine.tokenizers.tokenizer import Tokenizer, load_tokenizer, save_tokenizer_files
+from speccycle.engine.tokenizers.tokenizer_hf import HFTokenizer
+from speccycle.engine.weights.weights_hf import export_gguf_to_hf, generation_eos_ids, load_hf
 from speccycle.testing.prompts import one_prompt_of, spec_bench_prompts
 
 NEW = 12
@@ -73,7 +73,7 @@ def test_folder_generates_the_gguf_tokens(folder, model_path, capsys):
 @pytest.mark.slow
 def test_a_sentencepiece_gguf_exports_its_tokenizer(tmp_path):
     """Gemma 3's SentencePiece vocabulary written as tokenizer.json reads back to the same ids, bytes and chat."""
-    from speccycle.engine.models import gemma3_270m_path
+    from speccycle.engine.models.catalog import gemma3_270m_path
 
     try:
         path = gemma3_270m_path()

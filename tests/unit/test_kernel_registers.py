@@ -51,7 +51,7 @@ def test_a_register_cap_reaches_the_tile_kernel_without_a_gpu(tmp_path):
 
 def test_measure_refuses_interpreted_kernels(monkeypatch):
     """Under TRITON_INTERPRET=1 (the suite) the kernels are the interpreter's: a clear error, not a crash."""
-    import speccycle.engine.attention_tiles as tiles
+    import speccycle.engine.kernels.attention_tiles as tiles
 
     if type(tiles._paged_attention_tile_kernel).__name__ != "InterpretedFunction":
         pytest.skip("the kernels were imported compiled (TRITON_INTERPRET unset)")

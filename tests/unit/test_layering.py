@@ -195,7 +195,7 @@ def test_the_walk_sees_every_layer_and_deferred_imports():
     assert len(MODULES) > 100 and "speccycle.engine.drafters.eagle" in MODULES
     edges = {(a, b) for a, targets in GRAPH.items() for b, _ in targets}
     assert ("speccycle.backends.registry", "speccycle.backends.torch") in edges  # `from .torch import ...`
-    assert ("speccycle.engine.fast", "speccycle.engine.fused_cycle") in edges  # module level
+    assert ("speccycle.engine.fast.path", "speccycle.engine.fast.fused_cycle") in edges  # module level
     assert ("speccycle.cli", "speccycle.engine.engine") in edges  # inside `_load_engine`
     assert ("speccycle.engine.cli_options", "speccycle.engine.engine") in edges  # inside `spec_from_args`
 
@@ -218,11 +218,11 @@ def test_the_checks_catch_what_they_look_for():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"a"}}) == [["a", "a"]]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
-    fake = {"speccycle.backends.cuda.ops": [("speccycle.engine.fast", 3), ("speccycle.core.tree", 4)]}
+    fake = {"speccycle.backends.cuda.ops": [("speccycle.engine.fast.path", 3), ("speccycle.core.tree", 4)]}
     modules = {
         "speccycle.backends.cuda.ops": (ROOT / "backends" / "cuda" / "ops.py", False),
-        "speccycle.engine.fast": (ROOT / "engine" / "fast.py", False),
+        "speccycle.engine.fast.path": (ROOT / "engine" / "fast" / "path.py", False),
         "speccycle.core.tree": (ROOT / "core" / "tree.py", False),
     }
     bad = layer_violations(fake, modules)
-    assert len(bad) == 1 and "backends/cuda/ops.py:3" in bad[0] and "speccycle.engine.fast (engine)" in bad[0]
+    assert len(bad) == 1 and "backends/cuda/ops.py:3" in bad[0] and "speccycle.engine.fast.path (engine)" in bad[0]

@@ -1,4 +1,4 @@
-"""The row-invariant GEMMs of `engine.linear_triton`: equal to their references, and a row's bits never
+"""The row-invariant GEMMs of `engine.kernels.linear_triton`: equal to their references, and a row's bits never
 depend on the row count or the other rows (what makes a verify row compute a decode step's logits).
 
 Runs on CPU under ``TRITON_INTERPRET=1`` (CI) and on a GPU as is. The interpreter checks the kernels'
@@ -15,15 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from speccycle.core.ports import ForwardBatch
-from speccycle.engine import kernels
-from speccycle.engine import linear_triton as lt
-from speccycle.engine.fast import FastOptions, FastTarget
+from speccycle.engine.fast.path import FastOptions, FastTarget
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kernels import BatchInvariantOps, TorchOps, TritonCublasOps, TritonOps
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import random_llama_weights, rope_cos_sin
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.kernels import fused_ops as kernels
+from speccycle.engine.kernels import linear_triton as lt
+from speccycle.engine.kernels.fused_ops import BatchInvariantOps, TorchOps, TritonCublasOps, TritonOps
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import random_llama_weights, rope_cos_sin
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

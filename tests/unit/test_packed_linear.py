@@ -1,4 +1,4 @@
-"""`engine.llama.PackedLinear`: the CPU float32 linear of the reference engine (docs/engine.md).
+"""`engine.models.llama.PackedLinear`: the CPU float32 linear of the reference engine (docs/engine.md).
 
 Rows do not depend on how many run together (a verify row is bitwise the decode row), the result is
 ``F.linear``'s up to rounding, and the packed copy follows the weight when it changes.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from speccycle.engine import llama
-from speccycle.engine.llama import PackedLinear
+from speccycle.engine.models import llama
+from speccycle.engine.models.llama import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
 
@@ -54,7 +54,7 @@ def test_other_dtypes_empty_inputs_and_autograd_take_f_linear():
 
 
 def test_more_rows_than_packed_max_rows_take_f_linear():
-    from speccycle.engine.llama import PACKED_MAX_ROWS
+    from speccycle.engine.models.llama import PACKED_MAX_ROWS
 
     gen = torch.Generator().manual_seed(3)
     weight, x = torch.randn(8, 4, generator=gen), torch.randn(PACKED_MAX_ROWS + 1, 4, generator=gen)

@@ -31,8 +31,8 @@ from speccycle.core.ports import (
     target_device,
     target_vocab_size,
 )
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.recurrent_pool import RecurrentPool
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.memory.recurrent_pool import RecurrentPool
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft, TreeLookupDraft
 from speccycle.testing.recurrent import NoisyBlockDraft
 

@@ -8,10 +8,10 @@ import torch
 from speccycle.core import ForwardBatch
 from speccycle.core.ports import RecurrentStatePool
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.hybrid import HybridConfig, HybridTarget, random_hybrid_weights
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.recurrent_pool import RecurrentPool, RecurrentPools, RecurrentStateError
-from speccycle.engine.weights_gguf import LlamaConfig
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.memory.recurrent_pool import RecurrentPool, RecurrentPools, RecurrentStateError
+from speccycle.engine.models.hybrid import HybridConfig, HybridTarget, random_hybrid_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
 
 LLAMA = LlamaConfig(
     architecture="llama",

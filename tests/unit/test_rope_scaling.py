@@ -15,12 +15,12 @@ import torch
 from speccycle.engine.drafters.eagle import EagleConfig
 from speccycle.engine.errors import ModelLoadError
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import random_llama_weights, rope_cos_sin
-from speccycle.engine.rope import RopeScaling, ScaledRopeBase, rope_inv_freq, rope_scaling
-from speccycle.engine.target import LlamaTarget
-from speccycle.engine.weights_gguf import LlamaConfig
-from speccycle.engine.weights_hf import config_from_hf, load_hf, save_hf
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import random_llama_weights, rope_cos_sin
+from speccycle.engine.models.rope import RopeScaling, ScaledRopeBase, rope_inv_freq, rope_scaling
+from speccycle.engine.models.target import LlamaTarget
+from speccycle.engine.weights.weights_gguf import LlamaConfig
+from speccycle.engine.weights.weights_hf import config_from_hf, load_hf, save_hf
 
 ORIGINAL_CONTEXT = 32
 LLAMA3 = RopeScaling("llama3", 8.0, 1.0, 4.0, ORIGINAL_CONTEXT)  # Llama 3.1's factors, a tiny pretraining context

@@ -13,8 +13,8 @@ import os
 
 import pytest
 from speccycle.engine.errors import ModelLoadError, TokenizerError
-from speccycle.engine.tokenizer import Tokenizer
-from speccycle.engine.tokenizer_spm import GEMMA_CHAT_TEMPLATE, SentencePieceTokenizer
+from speccycle.engine.tokenizers.tokenizer import Tokenizer
+from speccycle.engine.tokenizers.tokenizer_spm import GEMMA_CHAT_TEMPLATE, SentencePieceTokenizer
 from speccycle.testing.prompts import spec_bench_prompts
 
 TRICKY = [
@@ -101,7 +101,7 @@ def test_gemma_chat_format():
 # ---- Gemma 3 270M's vocabulary ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma_path():
-    from speccycle.engine.models import gemma3_270m_path
+    from speccycle.engine.models.catalog import gemma3_270m_path
 
     try:
         return gemma3_270m_path()

@@ -8,10 +8,10 @@ import torch
 from speccycle.core.ports import ForwardBatch
 from speccycle.engine.drafters.oracle import OracleDraft
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.tp_group import TPGroup, digest
-from speccycle.engine.tp_model import TPLlamaModel, plan_shard
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.tp.tp_group import TPGroup, digest
+from speccycle.engine.tp.tp_model import TPLlamaModel, plan_shard
 from speccycle.testing.tp_worker import CONFIG
 
 

@@ -21,10 +21,10 @@ from speccycle.engine.drafters import eagle_heads
 from speccycle.engine.drafters.eagle import EagleDraft, EagleHead
 from speccycle.engine.engine import Engine
 from speccycle.engine.greedy import extend_batch
-from speccycle.engine.kv_pool import PagedKVPool
-from speccycle.engine.llama import LlamaModel, random_llama_weights
-from speccycle.engine.weights_gguf import LlamaConfig
-from speccycle.engine.weights_hf import save_hf
+from speccycle.engine.memory.kv_pool import PagedKVPool
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights
+from speccycle.engine.weights.weights_gguf import LlamaConfig
+from speccycle.engine.weights.weights_hf import save_hf
 from speccycle.train.data import EngineGenerator, SelfDistilledData, load_train_prompts
 from speccycle.train.features import target_outputs
 from speccycle.train.head import TrainableEagleHead
@@ -63,7 +63,7 @@ def weights():
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path):
-    from speccycle.engine.tokenizer import Tokenizer
+    from speccycle.engine.tokenizers.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(model_path)
 

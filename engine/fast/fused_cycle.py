@@ -1,0 +1,334 @@
+"""The graphed executor: the table's cycle captured as one CUDA graph per batch size and parity, replayed with no
+host sync between cycles.
+
+Why. On an H100 with SmolLM2-135M a whole cycle's kernels (S - 1 draft levels, the verify, the draft
+extend) take 1.0-1.5 ms, and the host plane (`engine.fast.host_control`) spent another 1.5-2.7 ms of host
+work between them: the records, the copies, three graph launches and two syncs per cycle, during
+which the GPU waits. Speculation lost to autoregressive decoding (0.57-0.68x, 2026-11-24). Here the
+cycle runs where its data is: one graph replay per cycle, the host only launches, and it checks
+whether every request has finished one cycle behind the GPU (`LOOKAHEAD`), so the GPU never waits for it.
+
+What a replay runs is `statemachine.static.StaticExecutor.cycle`: the table's rows chosen as `runner.step`
+chooses them (``draft`` by `draft_tree`'s static form, then the ``accept_commit`` fusion in place of the
+verify, accept and compact rows, then ``extend`` by `draft_extend`'s), over the `CycleBuffers` of the batch
+size, captured once per parity: a replay reads set ``p`` and writes set ``1 - p``, so no graph changes its own
+inputs. The capture keeps the boundaries it crossed: `FusedCycles.steps` are the rows it captured (a test
+holds them equal to the table's rows), and in checked mode every boundary is validated after each replay
+(`StaticExecutor.check`; the records' tensors then hold that replay's values).
+
+Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs or stop strings on the
+fast path with a fast EAGLE draft, chain or tree (`FusedCycles.serves`: what the table's `accept_commit`
+fusion covers), checked or not; the prefill and the first draft extend run through `statemachine.step`, the
+loop (`FusedCycles.run`) starts from their `Ready` record, and the requests retire through the table's
+``retire`` row from the record `statemachine.static.materialize` makes of the log. The scheduler runs one
+cycle at a time (`FusedCycles.step`): its batch changes between cycles, so each step loads the batch into the
+buffers of its power-of-two bucket (padding rows finished from the start) and reads the commits back; the
+requests that finished leave through the table's ``Ready --retire--> Ready`` row. On a CPU (tests) the same
+executor runs eagerly. A request whose logits turn non-finite inside a captured cycle is not errored there
+(the eager verify errors it): the cycle commits the argmax of its rows.
+Tested: tests/unit/test_fused_cycle.py (the engine's autoregressive output, the table's accept lengths),
+tests/property/test_static_executor.py (random configs in checked mode against the eager table).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ...backends.cuda.cycle import flag_to_host
+from ...backends.registry import get_backend
+from ...core.config import SpecConfig
+from ...core.ports import Ports
+from ...core.records import Compacted, Ready
+from ...statemachine.static import Boundary, StaticExecutor, accepted_counts, materialize, materialize_ready
+from ...statemachine.static_rows import MAX_STOPS, CycleBuffers
+from ...statemachine.transitions import reserve
+from .graphs import GraphPool, bucket
+
+# Cycles the host launches ahead of the one whose "all done" flag it waits for. One is enough to keep the GPU
+# busy (a cycle takes ~1.3 ms on an H100 with SmolLM2, its launch ~20-50 us), and every cycle launched ahead
+# runs once more after the last request finished: 2 cost a second idle cycle per generate call.
+LOOKAHEAD = 1
+
+
+@attrs.frozen
+class FusedRun:
+    """What fused cycles committed: ``final`` the eager `Compacted` record of the run's end (each request's whole
+    output and finish reason, `statemachine.static.materialize`), ``accept_lens[b]`` each cycle's committed count
+    of request ``b``, ``cycles`` the cycles run."""
+
+    final: Compacted
+    accept_lens: tuple[tuple[int, ...], ...]
+    cycles: int
+
+
+class _Batch:
+    """A batch size's buffers (`CycleBuffers`), its two graphs and the boundaries each captured, and the pinned
+    "all done" flag the cycle copies to the host."""
+
+    def __init__(self, buffers: CycleBuffers, device) -> None:
+        self.buffers, self.batch = buffers, buffers.batch
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.captured: dict[int, tuple[Boundary, ...]] = {}
+        # every cycle's "all done" flag, copied to the host by the cycle itself (a node of its graph): the
+        # loop reads it once the cycle's event has fired. Done is monotone, so a later cycle's value read
+        # in its place says no less than the awaited one's.
+        cuda = torch.device(device).type == "cuda"
+        self.host_done = torch.zeros(1, dtype=torch.bool, pin_memory=cuda)
+        self.host_done_np = self.host_done.numpy()
+        # written by a kernel where the GPU reaches the pinned flag (`backends.cuda.cycle.flag_to_host`), else copied
+        self.flag_kernel = cuda and flag_to_host(buffers.sets[0]["all_done"], self.host_done)
+
+
+class FusedCycles:
+    """The graphed executor of greedy EAGLE cycles, chain or tree, over a `fast.path.FastTarget` and a
+    `fast.path.FastEagleDraft` (module docstring)."""
+
+    def __init__(self, target, draft, pool, spec: SpecConfig, options) -> None:
+        self.backend = get_backend(options.device)
+        self.target, self.draft, self.pool, self.spec, self.options = target, draft, pool, spec, options
+        self.ports = Ports(target=target, draft=draft, kv_pool=pool)
+        self.device = options.device
+        self.use_graphs = options.graphs and self.device.type == "cuda"
+        self.page_size = pool.page_size
+        self.table_width = -(-pool.num_slots // pool.page_size)
+        self.max_out = options.max_decode_steps + spec.num_draft_tokens + 1
+        self.graph_pool: GraphPool = options.graph_pool
+        self._batches: dict[int, _Batch] = {}
+        self.replays = 0
+        # the bookkeeping between the forwards as the kernels of `backends.cuda.cycle` where they run (False: their
+        # torch twins; benchmarks compare the two)
+        self.kernels = True
+        # the steps (table rows and fusions) of the last cycle run or captured: `statemachine.static.expand` of them
+        # is what the table's rows for the config must be
+        self.steps: tuple = ()
+        # the host's time in the loop (graph launches, the flag's copy and check) and waiting for the GPU;
+        # launch_s: the part of host_s spent in `CUDAGraph.replay` itself (the driver's graph launch)
+        self.host_s = self.wait_s = self.launch_s = 0.0
+        # the whole of `run` (setup, graph captures, the loop, the outputs' copies back): what a generate call
+        # spends beside it is the prefill and the first draft extend (benchmarks report the split)
+        self.run_s = 0.0
+
+    def serves(self, draft, sampling, stop_token_ids=()) -> bool:
+        """Whether a `generate` call can run as these fused cycles: greedy without logprobs or stop strings, at
+        most `MAX_STOPS` stop token ids, and the engine's draft is the fast EAGLE draft they were built over
+        (`fast.path.accelerate` builds them for one). What the table's `accept_commit` fusion covers."""
+        plain = sampling is None or (sampling.greedy and not sampling.logprobs and not sampling.stop_strings)
+        return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
+
+    def covers(self, ready: Ready) -> bool:
+        """Whether `step` serves a `Ready` batch: the config these cycles were built for, and what the table's fusion
+        covers (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs). A step's log holds
+        one cycle, so any ``max_new_tokens`` fits."""
+        if not ready.requests or ready.config != self.spec:  # the buffers and graphs are shaped for self.spec
+            return False
+        if ready.topk_p is None or ready.draft_hidden is None:  # extended by another draft (speculation off)
+            return False
+        return self.executor().covers(ready)
+
+    def executor(self) -> StaticExecutor:
+        """The static executor over these ports, with this object's kernel choice and walk."""
+        forced = type(self)._walk is not FusedCycles._walk  # a benchmark's override (`bench.forced`)
+        return StaticExecutor(self.ports, self.backend, kernels=self.kernels, walk=self._walk if forced else None)
+
+    # ---- one cycle ----------------------------------------------------------------------------
+    def _cycle(self, bt: _Batch, parity: int, kv_bound: int, requests) -> tuple[Boundary, ...]:
+        """One cycle: the static executor from the `Ready` record over set ``parity`` to set ``1 - parity``, then
+        the next set's "all done" flag to the host."""
+        ready = bt.buffers.ready(parity, requests)
+        _, boundaries = self.executor().cycle(ready, bt.buffers, 1 - parity, kv_bound)
+        nxt = bt.buffers.sets[1 - parity]
+        if not (bt.flag_kernel and flag_to_host(nxt["all_done"], bt.host_done)):
+            bt.host_done.copy_(nxt["all_done"], non_blocking=True)
+        return boundaries
+
+    def _walk(self, drafted, tokens: torch.Tensor, parents: torch.Tensor | None, predict: torch.Tensor):
+        """The predictions the greedy walk of a cycle follows (``[B, N]``): the target's, ``predict``. Runs inside
+        the cycle's graph, so an override may read only the record's tensors (``drafted.log.cycle``: the cycle)."""
+        return predict
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _batch(self, batch: int) -> _Batch:
+        if batch not in self._batches:
+            head = self.draft.head
+            rows = batch * self.spec.num_draft_tokens
+            buffers = CycleBuffers(
+                batch, self.spec, self.table_width, head.config.hidden_size, head.dtype, self.max_out,
+                self.options.max_decode_steps + LOOKAHEAD + 1, bucket(max(rows, self.options.min_target_rows)) or rows,
+                self.device,
+            )  # fmt: skip
+            self._batches[batch] = _Batch(buffers, self.device)
+        return self._batches[batch]
+
+    def _capture(self, bt: _Batch, parity: int, bound: int, requests) -> torch.cuda.CUDAGraph:
+        # Warm up and capture with every request done: no KV is written (the slots are -1), nothing is
+        # committed, every read stays inside the loaded page table. The state is put back afterwards.
+        buffers = bt.buffers
+        saved_sets = [{k: v.clone() for k, v in s.items()} for s in buffers.sets]
+        saved_logs = [t.clone() for t in (buffers.out, buffers.hist)]
+        for s in buffers.sets:
+            s["done"].fill_(True)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            self._cycle(bt, parity, bound, requests)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with self.graph_pool.capture(graph), torch.no_grad():
+            bt.captured[parity] = self._cycle(bt, parity, bound, requests)
+        for s, values in zip(buffers.sets, saved_sets):
+            for k, v in values.items():
+                s[k].copy_(v)
+        for t, v in zip((buffers.out, buffers.hist), saved_logs):
+            t.copy_(v)
+        return graph
+
+    def run(self, ready: Ready, max_new_tokens: int, stop_token_ids: Sequence[int], checked: bool = False) -> FusedRun:
+        """Cycles from the `Ready` record of a prefill and its draft extend until every request finishes.
+
+        The requests' KV pages are grown to cover every position a cycle may write; the table's ``retire`` row
+        frees them (the caller steps the returned record). ``checked``: every boundary of every cycle is validated
+        after it ran (`StaticExecutor.check`; slow).
+        """
+        start = time.perf_counter()
+        try:
+            return self._run(ready, max_new_tokens, stop_token_ids, checked)
+        finally:
+            self.run_s += time.perf_counter() - start
+
+    def _run(self, ready: Ready, max_new_tokens: int, stop_token_ids: Sequence[int], checked: bool) -> FusedRun:
+        N = self.spec.num_draft_tokens
+        requests = ready.requests
+        B = len(requests)
+        stops = sorted(set(stop_token_ids))
+        if B == 0:
+            return FusedRun(materialize(ready, stops), (), 0)
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"fused cycles take up to {MAX_STOPS} stop token ids, got {len(stops)}")
+        if max_new_tokens > self.options.max_decode_steps:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} exceeds the fused cycles' static logs "
+                f"(FastOptions.max_decode_steps={self.options.max_decode_steps})"
+            )
+        ids = [r.request_id for r in requests]
+        lens = ready.seq_lens.tolist()
+        for r, length in zip(requests, lens):  # the run's pages at once: L grows by the remaining budget at most
+            self.pool.allocate(r.request_id, length + max_new_tokens - len(r.output) + self.spec.reserve_len() + 1)
+        bt = self._batch(B)
+        bt.buffers.load(ready, self.pool.page_table(ids), max_new_tokens, stops, whole_run=True)
+        bound = self.table_width * self.page_size
+        if not self.use_graphs and self.options.ops.needs_kv_bound:
+            bound = max(lens) + max_new_tokens + N + 1
+        if self.use_graphs:
+            for parity in (0, 1):
+                if parity not in bt.graphs:
+                    bt.graphs[parity] = self._capture(bt, parity, bound, requests)
+            self.steps = tuple(b.step for b in bt.captured[0])
+        had = [len(r.output) for r in requests]
+        max_cycles = max_new_tokens - min(had) + 1  # a request not done commits at least one token a cycle
+        executor = self.executor() if checked else None
+        cycles = self._loop(bt, bound, max_cycles, requests, executor)
+        final = bt.buffers.ready(cycles % 2, requests)
+        return FusedRun(materialize(final, stops), tuple(accepted_counts(final, cycles)), cycles)
+
+    def step(self, ready: Ready, checked: bool = False) -> tuple[Ready, list[int]]:
+        """One cycle of an eager `Ready` batch whose composition changes between cycles (the scheduler's).
+
+        The pages grow by one cycle's reservation (`transitions.reserve`: all or nothing, `KVPoolExhausted` leaves
+        the pool as it was); the batch is loaded into the buffers of its size; one replay of the captured cycle
+        (eagerly on a CPU); the commits are read back. Returns the next eager `Ready` record, its finished requests
+        still in it (the table's Ready ``retire`` row takes them), and each request's committed count.
+        ``checked``: every boundary of the cycle is validated after it ran.
+        """
+        start = time.perf_counter()
+        try:
+            return self._step(ready, checked)
+        finally:
+            self.run_s += time.perf_counter() - start
+
+    def _step(self, ready: Ready, checked: bool) -> tuple[Ready, list[int]]:
+        requests = ready.requests
+        ids = [r.request_id for r in requests]
+        lens = ready.seq_lens.tolist()
+        reserve(self.pool, ids, [length + self.spec.reserve_len() for length in lens])
+        stops = sorted(set(requests[0].sampling.stop_token_ids))
+        limits = [r.sampling.max_new_tokens for r in requests]
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"a fused cycle takes up to {MAX_STOPS} stop token ids, got {len(stops)}")
+        bt = self._batch(1 << (len(requests) - 1).bit_length())  # padded to a power of two: one graph a bucket
+        bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=self.spec.accept_width)
+        bound = self.table_width * self.page_size
+        if not self.use_graphs and self.options.ops.needs_kv_bound:
+            bound = max(lens) + self.spec.reserve_len() + 1
+        with torch.no_grad():
+            if self.use_graphs:
+                if 0 not in bt.graphs:
+                    bt.graphs[0] = self._capture(bt, 0, bound, requests)
+                bt.graphs[0].replay()
+                self.replays += 1
+                boundaries = bt.captured[0]
+            else:
+                boundaries = self._cycle(bt, 0, bound, requests)
+        self.steps = tuple(b.step for b in boundaries)
+        if checked:
+            self.executor().check([_with_requests(b, requests) for b in boundaries])
+        final = bt.buffers.ready(1, requests)
+        return materialize_ready(final, stops), final.log.lengths[: len(requests)].tolist()
+
+    def _loop(self, bt: _Batch, bound: int, max_cycles: int, requests, executor: StaticExecutor | None) -> int:
+        """Replay until every request is done; returns the number of cycles run. ``executor``: check every
+        boundary of every cycle after it ran (checked mode: each cycle waits for the GPU)."""
+        sets = bt.buffers.sets
+        if not self.use_graphs or executor is not None:
+            with torch.no_grad():
+                for i in range(max_cycles):
+                    if self.use_graphs:
+                        bt.graphs[i % 2].replay()
+                        self.replays += 1
+                        boundaries = bt.captured[i % 2]
+                    else:
+                        boundaries = self._cycle(bt, i % 2, bound, requests)
+                        self.steps = tuple(b.step for b in boundaries)
+                    if executor is not None:
+                        executor.check([_with_requests(b, requests) for b in boundaries])
+                    if bool(sets[(i + 1) % 2]["all_done"]):
+                        return i + 1
+            return max_cycles
+        ring = LOOKAHEAD + 1
+        events = [torch.cuda.Event() for _ in range(ring)]
+        flag = bt.host_done_np  # the pinned flag each cycle's graph copies its "all done" into
+        torch.cuda.current_stream(self.device).synchronize()  # no copy in flight (a capture's warm-up wrote True)
+        flag[0] = False
+        clock = time.perf_counter
+        host = wait = launch = 0.0
+        try:
+            for i in range(max_cycles):
+                start = clock()
+                bt.graphs[i % 2].replay()
+                launched = clock()
+                events[i % ring].record()
+                end = clock()
+                launch += launched - start
+                host += end - start
+                if i >= LOOKAHEAD:
+                    events[(i - LOOKAHEAD) % ring].synchronize()
+                    start = clock()
+                    wait += start - end
+                    if flag[0]:  # every request done by cycle i - LOOKAHEAD or later: the rest commit nothing
+                        return i + 1
+                    host += clock() - start
+            return max_cycles
+        finally:
+            self.replays += i + 1 if max_cycles else 0
+            self.host_s, self.wait_s, self.launch_s = self.host_s + host, self.wait_s + wait, self.launch_s + launch
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def _with_requests(boundary: Boundary, requests) -> Boundary:
+    """A captured boundary with this run's requests (a capture keeps the requests of the run it was made in)."""
+    source = attrs.evolve(boundary.source, requests=tuple(requests))
+    result = attrs.evolve(boundary.result, requests=tuple(requests))
+    return attrs.evolve(boundary, source=source, result=result)

@@ -1,0 +1,1 @@
+"""Per-request memory: the paged KV pool and the recurrent (Mamba-style) state pool."""

@@ -1,0 +1,1 @@
+"""Serving: continuous batching over the cycle (`scheduler`) and adaptive speculation (`adaptive`)."""

@@ -1,0 +1,477 @@
+"""Continuous batching over the speculative cycle: admit, run, retract and retire requests.
+
+    scheduler = Scheduler.from_engine(engine, speculation="adaptive")
+    rid = scheduler.submit(engine.chat_prompt("Hi"), SamplingParams(max_new_tokens=64, stop_strings=("\\n\\n",)))
+    while not scheduler.idle:
+        for request in scheduler.step():          # requests that finished during this step
+            print(request.request_id, request.finish_reason, engine.tokenizer.decode(request.output))
+
+Each `step` (1) admits waiting requests, oldest first, that the KV pool can hold through their next
+cycle: one prefill over their prompts, merged into the running `Ready` batch; (2) makes room for the
+running batch's next reservation, retracting the newest requests if the pool is short; (3) runs one
+cycle through the transition table (speculative, or with drafting off, see `engine/serving/adaptive.py`); (4)
+streams the newly committed tokens and retires finished requests. Requests of any prompt and output
+length join and leave between cycles.
+
+**KV pressure: the policy.** Admission is conservative: a request is admitted only if the free pages
+cover its prompt plus one cycle's reservation after the running batch's own next reservation. When
+the running batch later outgrows the pool, the requests that arrived last are *retracted*: every
+page they hold is freed and they go back to the front of the queue with their committed output; on
+readmission the prefill recomputes prompt + output and decoding goes on where it stopped (a greedy
+request's output equals an uninterrupted run; a sampled one goes on with its seeded stream, another
+draw from the same distribution). The oldest request always
+keeps running, so every request finishes. A request that cannot fit even alone (its prompt, or later
+its prompt and output, plus one cycle's reservation exceeds the whole pool) finishes with
+``finish_reason="error"`` and a message; the rest go on.
+
+Invalid requests never raise out of `step`: bad prompts (empty, ids outside the vocabulary), NaN
+logits and refusals finish that request with ``"error"``. `submit` raises `ValueError` for input it
+cannot even queue (a prompt that is not a sequence of ints, parameters of the wrong type).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import attrs
+import torch
+
+from ...backends.registry import get_backend
+from ...core import Admitted, Compacted, KVPoolExhausted, Ports, Ready, Request, SamplingParams, SpecConfig, Verified
+from ...core.ports import (
+    draft_pairing,
+    draft_vocab_size,
+    kv_capacity,
+    kv_knows,
+    target_device,
+    target_vocab_size,
+)
+from ...statemachine import step as run_step
+from ...statemachine.batching import merge_ready, select_ready
+from .adaptive import AdaptiveSpeculation, SpeculationController, ZeroDraft
+
+Speculation = Literal["on", "off", "adaptive"]
+
+
+@attrs.define
+class SchedulerStats:
+    """Counts since the scheduler was built. ``tau``: mean ``accept_len`` of speculative verifies."""
+
+    steps: int = 0
+    spec_cycles: int = 0
+    plain_cycles: int = 0
+    verifies: int = 0  # request-verifies in speculative cycles
+    accepted: int = 0  # tokens those verifies accepted (bonus included)
+    committed: int = 0  # output tokens committed, prefill included
+    prefills: int = 0
+    retractions: int = 0
+    refused: int = 0  # requests that could never fit the pool
+    errors: int = 0  # requests finished with "error" (refusals included)
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.accepted / self.verifies if self.verifies else 0.0
+
+
+class Scheduler:
+    """Continuous batching of speculative decoding (greedy and sampled requests) over one set of ports.
+
+    ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
+    ``speculation``: ``"on"`` (always draft), ``"off"`` (never: the drafter is not run at all, plain
+    decoding through the cycle), ``"adaptive"`` or an `AdaptiveSpeculation` (draft while it pays).
+    ``eos_token_ids`` are added to every request's ``stop_token_ids``. ``on_tokens(request_id,
+    tokens)`` streams committed tokens (final: never taken back); ``on_finish(request)`` sees each
+    request once, when it finishes or errors.
+    """
+
+    def __init__(
+        self,
+        ports: Ports,
+        config: SpecConfig,
+        *,
+        backend=None,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int | None = None,
+        speculation: Speculation | AdaptiveSpeculation = "on",
+        eos_token_ids: Sequence[int] = (),
+        checked: bool = False,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+        request_ids: Iterator[int] | None = None,
+        fused_cycles=None,
+    ) -> None:
+        if not isinstance(ports, Ports):
+            raise ValueError(f"ports must be a speccycle.core.Ports, got {type(ports).__name__}")
+        if not isinstance(config, SpecConfig):
+            raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be an int >= 1")
+        if max_prefill_tokens is not None and (
+            not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1
+        ):
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be None or an int >= 1")
+        target_vocab, draft_vocab = target_vocab_size(ports), draft_vocab_size(ports)
+        if not isinstance(target_vocab, int) or target_vocab < 1:
+            raise ValueError(f"the target's vocab_size={target_vocab!r} must be an int >= 1")
+        if draft_vocab != target_vocab:
+            raise ValueError(
+                f"the draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
+                "a draft must propose target token ids (same tokenizer, or map its ids as EAGLE-3 heads do)"
+            )
+        if isinstance(speculation, AdaptiveSpeculation):
+            policy = speculation
+        elif speculation == "adaptive":
+            policy = AdaptiveSpeculation()
+        elif speculation in ("on", "off"):
+            policy = None
+        else:
+            raise ValueError(f"speculation={speculation!r}: choose 'on', 'off', 'adaptive' or an AdaptiveSpeculation")
+        self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
+        self.config, self.checked, self.max_batch_size = config, checked, max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.backend = backend if backend is not None else get_backend(target_device(ports))
+        self.plain_ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab))
+        self.ports = self.plain_ports if speculation == "off" else ports
+        self.controller = SpeculationController(policy) if policy is not None else None
+        self.on_tokens, self.on_finish = on_tokens, on_finish
+        self._ids = request_ids if request_ids is not None else itertools.count()
+        self.capacity = kv_capacity(ports)  # pages in the whole pool
+        self.waiting: deque[Request] = deque()
+        self.running: Ready | None = None
+        self.finished: dict[int, Request] = {}
+        self.stats = SchedulerStats()
+        self._arrival: dict[int, int] = {}
+        self._sent: dict[int, int] = {}
+        self._admit_one = False
+        # the graphed executor of the engine's fast EAGLE draft (`engine.fast.fused_cycle`): speculative cycles it
+        # covers run as its captured cycle; None, or a batch it does not cover, runs the table eagerly
+        self.fused_cycles = fused_cycles if fused_cycles is not None and fused_cycles.draft is ports.draft else None
+
+    @classmethod
+    def from_engine(cls, engine, **kwargs) -> Scheduler:
+        """A scheduler over an `Engine`'s target, draft, pool and tokenizer (EOS from the model)."""
+        draft = engine.draft if engine.draft is not None else ZeroDraft(engine.target.vocab_size)
+        ports = Ports(target=engine.target, draft=draft, kv_pool=engine.pool, detokenizer=engine.tokenizer)
+        kwargs.setdefault("eos_token_ids", engine.stop_token_ids)
+        kwargs.setdefault("backend", engine.backend)
+        kwargs.setdefault("request_ids", engine._ids)  # ids stay unique beside Engine.generate
+        kwargs.setdefault("fused_cycles", engine.fused_cycles)
+        if engine.draft is None:
+            kwargs["speculation"] = "off"
+        return cls(ports, engine.spec, **kwargs)
+
+    # ---- queue -------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.num_running == 0
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self.running is None else len(self.running.requests)
+
+    def submit(self, prompt: Sequence[int] | torch.Tensor, sampling: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Raises `ValueError` for a prompt that is not token ids."""
+        tokens = _prompt_ids(prompt)
+        if sampling is None:
+            sampling = SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        extra = tuple(t for t in self.eos_token_ids if t not in sampling.stop_token_ids)
+        if extra:
+            sampling = attrs.evolve(sampling, stop_token_ids=sampling.stop_token_ids + extra)
+        request_id = next(self._ids)
+        if request_id in self._arrival:  # a caller's id iterator that repeats: two requests would share pages
+            raise ValueError(f"request id {request_id} is already queued or running: request ids must be unique")
+        self._arrival[request_id] = len(self._arrival)
+        self._sent[request_id] = 0
+        self.waiting.append(Request(request_id, tokens, sampling))
+        return request_id
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Request]:
+        """Submit every prompt, run until all are done, return them in prompt order."""
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.submit(p, s) for p, s in zip(prompts, params)]
+        self.run()
+        return [self.finished[rid] for rid in ids]
+
+    def run(self) -> list[Request]:
+        """Step until no request is waiting or running; returns the requests finished meanwhile."""
+        done = []
+        while not self.idle:
+            done += self.step()
+        return done
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, make room, run one cycle, retire. Returns the requests that finished in this step."""
+        start = time.perf_counter()
+        finished: list[Request] = []
+        in_flight: list[Request] = []
+        try:
+            self._admit(finished, in_flight)
+            if self.num_running:
+                self._cycle(finished)
+        except BaseException as error:
+            self._abort(error, finished, in_flight)
+            raise
+        finally:
+            for request in finished:
+                self._finish(request)
+            self.stats.steps += 1
+            self.stats.seconds += time.perf_counter() - start
+        return finished
+
+    def _admit(self, finished: list[Request], in_flight: list[Request]) -> None:
+        reserve = self._reserve_len(self.ports)
+        budget = self.ports.kv_pool.num_free_pages - self._growth(self.running, reserve)
+        batch: list[Request] = []
+        prefill_tokens = 0
+        while self.waiting and self.num_running + len(batch) < self.max_batch_size:
+            if batch and self._admit_one:
+                break
+            request = self.waiting[0]
+            if batch and self.max_prefill_tokens and prefill_tokens + len(request.tokens) > self.max_prefill_tokens:
+                break  # the rest waits for the next step's prefill
+            need = self._pages(len(request.tokens) + reserve)
+            if need > self.capacity:
+                self.waiting.popleft()
+                what = "its prompt" if not request.output else "its prompt and output so far"
+                finished.append(
+                    self._error(
+                        request,
+                        f"{what} ({len(request.tokens)} tokens) and one cycle's reservation ({reserve}) need "
+                        f"{need} KV pages and the pool has {self.capacity} in all: shorten the prompt, lower "
+                        "max_new_tokens or build the pool with more pages",
+                    )
+                )
+                self.stats.refused += 1
+                continue
+            if need > budget:
+                if not batch and self.num_running == 0:  # nothing of ours will free pages: held elsewhere
+                    self.waiting.popleft()
+                    finished.append(
+                        self._error(
+                            request,
+                            f"needs {need} free KV pages and the pool has {self.ports.kv_pool.num_free_pages} "
+                            "free with no request of this scheduler running: pages are held outside it",
+                        )
+                    )
+                    continue
+                break
+            budget -= need
+            prefill_tokens += len(request.tokens)
+            batch.append(self.waiting.popleft())
+        if not batch:
+            return
+        in_flight += batch
+        self.stats.prefills += 1
+        try:
+            record = run_step(
+                Admitted(config=self.config, requests=tuple(batch)), self.ports, self.backend, checked=self.checked
+            )
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): defer the batch
+            for request in batch:
+                self._free(request.request_id)
+            in_flight.clear()
+            if self.num_running == 0 and len(batch) == 1:
+                finished.append(self._error(batch[0], "the KV pool refused its prompt's pages with nothing running"))
+            else:
+                self.waiting.extendleft(reversed(batch))
+                self._admit_one = True  # retry one request at a time until a prefill fits
+            return
+        self._admit_one = False
+        self._stream(record.requests)
+        ready = self._to_ready(record, finished)
+        in_flight.clear()
+        self.running = ready if self.running is None else merge_ready(self.running, ready)
+
+    def _cycle(self, finished: list[Request]) -> None:
+        speculative = self.controller.speculate(self.num_running) if self.controller else True
+        ports = self.ports if speculative else self.plain_ports
+        self._make_room(self._reserve_len(ports), finished)
+        if not self.num_running:
+            return
+        batch_size = self.num_running
+        fused = self.fused_cycles
+        if fused is not None and ports.draft is fused.draft and fused.covers(self.running):
+            self._fused_cycle(finished, batch_size)
+            return
+        start = time.perf_counter()
+        try:
+            record = run_step(self.running, ports, self.backend, event="draft", checked=self.checked)
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
+            self._retract_newest(self._reserve_len(ports), finished)
+            return
+        verified = run_step(record, ports, self.backend, checked=self.checked)
+        assert isinstance(verified, Verified)
+        accepted = run_step(verified, ports, self.backend, checked=self.checked)
+        compacted = run_step(accepted, self.ports, self.backend, checked=self.checked)
+        self._stream(compacted.requests)
+        self.running = self._to_ready(compacted, finished)
+        seconds = time.perf_counter() - start
+
+        ok = [i for i, r in enumerate(verified.requests) if r.finish_reason != "error"]
+        lens = verified.accept_len.tolist()
+        mean = sum(lens[i] for i in ok) / len(ok) if ok else None
+        if ports is self.plain_ports:
+            self.stats.plain_cycles += 1
+        else:
+            self.stats.spec_cycles += 1
+            self.stats.verifies += len(ok)
+            self.stats.accepted += sum(lens[i] for i in ok)
+        if self.controller is not None:
+            self.controller.record(ports is not self.plain_ports, batch_size, seconds, mean)
+
+    def _fused_cycle(self, finished: list[Request], batch_size: int) -> None:
+        """One speculative cycle as the graphed executor's captured cycle (`FusedCycles.step`); the requests that
+        finished in it leave through the table's Ready ``retire`` row."""
+        start = time.perf_counter()
+        try:
+            ready, counts = self.fused_cycles.step(self.running, checked=self.checked)
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
+            self._retract_newest(self._reserve_len(self.ports), finished)
+            return
+        self._stream(ready.requests)
+        if any(r.finish_reason is not None for r in ready.requests):
+            ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
+            finished += ready.retired
+            ready = attrs.evolve(ready, retired=())
+        self.running = ready
+        seconds = time.perf_counter() - start
+        self.stats.spec_cycles += 1
+        self.stats.verifies += len(counts)
+        self.stats.accepted += sum(counts)
+        if self.controller is not None:
+            self.controller.record(True, batch_size, seconds, sum(counts) / len(counts))
+
+    def _to_ready(self, record, finished: list[Request]) -> Ready:
+        """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""
+        assert isinstance(record, Compacted)
+        while not isinstance(record, Ready):  # retire (if any finished), then extend
+            record = run_step(record, self.ports, self.backend, checked=self.checked)
+        finished += record.retired  # extend carries the retire's requests over
+        return attrs.evolve(record, retired=())
+
+    # ---- KV pressure -------------------------------------------------------------------------
+    def _make_room(self, reserve: int, finished: list[Request]) -> None:
+        """Retract the newest running requests until the next cycle's reservation fits."""
+        while self.num_running and self._growth(self.running, reserve) > self.ports.kv_pool.num_free_pages:
+            self._retract_newest(reserve, finished)
+
+    def _retract_newest(self, reserve: int, finished: list[Request]) -> None:
+        """Retract the running request that arrived last; alone, it cannot run: it finishes with an error."""
+        requests, pool = self.running.requests, self.ports.kv_pool
+        if len(requests) == 1:
+            request, L = requests[0], int(self.running.seq_lens[0])
+            message = (
+                f"its next cycle needs {self._pages(L + reserve)} KV pages ({L} tokens committed, {reserve} "
+                f"reserved) and the pool has {self.capacity} in all, {pool.num_free_pages} of them free: lower "
+                "max_new_tokens or build the pool with more pages"
+            )
+            self._free(request.request_id)
+            self.running = select_ready(self.running, [])
+            finished.append(self._error(request, message))
+            return
+        newest = max(range(len(requests)), key=lambda i: self._arrival[requests[i].request_id])
+        victim = requests[newest]
+        self._free(victim.request_id)
+        self.running = select_ready(self.running, [i for i in range(len(requests)) if i != newest])
+        self.waiting.appendleft(victim)  # committed output kept: readmission recomputes its KV
+        self.stats.retractions += 1
+
+    def _growth(self, ready: Ready | None, reserve: int) -> int:
+        """Pages the batch must add to reserve ``[0, L + reserve)`` for every request."""
+        if ready is None or not ready.requests:
+            return 0
+        pool = self.ports.kv_pool
+        return sum(
+            max(0, self._pages(L + reserve) - pool.pages_held(r.request_id))
+            for r, L in zip(ready.requests, ready.seq_lens.tolist())
+        )
+
+    def _reserve_len(self, ports: Ports) -> int:
+        return self.config.reserve_len(draft_pairing(ports))
+
+    def _pages(self, tokens: int) -> int:
+        return math.ceil(tokens / self.ports.kv_pool.page_size)
+
+    def _free(self, request_id: int) -> None:
+        if self.ports.kv_pool.pages_held(request_id) or kv_knows(self.ports, request_id):
+            self.ports.kv_pool.free(request_id)
+        self.ports.recurrent.free(request_id=request_id)
+
+    # ---- results -----------------------------------------------------------------------------
+    def _stream(self, requests: Sequence[Request]) -> None:
+        for request in requests:
+            sent = self._sent.get(request.request_id, 0)
+            if len(request.output) > sent:
+                new = list(request.output[sent:])
+                self._sent[request.request_id] = len(request.output)
+                self.stats.committed += len(new)
+                if self.on_tokens is not None:
+                    self.on_tokens(request.request_id, new)
+
+    def _finish(self, request: Request) -> None:
+        if request.request_id in self.finished:
+            raise AssertionError(f"request {request.request_id} finished twice")  # a scheduler bug
+        self._stream([request])
+        self.finished[request.request_id] = request
+        if request.finish_reason == "error":
+            self.stats.errors += 1
+        if self.on_finish is not None:
+            self.on_finish(request)
+
+    def _error(self, request: Request, message: str) -> Request:
+        return attrs.evolve(request, finish_reason="error", error=f"request {request.request_id}: {message}")
+
+    def _abort(self, error: BaseException, finished: list[Request], in_flight: list[Request]) -> None:
+        """A cycle raised: every request in it finishes with the error and its pages are freed."""
+        done = {r.request_id for r in finished}
+        running = list(self.running.requests) if self.running is not None else []
+        for request in running + in_flight:
+            if request.request_id in done:
+                continue
+            self._free(request.request_id)
+            finished.append(self._error(request, f"the cycle failed: {type(error).__name__}: {error}"))
+            done.add(request.request_id)
+        self.running = None
+
+
+def _token_ids(values, what: str) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{what} must be a sequence of int token ids, got a string {values!r}")
+    try:
+        return tuple(_index(v, what) for v in values)
+    except TypeError as error:
+        raise ValueError(f"{what} must be a sequence of int token ids, got {type(values).__name__}") from error
+
+
+def _index(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must hold int token ids, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError as error:
+        raise ValueError(f"{what} must hold int token ids, got {value!r} ({type(value).__name__})") from error
+
+
+def _prompt_ids(prompt) -> tuple[int, ...]:
+    """A prompt as a tuple of ints: a sequence of ints or a 1-D integer tensor (range is checked at prefill)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ValueError(
+                f"a prompt tensor must be 1-D of integer ids, got {prompt.dtype} of shape {tuple(prompt.shape)}"
+            )
+        return tuple(int(t) for t in prompt.tolist())
+    return _token_ids(prompt, "the prompt")
