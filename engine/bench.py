@@ -276,8 +276,13 @@ def format_report(record: dict) -> str:
 
 
 def git_commit() -> str:
-    """The checkout's commit (``+dirty`` with local changes), or ``unknown`` outside a git checkout."""
+    """The measured commit: ``$SPECCYCLE_COMMIT`` where set (a copy of the tree whose git snapshot is stale),
+    else the checkout's (``+dirty`` with local changes), or ``unknown`` outside a git checkout."""
+    import os
     import subprocess
+
+    if os.environ.get("SPECCYCLE_COMMIT"):
+        return os.environ["SPECCYCLE_COMMIT"]
 
     root = Path(__file__).resolve().parents[1]
     try:
