@@ -6,7 +6,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
@@ -15,16 +14,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
-    """The measured commit: ``$SPECCYCLE_COMMIT`` where set (the device machine's copy of the tree carries a
-    stale git snapshot: pass the commit from where the command is written), else ``git rev-parse``."""
-    if os.environ.get("SPECCYCLE_COMMIT"):
-        return os.environ["SPECCYCLE_COMMIT"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The measured commit (`engine.bench.git_commit`: ``$SPECCYCLE_COMMIT`` where set, else the checkout's)."""
+    from speccycle.engine.bench import git_commit
+
+    return git_commit()
 
 
 def device_name(device: str = "cpu") -> str:
