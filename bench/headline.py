@@ -88,20 +88,20 @@ HEADLINES: tuple[Headline, ...] = (
         "all {prompts} Spec-Bench dev prompts x {tokens} tokens",
         figure="speculative {spec} / autoregressive {ar} tokens/s: **{speedup}x** (tau {tau}); "
         "{identical}/{prompts} identical",
-        file="speccycle_bench-H200-20261126-72ca5b4-240dev-128tok.json",
+        file="speccycle_bench-H200-20261127-13e0beb-240dev-128tok.json",
         values={**_bench_values(), "tau": Value(("tau",), ".3f")},
     ),
     Headline(
         what="`speccycle bench` with its defaults: the {prompts} prompts it ships x {tokens} tokens",
         figure="**{speedup}x** ({spec} / {ar} tokens/s, tau {tau}); {identical}/{prompts} identical",
-        file="speccycle_bench-H200-20261126-72ca5b4-default-1.json",
+        file="speccycle_bench-H200-20261127-13e0beb-default.json",
         values={**_bench_values(), "tau": Value(("tau",), ".3f")},
     ),
     Headline(
         what="`speccycle bench --draft none`, the control (autoregressive against itself): "
         "{prompts} prompts x {tokens} tokens",
         figure="**{speedup}x** ({spec} / {ar} tokens/s); {identical}/{prompts} identical",
-        file="speccycle_bench-H200-20261126-72ca5b4-none.json",
+        file="speccycle_bench-H200-20261127-afe006d-cold-none.json",
         values=_bench_values(),
     ),
     Headline(
@@ -257,7 +257,7 @@ MODEL_CARD: tuple[Headline, ...] = (
     ),
     _headline("gpu_bench-H100-lossless-1a9d791-round2-20261126-061439.json"),
     _headline("gpu_bench-H100-real-head-1a9d791-round2-20261126-061042.json"),
-    _headline("speccycle_bench-H200-20261126-72ca5b4-240dev-128tok.json"),
+    _headline("speccycle_bench-H200-20261127-13e0beb-240dev-128tok.json"),
     _headline("cpu_drafters-20261126-062023-0ba6374.json"),
 )
 TABLES: dict[str, tuple[Headline, ...]] = {README: HEADLINES, CARD: MODEL_CARD}
