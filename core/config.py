@@ -26,10 +26,13 @@ def _positive(name: str, value: int, upper: int | None = None, lower: int = 1, w
 class SpecConfig:
     """How much to speculate.
 
-    * ``num_steps`` (``S``): draft depth.
+    * ``num_steps`` (``S``): draft depth. ``S == 0`` drafts nothing: each cycle verifies the root alone and
+      commits one token, a plain decode step through the cycle (a forward draft still extends over it, so a
+      later cycle of a deeper shape finds its state current; `batching.reshape`).
     * ``topk`` (``K``): branching per draft step; ``K == 1`` is a chain.
     * ``num_draft_tokens`` (``N``): verify rows per request, root included. ``None`` picks the chain
-      value ``S + 1`` when ``K == 1``, and the largest tree ``1 + K + (S-1)K^2`` capped at 64 otherwise.
+      value ``S + 1`` when ``K == 1`` or ``S == 0``, and the largest tree ``1 + K + (S-1)K^2`` capped at 64
+      otherwise.
     * ``page_size`` (``P``): tokens per page of the paged KV pool.
     """
 
@@ -39,14 +42,20 @@ class SpecConfig:
     page_size: int = 1
 
     def __attrs_post_init__(self) -> None:
-        _positive("num_steps (S)", self.num_steps, 64)
+        _positive("num_steps (S)", self.num_steps, 64, lower=0)
         _positive("topk (K)", self.topk, 16)
         _positive("page_size (P)", self.page_size, 1024)
         if self.num_draft_tokens is None:
-            n = self.num_steps + 1 if self.topk == 1 else min(64, 1 + max_tree_nodes(self.num_steps, self.topk))
+            n = self.num_steps + 1 if self.is_chain else min(64, 1 + max_tree_nodes(self.num_steps, self.topk))
             object.__setattr__(self, "num_draft_tokens", n)
         n = self.num_draft_tokens
-        if self.topk == 1:
+        if self.num_steps == 0:
+            if n != 1:
+                raise ValueError(
+                    f"num_draft_tokens (N)={n} is invalid for num_steps (S)=0: a cycle that drafts nothing "
+                    "verifies the root alone, N=1"
+                )
+        elif self.topk == 1:
             if n != self.num_steps + 1:
                 raise ValueError(
                     f"num_draft_tokens (N)={n} is invalid for a chain: with topk (K)=1 it must equal "
@@ -62,7 +71,13 @@ class SpecConfig:
 
     @property
     def is_chain(self) -> bool:
-        return self.topk == 1
+        """A chain: ``K == 1``, or ``S == 0`` (the root alone is a chain of one)."""
+        return self.topk == 1 or self.num_steps == 0
+
+    @property
+    def drafts(self) -> bool:
+        """Whether a cycle drafts at all (``S >= 1``)."""
+        return self.num_steps > 0
 
     @property
     def accept_width(self) -> int:
@@ -80,7 +95,7 @@ class SpecConfig:
         draft extend writes at ``L + accept_len`` with ``accept_len <= min(S + 1, N)``.
         """
         offset = self.draft_scratch_offset(pairing)
-        scratch = offset + (self.num_steps - 1) * self.topk
+        scratch = offset + max(self.num_steps - 1, 0) * self.topk
         next_root = min(self.num_steps + 1, self.num_draft_tokens) + offset
         return max(self.num_draft_tokens, scratch, next_root)
 

@@ -432,17 +432,23 @@ def host_draft_levels(draft) -> Callable[..., tuple[torch.Tensor, ...]] | None:
 
 @attrs.frozen
 class StaticPorts:
-    """The static forwards of a target and a forward draft (`StaticForwards`)."""
+    """The static forwards of a target and a forward draft (`StaticForwards`); a lookup draft runs no forward, so
+    ``step`` and ``extend`` are None beside it."""
 
     forward: Callable[..., ModelOutput]
-    step: Callable[..., ModelOutput]
-    extend: Callable[..., ModelOutput]
+    step: Callable[..., ModelOutput] | None
+    extend: Callable[..., ModelOutput] | None
 
 
 def static_forwards(ports) -> StaticPorts | None:
     """The target's ``forward_static`` and the draft's ``step_static`` and ``extend_static`` (`StaticForwards`);
-    None unless the draft is a forward draft and both ports declare all three."""
-    if kind_of(ports.draft) != "forward":
+    for a lookup draft the target's alone (its cycles of ``S == 0`` run static); None otherwise, or where a port
+    does not declare them."""
+    kind = kind_of(ports.draft)
+    if kind == "lookup":
+        forward = getattr(ports.target, "forward_static", None)
+        return None if forward is None else StaticPorts(forward, None, None)
+    if kind != "forward":
         return None
     found = (
         getattr(ports.target, "forward_static", None),

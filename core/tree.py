@@ -52,7 +52,7 @@ def draft_scratch_positions(seq_lens: torch.Tensor, num_steps: int, topk: int, o
 @functools.lru_cache(maxsize=256)
 def draft_scratch_offsets(num_steps: int, topk: int, offset: int, device: torch.device) -> torch.Tensor:
     """`draft_scratch_positions` less ``L``: ``offset + (d - 1) * K + k``, ``[S - 1, K]`` (shared, read-only)."""
-    steps = torch.arange(num_steps - 1, device=device)[:, None] * topk
+    steps = torch.arange(max(num_steps - 1, 0), device=device)[:, None] * topk
     return offset + steps + torch.arange(topk, device=device)[None, :]
 
 

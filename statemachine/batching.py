@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 
+from ..core.config import SpecConfig
 from ..core.records import Ready
 
 
@@ -71,3 +73,19 @@ def select_ready(ready: Ready, indices: list[int]) -> Ready:
         retired=ready.retired,
         draft_probs=take(ready.draft_probs),
     )
+
+
+def reshape(ready: Ready, config: SpecConfig) -> Ready:
+    """The batch in another draft shape of its family for the next cycle: another ``S`` and ``N`` (``S == 0``: no
+    draft), the same ``K`` and page size. What the batch carries between cycles (lengths, roots, the draft's
+    depth-1 top-K and hidden state, a sampled request's ``q``) does not depend on ``S`` or ``N``, so only the
+    config changes; a different ``K`` would need another top-K width from the draft extend, and is refused."""
+    if not isinstance(config, SpecConfig):
+        raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
+    old = ready.config
+    if config.topk != old.topk or config.page_size != old.page_size:
+        raise ValueError(
+            f"cannot reshape a batch of topk (K)={old.topk}, page_size (P)={old.page_size} into K={config.topk}, "
+            f"P={config.page_size}: a shape keeps the family's K (the draft state's width) and the pool's P"
+        )
+    return ready if config == old else attrs.evolve(ready, config=config)

@@ -134,14 +134,18 @@ def materialize_ready(record: Ready, stop_ids: Sequence[int]) -> Ready:
     buffers (a later cycle overwrites them). Requests that finished retire through the table's Ready ``retire``."""
     done = materialize(record, stop_ids)
     n = len(record.requests)  # rows past n: a padded batch's padding
+
+    def rows(t):
+        return None if t is None else t[:n].clone()
+
     return Ready(
         config=record.config,
         requests=done.requests,
         seq_lens=done.seq_lens,
         root_tokens=done.root_tokens,
-        topk_p=record.topk_p[:n].clone(),
-        topk_index=record.topk_index[:n].clone(),
-        draft_hidden=record.draft_hidden[:n].clone(),
+        topk_p=rows(record.topk_p),
+        topk_index=rows(record.topk_index),
+        draft_hidden=rows(record.draft_hidden),
     )
 
 

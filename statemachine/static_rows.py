@@ -18,7 +18,15 @@ import torch
 
 from ..backends.cuda import cycle as cycle_ops
 from ..core.config import SpecConfig
-from ..core.ports import ForwardBatch, ModelOutput, NoRecurrentState, StaticPorts, draft_pairing, static_forwards
+from ..core.ports import (
+    ForwardBatch,
+    ModelOutput,
+    NoRecurrentState,
+    StaticPorts,
+    draft_kind,
+    draft_pairing,
+    static_forwards,
+)
 from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog, Ready, RowOutputs
 from ..core.tree import draft_scratch_offsets
 from .transitions import draft_levels
@@ -53,10 +61,12 @@ class CycleBuffers:
     FIELDS = ("L", "root", "topk_p", "topk_index", "dh", "done", "out_len", "cycle", "all_done")
 
     def __init__(self, batch: int, cfg: SpecConfig, table_width: int, hidden: int, hidden_dtype, max_out: int,
-                 max_cycles: int, verify_rows: int, device) -> None:  # fmt: skip
+                 max_cycles: int, verify_rows: int, device, draft_state: bool = True) -> None:  # fmt: skip
         long = dict(dtype=torch.long, device=device)
         n, width = cfg.num_draft_tokens, cfg.accept_width
         self.batch, self.config, self.device = batch, cfg, torch.device(device)
+        # whether the records carry a forward draft's state (top-K, hidden); a lookup draft's carry none
+        self.draft_state = draft_state
         self.whole_run = False  # whether the loaded requests' pages cover their whole budget (`load`)
         self.sets = [
             dict(
@@ -85,6 +95,7 @@ class CycleBuffers:
         scratch = draft_scratch_offsets(cfg.num_steps, cfg.topk, 0, self.device)  # [S - 1, K]
         # the slots a cycle looks up: its verify rows' (L + i) and its draft scratch's (L + scratch)
         self.slot_offsets = torch.cat([torch.arange(n, **long), scratch.reshape(-1)])
+        self.no_positions = torch.empty((batch, 0), **long)
         self.ext_request = requests.repeat_interleave(width)
         self.no_extra = torch.empty((batch * width, 0), **long)
         self.verify = dict(
@@ -107,9 +118,9 @@ class CycleBuffers:
     def ready(self, parity: int, requests) -> Ready:
         """The `Ready` record over set ``parity``."""
         s = self.sets[parity]
+        state = (s["topk_p"], s["topk_index"], s["dh"]) if self.draft_state else (None, None, None)
         return Ready(config=self.config, requests=tuple(requests), seq_lens=s["L"], root_tokens=s["root"],
-                     topk_p=s["topk_p"], topk_index=s["topk_index"], draft_hidden=s["dh"],
-                     log=self.log(parity))  # fmt: skip
+                     topk_p=state[0], topk_index=state[1], draft_hidden=state[2], log=self.log(parity))  # fmt: skip
 
     def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids, columns: int | None = None,
              whole_run: bool = False) -> Ready:  # fmt: skip
@@ -131,9 +142,10 @@ class CycleBuffers:
         self.table[:n, : page_table.shape[1]].copy_(page_table)
         cur["L"][:n].copy_(ready.seq_lens)
         cur["root"][:n].copy_(ready.root_tokens)
-        cur["topk_p"][:n].copy_(ready.topk_p)
-        cur["topk_index"][:n].copy_(ready.topk_index)
-        cur["dh"][:n].copy_(ready.draft_hidden)
+        if self.draft_state:
+            cur["topk_p"][:n].copy_(ready.topk_p)
+            cur["topk_index"][:n].copy_(ready.topk_index)
+            cur["dh"][:n].copy_(ready.draft_hidden)
         cur["done"].fill_(True)
         cur["done"][:n].zero_()
         cur["all_done"].fill_(n == 0)
@@ -186,9 +198,15 @@ def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) ->
 # ---- coverage ----------------------------------------------------------------------------------------
 def static_covers(rec, ports) -> bool:
     """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings or logprobs, all
-    with the same stop ids (at most `MAX_STOPS`: the log holds one list), a forward draft paired shifted whose
-    ports declare static forwards, no recurrent state."""
-    if static_forwards(ports) is None or draft_pairing(ports) != "shifted":
+    with the same stop ids (at most `MAX_STOPS`: the log holds one list), no recurrent state, ports that declare
+    static forwards, and a forward draft paired shifted, or a lookup draft in a cycle of ``S == 0`` (it proposes
+    nothing: a plain decode step)."""
+    if static_forwards(ports) is None:
+        return False
+    if draft_kind(ports) == "lookup":
+        if rec.config.drafts:  # proposals read the host's token histories: eager only
+            return False
+    elif draft_pairing(ports) != "shifted":
         return False
     if not isinstance(ports.recurrent, NoRecurrentState):  # recurrent state commits per accepted row: eager only
         return False
@@ -206,7 +224,11 @@ def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted
     S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
     B, L = buf.batch, rec.seq_lens
     slots = ctx.ops.cycle_slots(buf.table, L, rec.log.done, buf.slot_offsets, P)  # [B, N + (S - 1) K]
-    verify_slots, draft_slots = slots[:, :N], slots[:, N:].view(B, S - 1, K)
+    verify_slots, draft_slots = slots[:, :N], slots[:, N:].view(B, max(S - 1, 0), K)
+    if S == 0:  # the root alone: a plain decode step (the draft extend keeps the draft's state current)
+        tree = DraftTree(tokens=rec.root_tokens[:, None], parents=buf.chain_parents, depths=buf.chain_depths)
+        return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=tree, verify_slots=verify_slots,
+                       draft_slots=draft_slots, draft_positions=buf.no_positions, log=rec.log)  # fmt: skip
     levels = _LevelPorts(ctx.forwards.step, ctx.kv_bound, P)
     cands, scores, cand_parents, positions = draft_levels(
         levels, backend, cfg, (), L, buf.table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden
@@ -219,6 +241,19 @@ def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted
         tree = DraftTree(tokens=tokens, parents=parents, depths=None, scores=scores)
     return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=tree, verify_slots=verify_slots,
                    draft_slots=draft_slots, draft_positions=positions, log=rec.log)  # fmt: skip
+
+
+def lookup_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted:
+    """`transitions.lookup_tree` in a cycle of ``S == 0`` (`static_covers`), over the buffers: the draft proposes no
+    node, so the tree is the root alone and the cycle a plain decode step (slot -1 for a finished request)."""
+    cfg, buf = rec.config, ctx.buffers
+    if cfg.drafts:
+        raise ValueError(f"a lookup draft's static form serves cycles of S == 0 only, got S={cfg.num_steps}")
+    slots = ctx.ops.cycle_slots(buf.table, rec.seq_lens, rec.log.done, buf.slot_offsets, ports.kv_pool.page_size)
+    tree = DraftTree(tokens=rec.root_tokens[:, None], parents=buf.chain_parents, depths=buf.chain_depths)
+    return Drafted(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, tree=tree, verify_slots=slots,
+                   draft_slots=buf.no_positions.view(buf.batch, 0, 1).expand(buf.batch, 0, cfg.topk),
+                   draft_positions=buf.no_positions, log=rec.log)  # fmt: skip
 
 
 # ---- verify, accept, compact: the accept_commit fusion ------------------------------------------------
@@ -281,3 +316,9 @@ def draft_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> R
     return Ready(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, root_tokens=rec.root_tokens,
                  topk_p=nxt["topk_p"], topk_index=nxt["topk_index"], draft_hidden=nxt["dh"],
                  log=rec.log)  # fmt: skip
+
+
+def skip_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> Ready:
+    """`transitions.skip_extend`: a lookup draft keeps no draft cache, so the next `Ready` record has no draft state."""
+    return Ready(config=rec.config, requests=rec.requests, seq_lens=rec.seq_lens, root_tokens=rec.root_tokens,
+                 topk_p=None, topk_index=None, draft_hidden=None, log=rec.log)  # fmt: skip

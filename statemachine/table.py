@@ -70,7 +70,13 @@ TABLE: tuple[Transition, ...] = (
         static=sr.draft_extend_static,
     ),
     Transition(
-        Compacted, "extend", Ready, t.skip_extend, guard=t.lookup_ready, doc="A lookup draft keeps no draft cache."
+        Compacted,
+        "extend",
+        Ready,
+        t.skip_extend,
+        guard=t.lookup_ready,
+        doc="A lookup draft keeps no draft cache.",
+        static=sr.skip_extend_static,
     ),
     Transition(
         Compacted,
@@ -116,6 +122,7 @@ TABLE: tuple[Transition, ...] = (
         guard=t.lookup_draft_live,
         ops=("slots_for_positions",),
         doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify).",
+        static=sr.lookup_tree_static,
     ),
     Transition(
         Ready,

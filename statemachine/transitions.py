@@ -466,7 +466,7 @@ def _reserve_cycle(
         return ids, page_table, backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size), None
     positions = L[:, None] + _cycle_offsets(n, cfg.num_steps, cfg.topk, scratch, L.device)
     slots = backend.slots_for_positions(page_table, positions, ports.kv_pool.page_size)
-    return ids, page_table, slots[:, :n], slots[:, n:].view(L.shape[0], cfg.num_steps - 1, cfg.topk)
+    return ids, page_table, slots[:, :n], slots[:, n:].view(L.shape[0], max(cfg.num_steps - 1, 0), cfg.topk)
 
 
 def _refuse_draft_vocabulary_when_sampled(out: ModelOutput, rows) -> None:
@@ -598,6 +598,13 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     ids, page_table, verify_slots, draft_slots = _reserve_cycle(rec, ports, backend, offset)
 
     rows = sampling.sampled_rows(rec.requests, device)
+    if not cfg.drafts:  # S == 0: the root alone (a plain decode step); the draft's state waits for the next shape
+        root = DraftTree(tokens=rec.root_tokens[:, None], parents=shapes.chain_parents(bs, 1, device),
+                         depths=shapes.chain_depths(bs, 1, device))  # fmt: skip
+        probs = None if rows is None or rec.draft_probs is None else rec.draft_probs[:, None]
+        return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=root, verify_slots=verify_slots,
+                       draft_slots=draft_slots, draft_positions=shapes.no_extra_slots(bs, device),
+                       draft_probs=probs)  # fmt: skip
     draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
     if rows is not None:
         if rec.draft_probs is None:

@@ -69,8 +69,8 @@ class _Batch:
     """A batch size's buffers (`CycleBuffers`), its two graphs and the boundaries each captured, and the pinned
     "all done" flag the cycle copies to the host."""
 
-    def __init__(self, buffers: CycleBuffers, device) -> None:
-        self.buffers, self.batch = buffers, buffers.batch
+    def __init__(self, buffers: CycleBuffers, device, ports: Ports) -> None:
+        self.buffers, self.batch, self.ports = buffers, buffers.batch, ports
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured: dict[int, tuple[Boundary, ...]] = {}
         # every cycle's "all done" flag, copied to the host by the cycle itself (a node of its graph): the
@@ -95,7 +95,6 @@ class FusedCycles:
         self.use_graphs = options.graphs and self.device.type == "cuda"
         self.page_size = pool.page_size
         self.table_width = -(-pool.num_slots // pool.page_size)
-        self.max_out = options.max_decode_steps + spec.num_draft_tokens + 1
         self.graph_pool: GraphPool = options.graph_pool
         self._batches: dict[int, _Batch] = {}
         self.replays = 0
@@ -119,27 +118,35 @@ class FusedCycles:
         plain = sampling is None or (sampling.greedy and not sampling.logprobs and not sampling.stop_strings)
         return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
 
-    def covers(self, ready: Ready) -> bool:
-        """Whether `step` serves a `Ready` batch: the config these cycles were built for, and what the table's fusion
-        covers (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs). A step's log holds
-        one cycle, so any ``max_new_tokens`` fits."""
-        if not ready.requests or ready.config != self.spec:  # the buffers and graphs are shaped for self.spec
+    def covers(self, ready: Ready, ports: Ports | None = None) -> bool:
+        """Whether `step` serves a `Ready` batch over ``ports`` (None: these cycles' own, the fast EAGLE draft): a
+        shape of the built config's family (any ``S`` and ``N``, the same ``K`` and page size: the draft state's
+        width; `batching.reshape` moves a batch between shapes), and what the table's fusion covers
+        (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs; a lookup draft, such as
+        the scheduler's no-draft `ZeroDraft`, in shapes of ``S == 0``). A step's log holds one cycle, so any
+        ``max_new_tokens`` fits."""
+        ports = self.ports if ports is None else ports
+        if ports.target is not self.target or ports.kv_pool is not self.pool:
             return False
-        if ready.topk_p is None or ready.draft_hidden is None:  # extended by another draft (speculation off)
+        cfg = ready.config
+        if not ready.requests or cfg.topk != self.spec.topk or cfg.page_size != self.spec.page_size:
             return False
-        return self.executor().covers(ready)
+        if ports.draft is self.draft and (ready.topk_p is None or ready.draft_hidden is None):
+            return False  # extended by another draft (speculation off)
+        return self.executor(ports).covers(ready)
 
-    def executor(self) -> StaticExecutor:
-        """The static executor over these ports, with this object's kernel choice and walk."""
+    def executor(self, ports: Ports | None = None) -> StaticExecutor:
+        """The static executor over ``ports`` (None: these cycles' own), with this object's kernel choice and walk."""
         forced = type(self)._walk is not FusedCycles._walk  # a benchmark's override (`bench.forced`)
-        return StaticExecutor(self.ports, self.backend, kernels=self.kernels, walk=self._walk if forced else None)
+        ports = self.ports if ports is None else ports
+        return StaticExecutor(ports, self.backend, kernels=self.kernels, walk=self._walk if forced else None)
 
     # ---- one cycle ----------------------------------------------------------------------------
     def _cycle(self, bt: _Batch, parity: int, kv_bound: int, requests) -> tuple[Boundary, ...]:
         """One cycle: the static executor from the `Ready` record over set ``parity`` to set ``1 - parity``, then
         the next set's "all done" flag to the host."""
         ready = bt.buffers.ready(parity, requests)
-        _, boundaries = self.executor().cycle(ready, bt.buffers, 1 - parity, kv_bound)
+        _, boundaries = self.executor(bt.ports).cycle(ready, bt.buffers, 1 - parity, kv_bound)
         nxt = bt.buffers.sets[1 - parity]
         if not (bt.flag_kernel and flag_to_host(nxt["all_done"], bt.host_done)):
             bt.host_done.copy_(nxt["all_done"], non_blocking=True)
@@ -151,17 +158,21 @@ class FusedCycles:
         return predict
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _batch(self, batch: int) -> _Batch:
-        if batch not in self._batches:
+    def _batch(self, batch: int, cfg: SpecConfig | None = None, ports: Ports | None = None) -> _Batch:
+        """The buffers and graphs of ``batch`` requests in shape ``cfg`` over ``ports`` (None: the built config and
+        these cycles' own ports)."""
+        cfg, ports = cfg or self.spec, ports or self.ports
+        key = (batch, cfg, ports.draft is self.draft)
+        if key not in self._batches:
             head = self.draft.head
-            rows = batch * self.spec.num_draft_tokens
+            rows = batch * cfg.num_draft_tokens
             buffers = CycleBuffers(
-                batch, self.spec, self.table_width, head.config.hidden_size, head.dtype, self.max_out,
-                self.options.max_decode_steps + LOOKAHEAD + 1, bucket(max(rows, self.options.min_target_rows)) or rows,
-                self.device,
+                batch, cfg, self.table_width, head.config.hidden_size, head.dtype,
+                self.options.max_decode_steps + cfg.num_draft_tokens + 1, self.options.max_decode_steps + LOOKAHEAD + 1,
+                bucket(max(rows, self.options.min_target_rows)) or rows, self.device, draft_state=key[2],
             )  # fmt: skip
-            self._batches[batch] = _Batch(buffers, self.device)
-        return self._batches[batch]
+            self._batches[key] = _Batch(buffers, self.device, ports)
+        return self._batches[key]
 
     def _capture(self, bt: _Batch, parity: int, bound: int, requests) -> torch.cuda.CUDAGraph:
         # Warm up and capture with every request done: no KV is written (the slots are -1), nothing is
@@ -234,8 +245,9 @@ class FusedCycles:
         final = bt.buffers.ready(cycles % 2, requests)
         return FusedRun(materialize(final, stops), tuple(accepted_counts(final, cycles)), cycles)
 
-    def step(self, ready: Ready, checked: bool = False) -> tuple[Ready, list[int]]:
-        """One cycle of an eager `Ready` batch whose composition changes between cycles (the scheduler's).
+    def step(self, ready: Ready, checked: bool = False, ports: Ports | None = None) -> tuple[Ready, list[int]]:
+        """One cycle of an eager `Ready` batch whose composition changes between cycles (the scheduler's), in the
+        record's shape (``ready.config``), over ``ports`` (None: these cycles' own; `covers` says which serve).
 
         The pages grow by one cycle's reservation (`transitions.reserve`: all or nothing, `KVPoolExhausted` leaves
         the pool as it was); the batch is loaded into the buffers of its size; one replay of the captured cycle
@@ -245,24 +257,24 @@ class FusedCycles:
         """
         start = time.perf_counter()
         try:
-            return self._step(ready, checked)
+            return self._step(ready, checked, ports or self.ports)
         finally:
             self.run_s += time.perf_counter() - start
 
-    def _step(self, ready: Ready, checked: bool) -> tuple[Ready, list[int]]:
-        requests = ready.requests
+    def _step(self, ready: Ready, checked: bool, ports: Ports) -> tuple[Ready, list[int]]:
+        requests, cfg = ready.requests, ready.config
         ids = [r.request_id for r in requests]
         lens = ready.seq_lens.tolist()
-        reserve(self.pool, ids, [length + self.spec.reserve_len() for length in lens])
+        reserve(self.pool, ids, [length + cfg.reserve_len() for length in lens])
         stops = sorted(set(requests[0].sampling.stop_token_ids))
         limits = [r.sampling.max_new_tokens for r in requests]
         if len(stops) > MAX_STOPS:
             raise ValueError(f"a fused cycle takes up to {MAX_STOPS} stop token ids, got {len(stops)}")
-        bt = self._batch(1 << (len(requests) - 1).bit_length())  # padded to a power of two: one graph a bucket
-        bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=self.spec.accept_width)
+        bt = self._batch(1 << (len(requests) - 1).bit_length(), cfg, ports)  # a power of two: one graph a bucket
+        bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=cfg.accept_width)
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
-            bound = max(lens) + self.spec.reserve_len() + 1
+            bound = max(lens) + cfg.reserve_len() + 1
         with torch.no_grad():
             if self.use_graphs:
                 if 0 not in bt.graphs:
@@ -274,7 +286,7 @@ class FusedCycles:
                 boundaries = self._cycle(bt, 0, bound, requests)
         self.steps = tuple(b.step for b in boundaries)
         if checked:
-            self.executor().check([_with_requests(b, requests) for b in boundaries])
+            self.executor(ports).check([_with_requests(b, requests) for b in boundaries])
         final = bt.buffers.ready(1, requests)
         return materialize_ready(final, stops), final.log.lengths[: len(requests)].tolist()
 

@@ -1,22 +1,25 @@
-"""Adaptive speculation: draft only while measured acceptance pays for the drafting.
+"""Adaptive speculation: each cycle runs the draft shape that commits the most tokens per second at its batch size.
 
-A speculative cycle commits ``tau`` tokens per request on average and costs ``t_spec`` seconds; a
-cycle with drafting off commits one token per request and costs ``t_plain``. Drafting pays while
+A cycle of shape ``c`` (a `SpecConfig` of the scheduler's family: another ``S`` and ``N``, the same ``K``;
+``S == 0`` drafts nothing) commits ``tau_c`` tokens per request on average and costs ``t_c(B)`` seconds at
+batch size ``B``. Throughput is ``B * tau_c / t_c(B)``, so the cycle runs
 
-    tau > t_spec / t_plain        (the threshold, a function of the batch size)
+    argmax_c  tau_c / t_c(B)
 
-The ratio grows with the batch: a verify of ``bs * N`` rows stays as cheap as ``bs`` rows only while
-the forward is bound by reading the weights, not by arithmetic. `SpeculationController` keeps an
-exponential moving average of ``tau`` (speculative cycles only) and of both cycle times per
-batch-size bucket (powers of two), turns drafting off when the average falls below the threshold,
-and runs a few speculative *probe* cycles every ``probe_every`` plain cycles to see whether it pays
-again. A fixed threshold (``min_tau``) replaces the timings, for tests and for engines that know
-their cost model.
+``t_c(B)`` grows with ``B`` faster for deep shapes: a verify of ``B * N`` rows stays as cheap as ``B`` rows only
+while the forward is bound by reading the weights, and the draft's levels add their own forwards. Both are
+measured on the running machine: `ShapeController` keeps an exponential moving average of each shape's
+committed tokens per request and cycle (over every batch size) and of each shape's cycle time per batch
+bucket (powers of two, the graphed executor's buckets). A pair not measured yet runs first (twice: the first
+run of a shape at a bucket captures its graph, and is not timed); every ``probe_every`` cycles at a bucket the
+shape measured longest ago runs once, so the averages follow the load. A fixed cost model (``cost``) replaces
+the timings, for tests and for engines that know theirs.
 
-A cycle with drafting off is still the table's cycle: its draft is `ZeroDraft`, a lookup draft that
-proposes nothing, so the verify is one row per request (a plain decode step) and accept, compact and
-retire run as always; a forward draft's extend still runs after it, so its cache stays current for
-the probes. Lossless either way: drafting only changes how many tokens a verify can commit.
+Every shape is the table's cycle: ``S == 0`` verifies the root alone (a plain decode step) and a forward draft
+still extends over the committed token, so a later cycle of a deeper shape finds its state current
+(`statemachine.batching.reshape` moves the batch between shapes). Lossless either way: the shape only changes
+how many tokens a verify can commit. `ZeroDraft` is the scheduler's draft with speculation off (no draft
+forward at all).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import torch
+
+from ...core.config import SpecConfig
 
 
 class ZeroDraft:
@@ -40,6 +45,32 @@ class ZeroDraft:
         return empty, empty.clone()
 
 
+def no_draft_shape(config: SpecConfig) -> SpecConfig:
+    """The shape of ``config``'s family that drafts nothing (``S == 0``, ``N == 1``)."""
+    return attrs.evolve(config, num_steps=0, num_draft_tokens=1)
+
+
+def shape_family(config: SpecConfig, draft_kind: str = "forward") -> tuple[SpecConfig, ...]:
+    """The shapes adaptive speculation chooses among for ``config``, deepest first: ``config`` itself, shallower
+    ones of its ``K`` (a chain: every ``S`` below; a tree: ``N`` halved down to 2, ``S`` at most ``log2 N + 1``), and
+    ``S == 0``. A block draft proposes its whole block or nothing else: its family is ``config`` alone."""
+    if draft_kind == "block":
+        return (config,)
+    shapes = [config]
+    if config.is_chain:
+        depths = range(config.num_steps - 1, 0, -1)
+        shapes += [attrs.evolve(config, num_steps=s, num_draft_tokens=s + 1) for s in depths]
+    else:
+        n = config.num_draft_tokens // 2
+        while n >= 2:
+            depth = min(config.num_steps, n - 1, n.bit_length())  # a tree of N nodes rarely accepts deeper
+            shapes.append(attrs.evolve(config, num_steps=depth, num_draft_tokens=n))
+            n //= 2
+    if config.drafts:
+        shapes.append(no_draft_shape(config))
+    return tuple(dict.fromkeys(shapes))
+
+
 def _check_fraction(instance, attribute, value) -> None:
     if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
         raise ValueError(f"AdaptiveSpeculation.{attribute.name}={value!r} must lie in (0, 1]")
@@ -50,90 +81,108 @@ def _check_count(instance, attribute, value) -> None:
         raise ValueError(f"AdaptiveSpeculation.{attribute.name}={value!r} must be an int >= 1")
 
 
-def _check_threshold(instance, attribute, value) -> None:
+def _check_cost(instance, attribute, value) -> None:
     if value is not None and not callable(value):
-        raise ValueError(f"AdaptiveSpeculation.min_tau must be None or a function of the batch size, got {value!r}")
+        raise ValueError(
+            f"AdaptiveSpeculation.cost must be None or a function (shape, batch_size) -> seconds, got {value!r}"
+        )
 
 
-def _check_prior(instance, attribute, value) -> None:
-    if not isinstance(value, (int, float)) or not value >= 1.0:
-        raise ValueError(f"AdaptiveSpeculation.prior_min_tau={value!r} must be a number >= 1")
+def _check_shapes(instance, attribute, value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value or not all(isinstance(c, SpecConfig) for c in value):
+        raise ValueError(f"AdaptiveSpeculation.shapes={value!r} must be None or a non-empty tuple of SpecConfig")
+    if len({(c.topk, c.page_size) for c in value}) > 1:
+        raise ValueError("AdaptiveSpeculation.shapes must share topk (K) and page_size (P): one family of shapes")
 
 
 @attrs.frozen
 class AdaptiveSpeculation:
-    """When to draft.
+    """Which draft shape each cycle runs (module docstring).
 
-    * ``min_tau``: a fixed threshold ``min_tau(bs)``; None measures it (``t_spec / t_plain``).
-    * ``prior_min_tau``: the threshold at a batch size whose two cycle times are not measured yet.
+    * ``shapes``: the menu, one family (the same ``K`` and page size); None: `shape_family` of the scheduler's
+      config.
+    * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
     * ``ema_weight``: weight of the newest cycle in the moving averages.
-    * ``probe_every``: plain cycles between two probes; ``probe_cycles``: speculative cycles a probe runs.
+    * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
     """
 
-    min_tau: Callable[[int], float] | None = attrs.field(default=None, validator=_check_threshold)
-    prior_min_tau: float = attrs.field(default=1.3, validator=_check_prior)
+    shapes: tuple[SpecConfig, ...] | None = attrs.field(default=None, validator=_check_shapes)
+    cost: Callable[[SpecConfig, int], float] | None = attrs.field(default=None, validator=_check_cost)
     ema_weight: float = attrs.field(default=0.3, validator=_check_fraction)
-    probe_every: int = attrs.field(default=16, validator=_check_count)
-    probe_cycles: int = attrs.field(default=2, validator=_check_count)
+    probe_every: int = attrs.field(default=32, validator=_check_count)
 
 
-def _bucket(batch_size: int) -> int:
-    return max(1, batch_size).bit_length()  # 1, 2-3, 4-7, 8-15, ...
+def batch_bucket(batch_size: int) -> int:
+    """The power of two a batch pads to (the graphed executor's bucket)."""
+    return 1 << (max(1, batch_size) - 1).bit_length()
 
 
-class SpeculationController:
-    """The running state of an `AdaptiveSpeculation` policy: ask `speculate`, then `record` the cycle."""
+class ShapeController:
+    """The running state of an `AdaptiveSpeculation` policy over ``config``'s family: ask `choose`, then `record`."""
 
-    def __init__(self, policy: AdaptiveSpeculation) -> None:
+    def __init__(self, policy: AdaptiveSpeculation, config: SpecConfig, draft_kind: str = "forward") -> None:
         self.policy = policy
-        self.drafting = True
-        self.tau: float | None = None  # EMA of mean accept_len over speculative cycles
-        self.seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> EMA of cycle seconds
-        self.plain_run = 0  # plain cycles since drafting was last turned off or probed
-        self.probe_left = 0
+        self.shapes: tuple[SpecConfig, ...] = policy.shapes or shape_family(config, draft_kind)
+        # EMA of the committed tokens per request and cycle of each shape (exactly one with no draft)
+        self.tau: dict[SpecConfig, float] = {c: 1.0 for c in self.shapes if not c.drafts}
+        self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> EMA of cycle seconds
+        self.runs: dict[tuple[int, SpecConfig], int] = {}
+        self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
+        self.since_probe: dict[int, int] = {}
+        self.cycles = 0
         self.switches = 0
+        self.current: SpecConfig | None = None
+        self.chosen: dict[SpecConfig, int] = {c: 0 for c in self.shapes}
 
-    def threshold(self, batch_size: int) -> float:
-        """The ``tau`` drafting must reach at this batch size to beat a plain decode step."""
-        if self.policy.min_tau is not None:
-            return float(self.policy.min_tau(batch_size))
-        bucket = _bucket(batch_size)
-        spec, plain = self.seconds.get((bucket, True)), self.seconds.get((bucket, False))
-        if spec is None or plain is None or plain <= 0.0:
-            return self.policy.prior_min_tau
-        return spec / plain
+    @property
+    def reserve_shape(self) -> SpecConfig:
+        """The shape that holds the most positions past ``L`` in a cycle (admission reserves for it)."""
+        return max(self.shapes, key=lambda c: c.reserve_len())
 
-    def speculate(self, batch_size: int) -> bool:
-        """Whether the next cycle drafts."""
-        if self.probe_left > 0:
-            return True
-        if self.drafting:
-            # With measured thresholds, time one plain cycle at each batch size drafting runs at.
-            bucket = _bucket(batch_size)
-            timed = (bucket, True) in self.seconds and (bucket, False) not in self.seconds
-            return not (self.policy.min_tau is None and timed)
-        if self.plain_run >= self.policy.probe_every:
-            self.probe_left = self.policy.probe_cycles
-            self.plain_run = 0
-            return True
-        return False
+    def _timed(self, key) -> bool:
+        return self.policy.cost is not None or self.runs.get(key, 0) >= 2
 
-    def record(self, speculative: bool, batch_size: int, seconds: float, mean_accept_len: float | None) -> None:
-        """Fold in one cycle: its kind, batch size, wall time and (speculative) mean ``accept_len``."""
-        w = self.policy.ema_weight
-        key = (_bucket(batch_size), speculative)
-        self.seconds[key] = seconds if key not in self.seconds else (1 - w) * self.seconds[key] + w * seconds
-        if speculative and mean_accept_len is not None:
-            self.tau = mean_accept_len if self.tau is None else (1 - w) * self.tau + w * mean_accept_len
-        if speculative and self.probe_left > 0:
-            self.probe_left -= 1
-            if self.probe_left > 0:
-                return
-        elif not speculative and not self.drafting:
-            self.plain_run += 1
-            return
-        pays = self.tau is None or self.tau >= self.threshold(batch_size)
-        if pays != self.drafting:
-            self.switches += 1
-            self.plain_run = 0
-        self.drafting = pays
+    def _seconds(self, bucket: int, shape: SpecConfig) -> float:
+        if self.policy.cost is not None:
+            return float(self.policy.cost(shape, bucket))
+        return self.seconds[(bucket, shape)]
+
+    def best(self, batch_size: int) -> SpecConfig | None:
+        """The shape of the highest measured ``tau / t`` at this batch size (None: nothing measured there yet)."""
+        bucket = batch_bucket(batch_size)
+        scored = [c for c in self.shapes if c in self.tau and self._timed((bucket, c))]
+        if not scored:
+            return None
+        return max(scored, key=lambda c: self.tau[c] / max(self._seconds(bucket, c), 1e-12))
+
+    def choose(self, batch_size: int) -> SpecConfig:
+        """The shape of the next cycle at this batch size."""
+        bucket = batch_bucket(batch_size)
+        pick = next((c for c in self.shapes if c not in self.tau or not self._timed((bucket, c))), None)
+        if pick is None:
+            self.since_probe[bucket] = self.since_probe.get(bucket, 0) + 1
+            pick = self.best(batch_size)
+            if self.since_probe[bucket] >= self.policy.probe_every and len(self.shapes) > 1:
+                self.since_probe[bucket] = 0
+                others = [c for c in self.shapes if c != pick]
+                pick = min(others, key=lambda c: self.last.get((bucket, c), -1))
+        if pick != self.current:
+            self.switches += self.current is not None
+            self.current = pick
+        return pick
+
+    def record(self, shape: SpecConfig, batch_size: int, seconds: float, mean_committed: float | None) -> None:
+        """Fold in one cycle: its shape, batch size, wall time and mean committed tokens per request."""
+        w, key = self.policy.ema_weight, (batch_bucket(batch_size), shape)
+        runs = self.runs.get(key, 0) + 1
+        self.runs[key], self.last[key] = runs, self.cycles
+        self.cycles += 1
+        self.chosen[shape] = self.chosen.get(shape, 0) + 1
+        if runs >= 2:  # the first run of a shape at a bucket captures its graph: not its cost
+            old = self.seconds.get(key)
+            self.seconds[key] = seconds if old is None else (1 - w) * old + w * seconds
+        if shape.drafts and mean_committed is not None:
+            old = self.tau.get(shape)
+            self.tau[shape] = mean_committed if old is None else (1 - w) * old + w * mean_committed

@@ -9,7 +9,9 @@
 Each `step` (1) admits waiting requests, oldest first, that the KV pool can hold through their next
 cycle: one prefill over their prompts, merged into the running `Ready` batch; (2) makes room for the
 running batch's next reservation, retracting the newest requests if the pool is short; (3) runs one
-cycle through the transition table (speculative, or with drafting off, see `engine/serving/adaptive.py`); (4)
+cycle through the transition table, in the draft shape the speculation mode gives (adaptive: the shape of
+the highest measured throughput at the batch size, `engine/serving/adaptive.py`), as the graphed executor's
+captured cycle where it covers the batch (`engine.fast.fused_cycle`), else eagerly; (4)
 streams the newly committed tokens and retires finished requests. Requests of any prompt and output
 length join and leave between cycles.
 
@@ -45,6 +47,7 @@ import torch
 from ...backends.registry import get_backend
 from ...core import Admitted, Compacted, KVPoolExhausted, Ports, Ready, Request, SamplingParams, SpecConfig, Verified
 from ...core.ports import (
+    draft_kind,
     draft_pairing,
     draft_vocab_size,
     kv_capacity,
@@ -53,8 +56,8 @@ from ...core.ports import (
     target_vocab_size,
 )
 from ...statemachine import step as run_step
-from ...statemachine.batching import merge_ready, select_ready
-from .adaptive import AdaptiveSpeculation, SpeculationController, ZeroDraft
+from ...statemachine.batching import merge_ready, reshape, select_ready
+from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, no_draft_shape
 
 Speculation = Literal["on", "off", "adaptive"]
 
@@ -65,7 +68,8 @@ class SchedulerStats:
 
     steps: int = 0
     spec_cycles: int = 0
-    plain_cycles: int = 0
+    plain_cycles: int = 0  # cycles of shape S == 0 (no draft)
+    fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
     verifies: int = 0  # request-verifies in speculative cycles
     accepted: int = 0  # tokens those verifies accepted (bonus included)
     committed: int = 0  # output tokens committed, prefill included
@@ -74,6 +78,7 @@ class SchedulerStats:
     refused: int = 0  # requests that could never fit the pool
     errors: int = 0  # requests finished with "error" (refusals included)
     seconds: float = 0.0
+    shapes: dict = attrs.field(factory=dict)  # SpecConfig -> cycles run in that shape
 
     @property
     def tau(self) -> float:
@@ -84,8 +89,9 @@ class Scheduler:
     """Continuous batching of speculative decoding (greedy and sampled requests) over one set of ports.
 
     ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
-    ``speculation``: ``"on"`` (always draft), ``"off"`` (never: the drafter is not run at all, plain
-    decoding through the cycle), ``"adaptive"`` or an `AdaptiveSpeculation` (draft while it pays).
+    ``speculation``: ``"on"`` (every cycle in ``config``'s shape), ``"off"`` (never draft: the drafter is not run
+    at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"`` or an
+    `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size).
     ``eos_token_ids`` are added to every request's ``stop_token_ids``. ``on_tokens(request_id,
     tokens)`` streams committed tokens (final: never taken back); ``on_finish(request)`` sees each
     request once, when it finishes or errors.
@@ -133,13 +139,17 @@ class Scheduler:
             policy = None
         else:
             raise ValueError(f"speculation={speculation!r}: choose 'on', 'off', 'adaptive' or an AdaptiveSpeculation")
+        if policy is not None and policy.shapes is not None and policy.shapes[0].topk != config.topk:
+            raise ValueError(f"AdaptiveSpeculation.shapes must keep the config's topk (K)={config.topk}")
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
-        self.config, self.checked, self.max_batch_size = config, checked, max_batch_size
+        self.checked, self.max_batch_size = checked, max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.backend = backend if backend is not None else get_backend(target_device(ports))
-        self.plain_ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab))
-        self.ports = self.plain_ports if speculation == "off" else ports
-        self.controller = SpeculationController(policy) if policy is not None else None
+        off = speculation == "off"
+        # with speculation off the draft is `ZeroDraft` (no draft forward at all) and every cycle has shape S == 0
+        self.config = no_draft_shape(config) if off else config
+        self.ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab)) if off else ports
+        self.controller = ShapeController(policy, config, draft_kind(ports)) if policy is not None else None
         self.on_tokens, self.on_finish = on_tokens, on_finish
         self._ids = request_ids if request_ids is not None else itertools.count()
         self.capacity = kv_capacity(ports)  # pages in the whole pool
@@ -233,7 +243,7 @@ class Scheduler:
         return finished
 
     def _admit(self, finished: list[Request], in_flight: list[Request]) -> None:
-        reserve = self._reserve_len(self.ports)
+        reserve = self._reserve_len()
         budget = self.ports.kv_pool.num_free_pages - self._growth(self.running, reserve)
         batch: list[Request] = []
         prefill_tokens = 0
@@ -294,53 +304,45 @@ class Scheduler:
         self._stream(record.requests)
         ready = self._to_ready(record, finished)
         in_flight.clear()
+        if self.running is not None:  # the running batch may be in another shape of the family this cycle
+            ready = reshape(ready, self.running.config)
         self.running = ready if self.running is None else merge_ready(self.running, ready)
 
     def _cycle(self, finished: list[Request]) -> None:
-        speculative = self.controller.speculate(self.num_running) if self.controller else True
-        ports = self.ports if speculative else self.plain_ports
-        self._make_room(self._reserve_len(ports), finished)
+        shape = self.controller.choose(self.num_running) if self.controller else self.config
+        self.running = reshape(self.running, shape)
+        self._make_room(self._reserve_len(), finished)
         if not self.num_running:
             return
         batch_size = self.num_running
         fused = self.fused_cycles
-        if fused is not None and ports.draft is fused.draft and fused.covers(self.running):
-            self._fused_cycle(finished, batch_size)
+        if fused is not None and fused.covers(self.running, self.ports):
+            self._fused_cycle(finished, batch_size, shape)
             return
         start = time.perf_counter()
         try:
-            record = run_step(self.running, ports, self.backend, event="draft", checked=self.checked)
+            record = run_step(self.running, self.ports, self.backend, event="draft", checked=self.checked)
         except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
-            self._retract_newest(self._reserve_len(ports), finished)
+            self._retract_newest(self._reserve_len(), finished)
             return
-        verified = run_step(record, ports, self.backend, checked=self.checked)
+        verified = run_step(record, self.ports, self.backend, checked=self.checked)
         assert isinstance(verified, Verified)
-        accepted = run_step(verified, ports, self.backend, checked=self.checked)
+        accepted = run_step(verified, self.ports, self.backend, checked=self.checked)
         compacted = run_step(accepted, self.ports, self.backend, checked=self.checked)
         self._stream(compacted.requests)
         self.running = self._to_ready(compacted, finished)
-        seconds = time.perf_counter() - start
-
         ok = [i for i, r in enumerate(verified.requests) if r.finish_reason != "error"]
         lens = verified.accept_len.tolist()
-        mean = sum(lens[i] for i in ok) / len(ok) if ok else None
-        if ports is self.plain_ports:
-            self.stats.plain_cycles += 1
-        else:
-            self.stats.spec_cycles += 1
-            self.stats.verifies += len(ok)
-            self.stats.accepted += sum(lens[i] for i in ok)
-        if self.controller is not None:
-            self.controller.record(ports is not self.plain_ports, batch_size, seconds, mean)
+        self._record(shape, batch_size, time.perf_counter() - start, [lens[i] for i in ok])
 
-    def _fused_cycle(self, finished: list[Request], batch_size: int) -> None:
-        """One speculative cycle as the graphed executor's captured cycle (`FusedCycles.step`); the requests that
-        finished in it leave through the table's Ready ``retire`` row."""
+    def _fused_cycle(self, finished: list[Request], batch_size: int, shape: SpecConfig) -> None:
+        """One cycle as the graphed executor's captured cycle (`FusedCycles.step`); the requests that finished in it
+        leave through the table's Ready ``retire`` row."""
         start = time.perf_counter()
         try:
-            ready, counts = self.fused_cycles.step(self.running, checked=self.checked)
+            ready, counts = self.fused_cycles.step(self.running, checked=self.checked, ports=self.ports)
         except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
-            self._retract_newest(self._reserve_len(self.ports), finished)
+            self._retract_newest(self._reserve_len(), finished)
             return
         self._stream(ready.requests)
         if any(r.finish_reason is not None for r in ready.requests):
@@ -348,12 +350,20 @@ class Scheduler:
             finished += ready.retired
             ready = attrs.evolve(ready, retired=())
         self.running = ready
-        seconds = time.perf_counter() - start
-        self.stats.spec_cycles += 1
-        self.stats.verifies += len(counts)
-        self.stats.accepted += sum(counts)
+        self.stats.fused_cycles += 1
+        self._record(shape, batch_size, time.perf_counter() - start, counts)
+
+    def _record(self, shape: SpecConfig, batch_size: int, seconds: float, counts: Sequence[int]) -> None:
+        """A cycle's statistics, and its cost and committed tokens to the adaptive controller."""
+        if shape.drafts:
+            self.stats.spec_cycles += 1
+            self.stats.verifies += len(counts)
+            self.stats.accepted += sum(counts)
+        else:
+            self.stats.plain_cycles += 1
+        self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         if self.controller is not None:
-            self.controller.record(True, batch_size, seconds, sum(counts) / len(counts))
+            self.controller.record(shape, batch_size, seconds, sum(counts) / len(counts) if counts else None)
 
     def _to_ready(self, record, finished: list[Request]) -> Ready:
         """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""
@@ -400,8 +410,10 @@ class Scheduler:
             for r, L in zip(ready.requests, ready.seq_lens.tolist())
         )
 
-    def _reserve_len(self, ports: Ports) -> int:
-        return self.config.reserve_len(draft_pairing(ports))
+    def _reserve_len(self) -> int:
+        """Positions past ``L`` a request holds in a cycle: of the deepest shape the scheduler may run."""
+        shape = self.controller.reserve_shape if self.controller else self.config
+        return shape.reserve_len(draft_pairing(self.ports))
 
     def _pages(self, tokens: int) -> int:
         return math.ceil(tokens / self.ports.kv_pool.page_size)

@@ -80,7 +80,17 @@ def _to(tree, device):
     return None if tree is None else tree.to(device)
 
 
-CONFIGS = [(1, 5, 1, 6), (3, 5, 1, 6), (2, 4, 2, 8), (3, 5, 4, 16), (4, 6, 4, 32), (1, 1, 1, 2), (5, 3, 3, 9)]
+# (B, S, K, N); S = 0: the root alone (a plain decode step through the cycle)
+CONFIGS = [
+    (1, 5, 1, 6),
+    (3, 5, 1, 6),
+    (2, 4, 2, 8),
+    (3, 5, 4, 16),
+    (4, 6, 4, 32),
+    (1, 1, 1, 2),
+    (5, 3, 3, 9),
+    (4, 0, 1, 1),
+]
 
 
 @pytest.mark.parametrize("batch,steps,topk,nodes", CONFIGS)

@@ -1,6 +1,6 @@
 """The static executor (`statemachine.static`) against the eager table, on the real model, in checked mode.
 
-Random configs (S 1..5, K 1..3, N within bounds), batches of one to three prompts, a token budget that cuts
+Random configs (S 0..5, K 1..3, N within bounds), batches of one to three prompts, a token budget that cuts
 runs mid-cycle and stop tokens drawn from the reply: the executor runs the fused cycles on a CPU (the graphed
 executor's rows, eagerly), with every boundary of every cycle validated (`StaticExecutor.check`), and the
 eager table (`runner.generate`, checked) runs the same batch. Held equal: every request's output and finish
@@ -46,7 +46,9 @@ def engine():
 
 @st.composite
 def configs(draw) -> SpecConfig:
-    steps, topk = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    steps, topk = draw(st.integers(0, 5)), draw(st.integers(1, 3))
+    if steps == 0:  # no draft: the root alone, a plain decode step through the cycle
+        return SpecConfig(num_steps=0, topk=topk, page_size=16)
     n = steps + 1 if topk == 1 else draw(st.integers(2, min(1 + max_tree_nodes(steps, topk), 12)))
     return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n, page_size=16)
 
@@ -127,7 +129,9 @@ def _one_cycle_rows(engine, config) -> tuple:
         engine.pool.free(requests[0].request_id)
 
 
-@pytest.mark.parametrize("config", [SpecConfig(num_steps=3, page_size=16), SpecConfig(4, 2, 8, page_size=16)])
+@pytest.mark.parametrize(
+    "config", [SpecConfig(num_steps=3, page_size=16), SpecConfig(4, 2, 8, page_size=16), SpecConfig(0, 2, page_size=16)]
+)
 def test_the_executor_runs_the_tables_rows(engine, config):
     """The steps a static cycle ran, its fusions expanded, are the rows the eager runner takes for the config."""
     fused = _fused(engine, config)

@@ -150,8 +150,9 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
     """Continuous batching on the graphed executor (`FusedCycles.step`, eagerly on a CPU): requests of different
     budgets finish in different cycles and leave through the table's Ready retire row while a waiting one joins
     (batches of up to three, padded to a power of two); checked at every boundary; every output is the
-    autoregressive one, every page goes back. With speculation off the cycles are plain decoding through the
-    table (no draft: the fused cycle never runs); adaptive speculation switches between the two."""
+    autoregressive one, every page goes back. With speculation off every cycle is a plain decode step of shape
+    S == 0 over `ZeroDraft` (no draft forward), captured too; adaptive speculation moves the batch between the
+    shapes of the config's family, every one of them captured."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
@@ -169,10 +170,14 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
     for i, out in zip(ids, ar):
         want = "stop" if out and out[-1] in eos else "length"
         assert scheduler.finished[i].finish_reason == want
+    stats = scheduler.stats
+    assert engine.fused_cycles.run_s > before and stats.fused_cycles == stats.spec_cycles + stats.plain_cycles > 0
     if speculation == "on":  # three requests ran padded to the bucket of four
-        assert 4 in engine.fused_cycles._batches
+        assert any(key[0] == 4 for key in engine.fused_cycles._batches)
+        assert set(stats.shapes) == {engine.spec} and stats.tau > 1.0
     if speculation == "off":
-        assert engine.fused_cycles.run_s == before and scheduler.stats.spec_cycles == 0
-    else:
-        assert engine.fused_cycles.run_s > before and scheduler.stats.spec_cycles > 0 and scheduler.stats.tau > 1.0
+        assert stats.spec_cycles == 0 and {c.num_steps for c in stats.shapes} == {0}
+    if speculation == "adaptive":  # shapes of the family measured, the deepest first
+        assert set(stats.shapes) <= set(scheduler.controller.shapes) and len(stats.shapes) >= 2
+        assert stats.shapes.get(engine.spec, 0) >= 2
     assert engine.pool.num_free_pages == free
