@@ -1,18 +1,22 @@
-"""Scheduler throughput: speculative vs autoregressive at batch sizes 1..64, with and without adaptive speculation.
+"""Scheduler throughput: speculative vs autoregressive at each load, with and without adaptive speculation.
 
-For each batch size ``bs``, ``bs`` requests (the prompts, cycled) are submitted at once and run to
-completion by the continuous-batching `Scheduler` over one engine (same model, pool and device),
+For each load ``bs``, ``bs`` clients each keep one request in flight (the prompts, cycled) for
+``--requests-per-client`` requests in a closed loop (1: ``bs`` requests submitted at once and run to
+completion), through the continuous-batching `Scheduler` over one engine (same model, pool and device),
 once per mode:
 
 * ``ar``: ``speculation="off"``, the drafter never runs: one token per request per target forward;
-* ``spec``: ``speculation="on"``, every cycle drafts;
-* ``adaptive``: `AdaptiveSpeculation()`: drafting while the measured tau beats the measured cost ratio.
+* ``spec``: ``speculation="on"``, every cycle in the config's shape;
+* ``adaptive``: `AdaptiveSpeculation()`: each cycle the shape of the config's family with the highest
+  measured throughput at its batch size. One controller serves every run of the mode, the warm-up's
+  included, as one long-running server's would (its measurements carry over).
 
 Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
 ``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. Warm-up runs
 of every mode at every batch size and power of two below precede the timed ones (compilation, graph capture).
 
-    python -m bench.scheduler_throughput --device cuda --batch-sizes 1,2,4,8,16,32,64 --max-new-tokens 128
+    python -m bench.scheduler_throughput --device cuda --dtype bfloat16 --draft eagle --fast \
+        --batch-sizes 1,4,16,64,256 --requests-per-client 4 --max-new-tokens 128
     .venv/bin/python -m bench.scheduler_throughput --batch-sizes 1,4,8 --max-new-tokens 16   # CPU, small
 """
 
@@ -22,12 +26,11 @@ import argparse
 import math
 import time
 
-import attrs
 import torch
 from speccycle.core import SamplingParams, SpecConfig
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.engine import Engine
-from speccycle.engine.serving.adaptive import AdaptiveSpeculation
+from speccycle.engine.serving.adaptive import AdaptiveSpeculation, ShapeController
 from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.engine.tokenizers.tokenizer import Tokenizer
 from speccycle.engine.weights.weights_gguf import default_model_path
@@ -43,15 +46,27 @@ def _sync(device: str) -> None:
 
 
 def run_mode(
-    engine: Engine, mode: str, prompts: list[list[int]], bs: int, new_tokens: int, device: str, prefill: int | None
+    engine: Engine,
+    mode: str,
+    prompts: list[list[int]],
+    bs: int,
+    new_tokens: int,
+    device: str,
+    prefill: int | None,
+    per_client: int = 1,
+    controller: ShapeController | None = None,
 ) -> dict:
-    speculation = {"ar": "off", "spec": "on", "adaptive": AdaptiveSpeculation()}[mode]
+    speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
     scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
     params = SamplingParams(max_new_tokens=new_tokens)
+    total = bs * per_client
     _sync(device)
     start = time.perf_counter()
     ids = [scheduler.submit(prompts[i % len(prompts)], params) for i in range(bs)]
-    scheduler.run()
+    while not scheduler.idle:  # closed loop: a client submits its next request when its last one finishes
+        for _ in scheduler.step():
+            if len(ids) < total:
+                ids.append(scheduler.submit(prompts[len(ids) % len(prompts)], params))
     _sync(device)
     seconds = time.perf_counter() - start
     outputs = [list(scheduler.finished[rid].output) for rid in ids]
@@ -61,12 +76,15 @@ def run_mode(
     tokens = sum(len(o) for o in outputs)
     stats = scheduler.stats
     return {
+        "requests": total,
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(tokens / seconds, 2),
         "tau": round(stats.tau, 3) if stats.verifies else None,
         "spec_cycles": stats.spec_cycles,
         "plain_cycles": stats.plain_cycles,
+        "fused_cycles": stats.fused_cycles,
+        "shapes": {f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}": n for c, n in stats.shapes.items()},
         "retractions": stats.retractions,
         "outputs": outputs,
     }
@@ -80,6 +98,7 @@ def main() -> None:
     parser.add_argument("--layerskip-layers", type=int, default=8)
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-client", type=int, default=1, help="closed loop: requests each client runs")
     parser.add_argument("--prompts", default=None, help="Spec-Bench JSONL; default: the 13-prompt sample shipped")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--num-steps", type=int, default=4)
@@ -107,7 +126,8 @@ def main() -> None:
     per_request = args.page_size * math.ceil(
         (longest + args.max_new_tokens + 2 * spec.reserve_len("aligned")) / args.page_size
     )
-    kv_tokens = max(batch_sizes) * per_request  # every request fits at once: this measures batching, not retraction
+    # every request in flight fits at once: this measures batching, not retraction
+    kv_tokens = max(batch_sizes) * per_request + 4 * per_request
     dtype = getattr(torch, args.dtype)
     engine = Engine.load(
         draft=args.draft,
@@ -121,14 +141,25 @@ def main() -> None:
     # warm-up: lazy initialization, allocator, kernels, and the graphs of every batch bucket a run passes through
     # (a batch shrinks as its requests finish; the fused cycles capture one graph a power of two)
     warm = sorted({1 << k for bs in batch_sizes for k in range(bs.bit_length())} | set(batch_sizes))
+    controller = ShapeController(AdaptiveSpeculation(), spec)  # one for every adaptive run, warm-up included
     for mode in modes:
         for bs in warm:
-            run_mode(engine, mode, prompts, bs, 4, args.device, args.max_prefill_tokens)
+            run_mode(engine, mode, prompts, bs, 8, args.device, args.max_prefill_tokens, controller=controller)
 
     rows = []
     for bs in batch_sizes:
         results = {
-            mode: run_mode(engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens)
+            mode: run_mode(
+                engine,
+                mode,
+                prompts,
+                bs,
+                args.max_new_tokens,
+                args.device,
+                args.max_prefill_tokens,
+                args.requests_per_client,
+                controller,
+            )  # fmt: skip
             for mode in modes
         }
         ar_outputs = results["ar"].pop("outputs")
@@ -140,14 +171,17 @@ def main() -> None:
                 r["speedup_vs_ar"] = round(r["tokens_per_s"] / results["ar"]["tokens_per_s"], 3)
             row[mode] = r
         rows.append(row)
+        n = results["ar"]["requests"]
         print(
             f"bs={bs:>3} "
             + " ".join(f"{m}={row[m]['tokens_per_s']:.1f}tok/s" for m in modes)
             + " "
-            + " ".join(f"{m}_identical={row[m]['identical_to_ar']}/{bs}" for m in modes if m != "ar")
+            + " ".join(f"{m}_identical={row[m]['identical_to_ar']}/{n}" for m in modes if m != "ar")
+            + (f" adaptive_shapes={row['adaptive']['shapes']}" if "adaptive" in row else "")
         )
     policy = AdaptiveSpeculation()
     payload = {
+        "requests_per_client": args.requests_per_client,
         "model": f"{default_model_path().name} ({args.dtype})",
         "draft": args.draft,
         "fast": args.fast,
@@ -156,9 +190,8 @@ def main() -> None:
         "max_prefill_tokens": args.max_prefill_tokens,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "num_prompts": len(prompts),
-        "adaptive_policy": {
-            f.name: getattr(policy, f.name) for f in attrs.fields(AdaptiveSpeculation) if f.name != "min_tau"
-        },
+        "adaptive_policy": {"ema_weight": policy.ema_weight, "probe_every": policy.probe_every},
+        "adaptive_shapes": [f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}" for c in controller.shapes],
         "rows": rows,
     }
     path = write_result("scheduler_throughput", payload, args.device)

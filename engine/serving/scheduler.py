@@ -90,8 +90,9 @@ class Scheduler:
 
     ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
     ``speculation``: ``"on"`` (every cycle in ``config``'s shape), ``"off"`` (never draft: the drafter is not run
-    at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"`` or an
-    `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size).
+    at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"``, an
+    `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size) or a
+    running `ShapeController` (shared between schedulers: its measurements go on).
     ``eos_token_ids`` are added to every request's ``stop_token_ids``. ``on_tokens(request_id,
     tokens)`` streams committed tokens (final: never taken back); ``on_finish(request)`` sees each
     request once, when it finishes or errors.
@@ -131,7 +132,10 @@ class Scheduler:
                 f"the draft's vocabulary ({draft_vocab} tokens) differs from the target's ({target_vocab}): "
                 "a draft must propose target token ids (same tokenizer, or map its ids as EAGLE-3 heads do)"
             )
-        if isinstance(speculation, AdaptiveSpeculation):
+        controller = speculation if isinstance(speculation, ShapeController) else None
+        if controller is not None:  # a running controller, shared with other schedulers (its measurements go on)
+            policy = controller.policy
+        elif isinstance(speculation, AdaptiveSpeculation):
             policy = speculation
         elif speculation == "adaptive":
             policy = AdaptiveSpeculation()
@@ -149,7 +153,11 @@ class Scheduler:
         # with speculation off the draft is `ZeroDraft` (no draft forward at all) and every cycle has shape S == 0
         self.config = no_draft_shape(config) if off else config
         self.ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab)) if off else ports
-        self.controller = ShapeController(policy, config, draft_kind(ports)) if policy is not None else None
+        if controller is None and policy is not None:
+            controller = ShapeController(policy, config, draft_kind(ports))
+        if controller is not None and controller.shapes[0].topk != config.topk:
+            raise ValueError(f"the adaptive controller's shapes must keep the config's topk (K)={config.topk}")
+        self.controller = controller
         self.on_tokens, self.on_finish = on_tokens, on_finish
         self._ids = request_ids if request_ids is not None else itertools.count()
         self.capacity = kv_capacity(ports)  # pages in the whole pool
@@ -310,7 +318,7 @@ class Scheduler:
 
     def _cycle(self, finished: list[Request]) -> None:
         shape = self.controller.choose(self.num_running) if self.controller else self.config
-        self.running = reshape(self.running, shape)
+        self._reshape(shape)
         self._make_room(self._reserve_len(), finished)
         if not self.num_running:
             return
@@ -352,6 +360,18 @@ class Scheduler:
         self.running = ready
         self.stats.fused_cycles += 1
         self._record(shape, batch_size, time.perf_counter() - start, counts)
+
+    def _reshape(self, shape: SpecConfig) -> None:
+        """The running batch in ``shape`` for its next cycle (`batching.reshape`); a shallower shape reserves fewer
+        positions past ``L``, so the pages a deeper one reserved past them go back to the pool (invariant 8: a
+        request holds its cycle's reservation)."""
+        old = self.running.config
+        self.running = reshape(self.running, shape)
+        extra = shape.reserve_len(draft_pairing(self.ports))
+        if extra < old.reserve_len(draft_pairing(self.ports)):
+            for request, L in zip(self.running.requests, self.running.seq_lens.tolist()):
+                if self.ports.kv_pool.pages_held(request.request_id):
+                    self.ports.kv_pool.release(request.request_id, L + extra)
 
     def _record(self, shape: SpecConfig, batch_size: int, seconds: float, counts: Sequence[int]) -> None:
         """A cycle's statistics, and its cost and committed tokens to the adaptive controller."""

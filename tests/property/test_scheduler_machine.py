@@ -2,7 +2,7 @@
 
 Random configs, draft families (EAGLE-shifted, aligned, random-tree lookup), pool sizes from roomy
 to too tight for one request (forcing retraction and refusal), batch caps, speculation on / off /
-adaptive (fixed thresholds, so drafting toggles), random arrivals between steps with ragged prompts
+adaptive (a fixed cost model: the batch moves between draft shapes), random arrivals with ragged prompts
 and outputs, stop token ids, stop strings (a toy detokenizer with multi-byte characters split across
 tokens), NaN-logit requests and invalid prompts. Checked mode validates every invariant of docs/invariants.md
 at every transition; the machine checks what needs the whole run:
@@ -107,9 +107,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.detokenizer = ToyDetokenizer()
         ports = Ports(target=self.target, draft=draft, kv_pool=self.pool, detokenizer=self.detokenizer)
-        if speculation.startswith("adaptive"):  # fixed thresholds: drafting toggles, deterministically
-            level = 1.6 if speculation == "adaptive-low" else 2.6
-            speculation = AdaptiveSpeculation(min_tau=lambda bs: level + 0.05 * bs, probe_every=2, probe_cycles=1)
+        if speculation.startswith("adaptive"):  # a fixed cost model: the batch moves between shapes, deterministically
+            level = 0.1 if speculation == "adaptive-low" else 0.6
+            speculation = AdaptiveSpeculation(cost=lambda c, bs: 1.0 + level * bs * c.num_steps, probe_every=2)
         self.streamed: dict[int, list[int]] = {}
         self.finish_calls: list[int] = []
         self.scheduler = Scheduler(

@@ -1,57 +1,76 @@
-"""The adaptive-speculation controller: off when tau loses to the measured cost ratio, back on via probes."""
+"""Adaptive speculation: the shape of the family with the highest measured tau / t runs at each batch size."""
 
 from __future__ import annotations
 
+import pytest
 from speccycle.core import Ports, SamplingParams, SpecConfig
-from speccycle.engine.serving.adaptive import AdaptiveSpeculation, SpeculationController
+from speccycle.engine.serving.adaptive import AdaptiveSpeculation, ShapeController, batch_bucket, shape_family
 from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
 
+CHAIN = SpecConfig(num_steps=3, topk=1, page_size=1)
 
-def drive(controller: SpeculationController, batch_size: int, tau: float, t_spec: float, t_plain: float, cycles: int):
-    """Run ``cycles`` cycles with fixed timings and acceptance; return which of them drafted."""
-    kinds = []
+
+def drive(controller: ShapeController, batch_size: int, tau, seconds, cycles: int) -> list[SpecConfig]:
+    """Run ``cycles`` cycles where shape ``c`` commits ``tau(c)`` a request and costs ``seconds(c, bs)``."""
+    ran = []
     for _ in range(cycles):
-        speculative = controller.speculate(batch_size)
-        kinds.append(speculative)
-        controller.record(speculative, batch_size, t_spec if speculative else t_plain, tau if speculative else None)
-    return kinds
+        shape = controller.choose(batch_size)
+        ran.append(shape)
+        controller.record(shape, batch_size, seconds(shape, batch_size), tau(shape))
+    return ran
 
 
-def test_measured_threshold_turns_drafting_off_and_probes_turn_it_back_on():
-    policy = AdaptiveSpeculation(ema_weight=1.0, probe_every=4, probe_cycles=2)
-    controller = SpeculationController(policy)
-    # A speculative cycle costs 2x a plain one: tau 1.5 loses, after one plain cycle times the ratio.
-    kinds = drive(controller, 8, tau=1.5, t_spec=2.0, t_plain=1.0, cycles=12)
-    assert kinds[:2] == [True, False] and not controller.drafting
-    assert controller.threshold(8) == 2.0
-    assert kinds[2:] == [False] * 4 + [True, True] + [False] * 4  # probes every 4 plain cycles, 2 at a time
-    # Acceptance improves: the next probe sees tau 3 > 2 and drafting stays on.
-    kinds = drive(controller, 8, tau=3.0, t_spec=2.0, t_plain=1.0, cycles=6)
-    assert controller.drafting and kinds[-3:] == [True, True, True]
+def test_the_family_of_a_chain_and_of_a_tree():
+    assert [c.num_steps for c in shape_family(CHAIN)] == [3, 2, 1, 0]
+    tree = shape_family(SpecConfig(num_steps=5, topk=4, num_draft_tokens=16))
+    assert [(c.num_steps, c.num_draft_tokens) for c in tree] == [(5, 16), (4, 8), (3, 4), (1, 2), (0, 1)]
+    assert all(c.topk == 4 for c in tree)
+    assert shape_family(CHAIN, "block") == (CHAIN,)
 
 
-def test_threshold_depends_on_the_batch_size_bucket():
-    controller = SpeculationController(AdaptiveSpeculation(ema_weight=1.0))
-    drive(controller, 2, tau=1.6, t_spec=1.2, t_plain=1.0, cycles=3)  # small batch: verify rows are cheap
-    assert controller.drafting and abs(controller.threshold(2) - 1.2) < 1e-9
-    drive(controller, 64, tau=1.6, t_spec=3.0, t_plain=1.0, cycles=3)  # large batch: 3x the cost
-    assert not controller.drafting and controller.threshold(64) == 3.0
-    assert controller.threshold(3) == controller.threshold(2)  # same bucket
-    assert controller.threshold(1000) == AdaptiveSpeculation().prior_min_tau  # unmeasured: the prior
+def test_each_shape_is_measured_then_the_fastest_runs_and_probes_follow_the_load():
+    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0, probe_every=5), CHAIN)
+
+    def tau(c):
+        return 1.0 + 0.6 * c.num_steps  # deeper shapes commit more
+
+    def small(c, bs):
+        return 1.0 + 0.05 * c.num_steps  # a small batch: verify rows are nearly free
+
+    ran = drive(controller, 2, tau, small, 8)
+    assert ran[:8] == [c for c in controller.shapes for _ in range(2)]  # each shape twice: the first is not timed
+    assert drive(controller, 2, tau, small, 3) == [CHAIN] * 3  # the deepest commits the most per second
+
+    def large(c, bs):
+        return 1.0 + 1.0 * c.num_steps  # a large batch: every row costs
+
+    ran = drive(controller, 64, tau, large, 12)
+    assert ran[:8] == [c for c in controller.shapes for _ in range(2)]  # a new bucket is measured again
+    assert set(ran[8:]) == {controller.shapes[-1]}  # no draft: tau 1 at cost 1 beats 1 + 0.6 S at 1 + S
+    ran = drive(controller, 64, tau, large, 10)
+    probes = [c for c in ran if c != controller.shapes[-1]]  # every fifth cycle: the shape measured longest ago
+    assert probes == list(controller.shapes[:2])
+    assert batch_bucket(3) == batch_bucket(4) == 4 and batch_bucket(64) == 64
 
 
-def test_fixed_threshold_needs_no_timing_and_adaptive_output_is_lossless():
-    config = SpecConfig(num_steps=3, topk=1, page_size=1)
+def test_bad_policies_are_refused():
+    for bad in (dict(ema_weight=0), dict(probe_every=0), dict(cost=3.0), dict(shapes=(CHAIN, SpecConfig(2, 2, 4)))):
+        with pytest.raises(ValueError, match="AdaptiveSpeculation"):
+            AdaptiveSpeculation(**bad)
+
+
+def test_a_fixed_cost_model_moves_the_batch_between_shapes_losslessly():
     pool = FingerprintPool(num_pages=512)
     target = HashedNgramTarget(pool, vocab_size=24)
     ports = Ports(target=target, draft=NoisyDraft(target, agreement=0.3), kv_pool=pool)
-    policy = AdaptiveSpeculation(min_tau=lambda bs: 1.0 + 0.5 * bs, probe_every=3, probe_cycles=1)
-    scheduler = Scheduler(ports, config, speculation=policy, checked=True)
+    # a cost that grows with the rows: deep shapes pay at batch 1, the no-draft shape wins at batch 3
+    policy = AdaptiveSpeculation(cost=lambda c, bs: 1.0 + 0.4 * bs * c.num_steps, probe_every=3)
+    scheduler = Scheduler(ports, CHAIN, speculation=policy, checked=True)
     prompts = [[1, 2, 3], [4, 5], [6]]
     results = scheduler.generate(prompts, SamplingParams(max_new_tokens=24))
     assert scheduler.stats.plain_cycles > 0 and scheduler.stats.spec_cycles > 0
-    assert scheduler.controller.switches > 0
+    assert scheduler.controller.switches > 0 and len(scheduler.stats.shapes) >= 2
     for prompt, result in zip(prompts, results):
         assert list(result.output) == target.greedy(prompt, 24)
     assert pool.num_free_pages == pool.num_pages

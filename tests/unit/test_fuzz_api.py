@@ -124,7 +124,7 @@ def test_scheduler_options_reject_garbage_with_value_errors(model, max_batch, sp
 
 
 def test_bad_policy_and_mismatched_vocabularies_are_value_errors(model):
-    for bad in (dict(ema_weight=0), dict(probe_every=0), dict(min_tau=3.0), dict(prior_min_tau=0.5)):
+    for bad in (dict(ema_weight=0), dict(probe_every=0), dict(cost=3.0), dict(shapes=())):
         with pytest.raises(ValueError, match="AdaptiveSpeculation"):
             AdaptiveSpeculation(**bad)
     engine = _engine(model)
