@@ -23,7 +23,8 @@ import torch
 
 from .config import SamplingParams, SpecConfig
 
-FinishReason = Literal["eos", "stop", "length", "error"]
+# "cancelled": the caller gave the request up (`Scheduler.cancel`); its output so far is kept
+FinishReason = Literal["eos", "stop", "length", "error", "cancelled"]
 
 
 @attrs.frozen

@@ -93,8 +93,8 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.retire_ready,
         guard=t.any_finished,
-        doc="Requests that finished in a static cycle (it commits and extends in one replay) leave the batch; "
-        "every page they held is freed once.",
+        doc="Requests that finished in a static cycle (it commits and extends in one replay), or were cancelled "
+        "between cycles, leave the batch; every page they held is freed once.",
     ),
     Transition(
         Ready,

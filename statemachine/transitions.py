@@ -330,7 +330,8 @@ def retire(rec: Compacted, ports: Ports, backend) -> Compacted:
 
 def retire_ready(rec: Ready, ports: Ports, backend) -> Ready:
     """Finished requests leave a `Ready` batch; every page they held is freed, once. A static cycle commits and
-    runs the draft extend in one replay (`statemachine.static`), so its requests finish in a `Ready` record."""
+    runs the draft extend in one replay (`statemachine.static`), so its requests finish in a `Ready` record; a
+    request cancelled between cycles (``finish_reason="cancelled"``, `Scheduler.cancel`) leaves the same way."""
     from .batching import select_ready
 
     keep = [i for i, r in enumerate(rec.requests) if r.finish_reason is None]

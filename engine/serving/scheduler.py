@@ -26,6 +26,11 @@ keeps running, so every request finishes. A request that cannot fit even alone (
 its prompt and output, plus one cycle's reservation exceeds the whole pool) finishes with
 ``finish_reason="error"`` and a message; the rest go on.
 
+**Cancellation.** `cancel(request_id)` gives a request up: a waiting one leaves the queue, a running one leaves
+the batch between cycles through the table's Ready ``retire`` row (its pages freed); either finishes with
+``finish_reason="cancelled"`` and keeps the output committed so far. Cancelling a finished request returns False;
+an id this scheduler never issued raises `ValueError`.
+
 Invalid requests never raise out of `step`: bad prompts (empty, ids outside the vocabulary), NaN
 logits and refusals finish that request with ``"error"``. `submit` raises `ValueError` for input it
 cannot even queue (a prompt that is not a sequence of ints, parameters of the wrong type).
@@ -77,6 +82,7 @@ class SchedulerStats:
     retractions: int = 0
     refused: int = 0  # requests that could never fit the pool
     errors: int = 0  # requests finished with "error" (refusals included)
+    cancelled: int = 0  # requests finished with "cancelled"
     seconds: float = 0.0
     shapes: dict = attrs.field(factory=dict)  # SpecConfig -> cycles run in that shape
 
@@ -168,6 +174,8 @@ class Scheduler:
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._admit_one = False
+        self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
+        self._cancels: dict[int, None] = {}  # ids cancelled during a step, in call order
         # the graphed executor of the engine's fast EAGLE draft (`engine.fast.fused_cycle`): speculative cycles it
         # covers run as its captured cycle; None, or a batch it does not cover, runs the table eagerly
         self.fused_cycles = fused_cycles if fused_cycles is not None and fused_cycles.draft is ports.draft else None
@@ -223,6 +231,32 @@ class Scheduler:
         self.run()
         return [self.finished[rid] for rid in ids]
 
+    def cancel(self, request_id: int) -> bool:
+        """Give a request up; it finishes with ``finish_reason="cancelled"``, its output so far kept.
+
+        A waiting request leaves the queue; a running one leaves the batch through the table's Ready ``retire``
+        row, which frees its pages. Called between steps it takes effect at once (``on_finish`` sees the request
+        before `cancel` returns); called from a callback during a step, when that step ends (a request the step
+        finishes anyway keeps its own finish reason). Returns True if the request was waiting or running, False
+        if it had already finished. Raises `ValueError` for an id this scheduler never issued."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise ValueError(f"request_id must be an int returned by submit, got {request_id!r}")
+        if request_id in self.finished:
+            return False
+        if request_id not in self._arrival:
+            raise ValueError(f"request {request_id} was never submitted to this scheduler: pass an id submit returned")
+        if self._stepping:
+            self._cancels[request_id] = None
+            return True
+        finished: list[Request] = []
+        self._cancels[request_id] = None
+        try:
+            self._apply_cancels(finished)
+        finally:
+            for request in finished:
+                self._finish(request)
+        return True
+
     def run(self) -> list[Request]:
         """Step until no request is waiting or running; returns the requests finished meanwhile."""
         done = []
@@ -236,14 +270,18 @@ class Scheduler:
         start = time.perf_counter()
         finished: list[Request] = []
         in_flight: list[Request] = []
+        self._stepping = True
         try:
+            self._apply_cancels(finished)
             self._admit(finished, in_flight)
             if self.num_running:
                 self._cycle(finished)
+            self._apply_cancels(finished)  # those called from this step's callbacks
         except BaseException as error:
             self._abort(error, finished, in_flight)
             raise
         finally:
+            self._stepping = False
             for request in finished:
                 self._finish(request)
             self.stats.steps += 1
@@ -393,6 +431,33 @@ class Scheduler:
         finished += record.retired  # extend carries the retire's requests over
         return attrs.evolve(record, retired=())
 
+    def _apply_cancels(self, finished: list[Request]) -> None:
+        """Finish the requests cancelled since the last boundary: waiting ones leave the queue, running ones leave
+        the batch through the table's Ready ``retire`` row (it frees their pages)."""
+        if not self._cancels:
+            return
+        ids, done = set(self._cancels), {r.request_id for r in finished}
+        self._cancels.clear()
+        ids -= done | set(self.finished)  # finished meanwhile: their own finish reason stands
+        if not ids:
+            return
+        for request in [r for r in self.waiting if r.request_id in ids]:
+            self.waiting.remove(request)
+            self._free(request.request_id)  # a retracted request holds nothing; nothing else should either
+            finished.append(attrs.evolve(request, finish_reason="cancelled"))
+        ready = self.running
+        if ready is None or not any(r.request_id in ids for r in ready.requests):
+            return
+        marked = tuple(
+            attrs.evolve(r, finish_reason="cancelled") if r.request_id in ids and r.finish_reason is None else r
+            for r in ready.requests
+        )
+        ready = run_step(
+            attrs.evolve(ready, requests=marked), self.ports, self.backend, event="retire", checked=self.checked
+        )
+        finished += ready.retired
+        self.running = attrs.evolve(ready, retired=())
+
     # ---- KV pressure -------------------------------------------------------------------------
     def _make_room(self, reserve: int, finished: list[Request]) -> None:
         """Retract the newest running requests until the next cycle's reservation fits."""
@@ -461,6 +526,8 @@ class Scheduler:
         self.finished[request.request_id] = request
         if request.finish_reason == "error":
             self.stats.errors += 1
+        elif request.finish_reason == "cancelled":
+            self.stats.cancelled += 1
         if self.on_finish is not None:
             self.on_finish(request)
 
