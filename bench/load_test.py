@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--min-new-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--long-prompts", type=int, default=3, help="synthetic longer prompts beside the dev ones")
-    parser.add_argument("--long-prompt-tokens", type=int, default=400)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1000)
     parser.add_argument("--prompts", default=None, help="Spec-Bench JSONL; default: the dev sample shipped")
     parser.add_argument("--greedy-fraction", type=float, default=0.5)
     parser.add_argument("--cancel-fraction", type=float, default=0.1)
