@@ -113,10 +113,10 @@ def test_a_cancel_during_a_captured_cycle_retires_the_request_after_it(fused_eng
     after the cycle, through the Ready retire row; the other requests keep their autoregressive outputs."""
     engine = fused_engine
     prompts = [engine.chat_prompt(m) for m in ("Write a haiku about KV caches.", "Count to five.", "Name a color.")]
-    ar = [engine.generate_autoregressive([p], 12)[0] for p in prompts]
+    ar = [engine.generate_autoregressive([p], 10)[0] for p in prompts]
     free, before = engine.pool.num_free_pages, engine.fused_cycles.run_s
     scheduler = Scheduler.from_engine(engine, checked=True, speculation="on")
-    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts]
     streamed: dict[int, int] = {}
 
     def on_tokens(rid, tokens):
