@@ -352,7 +352,8 @@ def soak(
     for mode in modes:
         figures, tracks, done = run_mode(engine, mode, workload, prompts, clients, **kwargs)
         runs[mode] = (figures, tracks, done, pool.num_free_pages == pool.num_pages)
-    references = greedy_references(engine, workload, prompts) if check else None
+        print(f"{mode}: {figures['tokens_per_s']} tok/s over {len(done)} requests ({figures['seconds']} s)", flush=True)
+    references = greedy_references(engine, workload, prompts) if check else None  # after the timed runs
     for mode, (figures, tracks, done, empty) in runs.items():
         checks = check_run(workload, tracks, done, references, engine.stop_token_ids)
         checks["pool_empty_at_end"] = empty
