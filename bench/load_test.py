@@ -70,15 +70,19 @@ class LoadRequest:
 
 def synthetic_prompts(texts: Sequence[str], count: int, tokens: int, encode: Callable[[str], list[int]]) -> list[str]:
     """``count`` longer messages: dev prompts strung together, from a different start each, to about ``tokens``
-    tokens (the message, before the chat template)."""
+    tokens (the message, before the chat template; a text that would run past ``tokens`` is skipped)."""
     out = []
     for i in range(count):
-        parts, length, j = ["Answer each of the following, one after another."], 0, i
-        while length < tokens:
-            text = texts[j % len(texts)]
+        parts, length = ["Answer each of the following, one after another."], 0
+        for k in range(8 * len(texts)):  # short texts come round again until the message is long enough
+            text = texts[(i + k) % len(texts)]
+            n = len(encode(text)) + 3
+            if length and length + n > tokens:
+                continue
             parts.append(f"{len(parts)}. {text}")
-            length += len(encode(text)) + 3
-            j += 1
+            length += n
+            if length >= 0.9 * tokens:
+                break
         out.append("\n".join(parts))
     return out
 
