@@ -16,7 +16,7 @@ Tokens/s is new tokens over wall time (EOS may end a request early; the count is
 of every mode at every batch size and power of two below precede the timed ones (compilation, graph capture).
 
     python -m bench.scheduler_throughput --device cuda --dtype bfloat16 --draft eagle --fast \
-        --batch-sizes 1,4,16,64,256 --requests-per-client 4 --max-new-tokens 128
+        --batch-sizes 1,4,16,64,256 --requests-per-client 4 --warm-each --max-new-tokens 128
     .venv/bin/python -m bench.scheduler_throughput --batch-sizes 1,4,8 --max-new-tokens 16   # CPU, small
 """
 
@@ -38,6 +38,7 @@ from speccycle.engine.weights.weights_gguf import default_model_path
 from .common import write_result
 
 MODES = ("ar", "spec", "adaptive")
+MIN_REQUESTS = 16  # a closed loop runs at least this many requests (a load of 1: 16 in a row)
 
 
 def _sync(device: str) -> None:
@@ -59,7 +60,7 @@ def run_mode(
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
     scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
     params = SamplingParams(max_new_tokens=new_tokens)
-    total = bs * per_client
+    total = max(bs * per_client, MIN_REQUESTS if per_client > 1 else 0)
     _sync(device)
     start = time.perf_counter()
     ids = [scheduler.submit(prompts[i % len(prompts)], params) for i in range(bs)]
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-client", type=int, default=1, help="closed loop: requests each client runs")
+    parser.add_argument("--warm-each", action="store_true", help="run each load once untimed before the timed run")
     parser.add_argument("--prompts", default=None, help="Spec-Bench JSONL; default: the 13-prompt sample shipped")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--num-steps", type=int, default=4)
@@ -148,6 +150,12 @@ def main() -> None:
 
     rows = []
     for bs in batch_sizes:
+        if args.warm_each:  # every mode once at this load untimed first: the buckets and shapes its tail reaches
+            for mode in modes:
+                run_mode(
+                    engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens,
+                    args.requests_per_client, controller,
+                )  # fmt: skip
         results = {
             mode: run_mode(
                 engine,
@@ -182,6 +190,7 @@ def main() -> None:
     policy = AdaptiveSpeculation()
     payload = {
         "requests_per_client": args.requests_per_client,
+        "warm_each": args.warm_each,
         "model": f"{default_model_path().name} ({args.dtype})",
         "draft": args.draft,
         "fast": args.fast,
