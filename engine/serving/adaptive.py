@@ -9,8 +9,10 @@ batch size ``B``. Throughput is ``B * tau_c / t_c(B)``, so the cycle runs
 ``t_c(B)`` grows with ``B`` faster for deep shapes: a verify of ``B * N`` rows stays as cheap as ``B`` rows only
 while the forward is bound by reading the weights, and the draft's levels add their own forwards. Both are
 measured on the running machine: `ShapeController` keeps an exponential moving average of each shape's
-committed tokens per request and cycle (over every batch size) and of each shape's cycle time per batch
-bucket (powers of two, the graphed executor's buckets). A pair not measured yet runs first (twice: the first
+committed tokens per request and cycle (over every batch size; a greedy chain's cycle also tells what every
+shallower chain would have committed) and each shape's cycle time per batch bucket (powers of two, the
+graphed executor's buckets: the least of its last cycles there, since noise only adds to a wall clock).
+A pair not measured yet runs first (twice: the first
 run of a shape at a bucket captures its graph, and is not timed); every ``probe_every`` cycles at a bucket the
 shape measured longest ago runs once, so the averages follow the load. A fixed cost model (``cost``) replaces
 the timings, for tests and for engines that know theirs.
@@ -24,6 +26,7 @@ forward at all).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -104,7 +107,7 @@ class AdaptiveSpeculation:
     * ``shapes``: the menu, one family (the same ``K`` and page size); None: `shape_family` of the scheduler's
       config.
     * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
-    * ``ema_weight``: weight of the newest cycle in the moving averages.
+    * ``ema_weight``: weight of the newest cycle in the moving average of each shape's committed tokens.
     * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
     """
 
@@ -119,6 +122,9 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << (max(1, batch_size) - 1).bit_length()
 
 
+TIMING_WINDOW = 8  # a shape's cycle time at a bucket: the least of its last 8 cycles there
+
+
 class ShapeController:
     """The running state of an `AdaptiveSpeculation` policy over ``config``'s family: ask `choose`, then `record`."""
 
@@ -127,7 +133,8 @@ class ShapeController:
         self.shapes: tuple[SpecConfig, ...] = policy.shapes or shape_family(config, draft_kind)
         # EMA of the committed tokens per request and cycle of each shape (exactly one with no draft)
         self.tau: dict[SpecConfig, float] = {c: 1.0 for c in self.shapes if not c.drafts}
-        self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> EMA of cycle seconds
+        self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
+        self._window: dict[tuple[int, SpecConfig], deque] = {}
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
         self.since_probe: dict[int, int] = {}
@@ -173,16 +180,29 @@ class ShapeController:
             self.current = pick
         return pick
 
-    def record(self, shape: SpecConfig, batch_size: int, seconds: float, mean_committed: float | None) -> None:
-        """Fold in one cycle: its shape, batch size, wall time and mean committed tokens per request."""
-        w, key = self.policy.ema_weight, (batch_bucket(batch_size), shape)
+    def record(self, shape: SpecConfig, batch_size: int, seconds: float, committed: Sequence[int]) -> None:
+        """Fold in one cycle: its shape, batch size, wall time and each request's committed tokens.
+
+        A cycle's time is the least of the bucket's last `TIMING_WINDOW` cycles of the shape: the GPU work of a
+        shape at a bucket is fixed, and what a wall clock adds (the tail of a prefill launched before it, a
+        host pause) only adds. A greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth
+        ``S'`` would, so its committed counts give every shallower chain's too: ``min(count, S' + 1)``."""
+        key = (batch_bucket(batch_size), shape)
         runs = self.runs.get(key, 0) + 1
         self.runs[key], self.last[key] = runs, self.cycles
         self.cycles += 1
         self.chosen[shape] = self.chosen.get(shape, 0) + 1
         if runs >= 2:  # the first run of a shape at a bucket captures its graph: not its cost
-            old = self.seconds.get(key)
-            self.seconds[key] = seconds if old is None else (1 - w) * old + w * seconds
-        if shape.drafts and mean_committed is not None:
-            old = self.tau.get(shape)
-            self.tau[shape] = mean_committed if old is None else (1 - w) * old + w * mean_committed
+            window = self._window.setdefault(key, deque(maxlen=TIMING_WINDOW))
+            window.append(seconds)
+            self.seconds[key] = min(window)
+        if not shape.drafts or not committed:
+            return
+        w = self.policy.ema_weight
+        same = [shape]
+        if shape.is_chain:
+            same = [c for c in self.shapes if c.drafts and c.is_chain and c.num_steps <= shape.num_steps]
+        for c in same:
+            mean = sum(min(n, c.num_steps + 1) for n in committed) / len(committed)
+            old = self.tau.get(c)
+            self.tau[c] = mean if old is None else (1 - w) * old + w * mean

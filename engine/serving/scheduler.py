@@ -422,7 +422,7 @@ class Scheduler:
             self.stats.plain_cycles += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         if self.controller is not None:
-            self.controller.record(shape, batch_size, seconds, sum(counts) / len(counts) if counts else None)
+            self.controller.record(shape, batch_size, seconds, counts)
 
     def _to_ready(self, record, finished: list[Request]) -> Ready:
         """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""

@@ -17,7 +17,7 @@ def drive(controller: ShapeController, batch_size: int, tau, seconds, cycles: in
     for _ in range(cycles):
         shape = controller.choose(batch_size)
         ran.append(shape)
-        controller.record(shape, batch_size, seconds(shape, batch_size), tau(shape))
+        controller.record(shape, batch_size, seconds(shape, batch_size), [tau(shape)])
     return ran
 
 
@@ -33,21 +33,23 @@ def test_each_shape_is_measured_then_the_fastest_runs_and_probes_follow_the_load
     controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0, probe_every=5), CHAIN)
 
     def tau(c):
-        return 1.0 + 0.6 * c.num_steps  # deeper shapes commit more
+        return min(c.num_steps + 1, 3)  # the draft's first two tokens are accepted, the third never
 
     def small(c, bs):
         return 1.0 + 0.05 * c.num_steps  # a small batch: verify rows are nearly free
 
     ran = drive(controller, 2, tau, small, 8)
     assert ran[:8] == [c for c in controller.shapes for _ in range(2)]  # each shape twice: the first is not timed
-    assert drive(controller, 2, tau, small, 3) == [CHAIN] * 3  # the deepest commits the most per second
+    two = controller.shapes[1]  # S2: it commits as much as S3, for less
+    assert drive(controller, 2, tau, small, 3) == [two] * 3
+    assert controller.tau == {c: min(c.num_steps + 1, 3) for c in controller.shapes}
 
     def large(c, bs):
-        return 1.0 + 1.0 * c.num_steps  # a large batch: every row costs
+        return 1.0 + 1.5 * c.num_steps  # a large batch: every row costs
 
     ran = drive(controller, 64, tau, large, 12)
     assert ran[:8] == [c for c in controller.shapes for _ in range(2)]  # a new bucket is measured again
-    assert set(ran[8:]) == {controller.shapes[-1]}  # no draft: tau 1 at cost 1 beats 1 + 0.6 S at 1 + S
+    assert set(ran[8:]) == {controller.shapes[-1]}  # no draft: 1 token at cost 1 beats 2 at 2.5, 3 at 4
     ran = drive(controller, 64, tau, large, 10)
     probes = [c for c in ran if c != controller.shapes[-1]]  # every fifth cycle: the shape measured longest ago
     assert probes == list(controller.shapes[:2])
