@@ -156,6 +156,8 @@ def _bench(args: argparse.Namespace) -> int:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     prompts = load_prompts(args.prompts, args.limit, categories)
     spec = check_engine_args(args)
+    if args.backend == "transformers":
+        return _bench_transformers(args, prompts)
     engine = _load_engine(args, spec)
     if engine.tokenizer is None:
         raise UsageError("this model has no tokenizer in its file: bench needs one")
@@ -207,6 +209,87 @@ def _bench(args: argparse.Namespace) -> int:
     return code
 
 
+def _bench_transformers(args: argparse.Namespace, prompts: list[dict]) -> int:
+    """``bench --backend transformers``: the cycle over a transformers model next to transformers' own greedy,
+    prompt-lookup and assisted generation (`integrations.transformers.bench`)."""
+    import json
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    import torch
+
+    from .engine.bench import device_label, git_commit
+
+    if args.draft not in ("ngram", "eagle", "model"):
+        raise UsageError(
+            f"--backend transformers runs --draft ngram, eagle or model (an assistant folder), not {args.draft}"
+        )
+    if args.model is None:
+        raise UsageError(
+            "--backend transformers needs --model, a Hugging Face folder (export the embedded model with "
+            "speccycle.engine.weights.weights_hf.export_gguf_to_hf)"
+        )
+    from .integrations.transformers.bench import (
+        format_transformers_report,
+        load_transformers_model,
+        run_transformers_bench,
+        spec_configs,
+    )
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    model, tokenizer = load_transformers_model(args.model, dtype, args.device)
+    draft_model = None
+    if args.draft_model is not None:
+        draft_model, _ = load_transformers_model(args.draft_model, dtype, args.device)
+    head = _eagle_head(args) if args.draft == "eagle" else None
+    if args.draft == "eagle" and head is None:
+        raise UsageError("--backend transformers --draft eagle needs --eagle-head (an EAGLE-3 head for the model)")
+    chain, tree = spec_configs(args.draft, args.steps, args.topk, args.draft_tokens, args.page_size)
+    import transformers
+
+    record = {
+        "model": Path(args.model).name,
+        "backend": "transformers",
+        "transformers": transformers.__version__,
+        "draft": args.draft,
+        "device": device_label(args.device),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "config": {
+            "chain": {"S": chain.num_steps, "K": 1, "N": chain.num_draft_tokens},
+            "tree": {"S": tree.num_steps, "K": tree.topk, "N": tree.num_draft_tokens},
+            "P": args.page_size,
+            "dtype": args.dtype or str(dtype).replace("torch.", ""),
+        },
+        "prompts_file": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
+        "max_new_tokens": args.max_new_tokens,
+    }
+    summary = run_transformers_bench(
+        model,
+        tokenizer,
+        prompts,
+        args.max_new_tokens,
+        draft=args.draft,
+        chain=chain,
+        tree=tree,
+        draft_model=draft_model,
+        eagle_head=head,
+        progress=not args.quiet,
+    )
+    record.update(summary)
+    print(format_transformers_report(record))
+    if args.json:
+        record["commit"] = git_commit()
+        try:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=2)
+        except OSError as err:
+            raise UsageError(f"--json {args.json}: cannot write it ({err.strerror or err})") from None
+        print(f"wrote {args.json}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are `UsageError`s: `main` prints them as one line."""
 
@@ -242,6 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep")
     bench.add_argument("--json", default=None, help="write the summary JSON here")
     bench.add_argument("--quiet", action="store_true")
+    bench.add_argument(
+        "--backend",
+        default="engine",
+        choices=["engine", "transformers"],
+        help="engine (default): speccycle's own model code; transformers: the model run by transformers through "
+        "the ports (integrations.transformers), next to transformers' own greedy, prompt-lookup and assisted "
+        "generation",
+    )
     add_engine_args(bench)
     bench.set_defaults(func=_bench, max_new_tokens=64)
 
