@@ -16,10 +16,11 @@ core           (nothing of the package: records, ports, config, shapes, tree ari
 backends       core (ops on tensors; never the engine)
 statemachine   core, backends (the ops, through the registry, and the torch backend's sampling helpers)
 engine         core, backends, statemachine
+integrations   core, backends, statemachine, engine (adapters of the ports over other frameworks' models)
 testing        core, backends, statemachine, engine (test doubles; a worker over the engine's TP model)
 train          core, backends, statemachine, engine; and ``bench.common`` alone (`ALSO_ALLOWED`)
-bench          core, backends, statemachine, engine, testing, train
-cli            core, backends, statemachine, engine, testing, train, bench
+bench          core, backends, statemachine, engine, testing, train, integrations
+cli            core, backends, statemachine, engine, testing, train, bench, integrations
 =============  ==========================================================================================
 
 The package's own ``__init__`` imports nothing and no module imports it by name. ``train`` reaching
@@ -45,10 +46,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "backends": frozenset({"core"}),
     "statemachine": frozenset({"core", "backends"}),
     "engine": frozenset({"core", "backends", "statemachine"}),
+    "integrations": frozenset({"core", "backends", "statemachine", "engine"}),
     "testing": frozenset({"core", "backends", "statemachine", "engine"}),
     "train": frozenset({"core", "backends", "statemachine", "engine"}),
-    "bench": frozenset({"core", "backends", "statemachine", "engine", "testing", "train"}),
-    "cli": frozenset({"core", "backends", "statemachine", "engine", "testing", "train", "bench"}),
+    "bench": frozenset({"core", "backends", "statemachine", "engine", "testing", "train", "integrations"}),
+    "cli": frozenset({"core", "backends", "statemachine", "engine", "testing", "train", "bench", "integrations"}),
     PACKAGE: frozenset(),
 }
 # (importing layer, imported module): single modules a layer may reach outside its row
