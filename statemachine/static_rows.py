@@ -280,7 +280,7 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
     moves = None
     if parents is not None:  # compact: the accepted rows move to [L, L + keep) (a chain's are there already)
         moves = (ext["src"], ext["dst"])
-        _move_padded(ports.kv_pool.target_buffers(), *moves)
+        _move_padded(ports.kv_pool.target_buffers(), *moves, per_request=cfg.accept_width)
     extend = ExtendRows(input_ids=ext["input_ids"], positions=ext["positions"], row_request=buf.ext_request,
                         hidden=out.hidden.index_select(0, ext["feature_rows"]), out_slots=ext["out_slots"],
                         prefix_lens=ext["prefix_lens"], logits_rows=ext["last"])  # fmt: skip
@@ -288,13 +288,17 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
                      kv_moves=moves, log=buf.log(ctx.into))  # fmt: skip
 
 
-def _move_padded(buffers, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy KV slot ``src[m]`` to ``dst[m]`` in every buffer, negatives skipped, all reads before any write."""
+def _move_padded(buffers, src: torch.Tensor, dst: torch.Tensor, per_request: int) -> None:
+    """Copy KV slot ``src[m]`` to ``dst[m]`` in every buffer, negatives skipped, all reads of a request's moves
+    before any of its writes (``per_request`` moves each, in request order: the kernel takes whole requests a call,
+    at most `kv.MAX_MOVES` moves; no request's moves touch another's slots)."""
     buffers = list(buffers)
     if src.device.type == "cuda":
         from ..backends.cuda import kv
 
-        kv.move_kv(buffers, src, dst)
+        step = max(1, kv.MAX_MOVES // per_request) * per_request
+        for start in range(0, src.numel(), step):
+            kv.move_kv(buffers, src[start : start + step], dst[start : start + step])
         return
     ok = (src >= 0) & (dst >= 0)  # eager on a CPU: a boolean index is fine here
     for buf in buffers:

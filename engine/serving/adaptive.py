@@ -84,6 +84,11 @@ def _check_count(instance, attribute, value) -> None:
         raise ValueError(f"AdaptiveSpeculation.{attribute.name}={value!r} must be an int >= 1")
 
 
+def _check_margin(instance, attribute, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+        raise ValueError(f"AdaptiveSpeculation.margin={value!r} must lie in [0, 1)")
+
+
 def _check_cost(instance, attribute, value) -> None:
     if value is not None and not callable(value):
         raise ValueError(
@@ -109,12 +114,14 @@ class AdaptiveSpeculation:
     * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
     * ``ema_weight``: weight of the newest cycle in the moving average of each shape's committed tokens.
     * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
+    * ``margin``: how much higher another shape must score before the batch moves to it.
     """
 
     shapes: tuple[SpecConfig, ...] | None = attrs.field(default=None, validator=_check_shapes)
     cost: Callable[[SpecConfig, int], float] | None = attrs.field(default=None, validator=_check_cost)
     ema_weight: float = attrs.field(default=0.3, validator=_check_fraction)
     probe_every: int = attrs.field(default=32, validator=_check_count)
+    margin: float = attrs.field(default=0.03, validator=_check_margin)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -135,6 +142,7 @@ class ShapeController:
         self.tau: dict[SpecConfig, float] = {c: 1.0 for c in self.shapes if not c.drafts}
         self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
         self._window: dict[tuple[int, SpecConfig], deque] = {}
+        self.overhead: dict[int, float] = {}  # bucket -> EMA of a step's seconds besides its cycle
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
         self.since_probe: dict[int, int] = {}
@@ -156,13 +164,30 @@ class ShapeController:
             return float(self.policy.cost(shape, bucket))
         return self.seconds[(bucket, shape)]
 
+    def score(self, shape: SpecConfig, bucket: int) -> float:
+        """Committed tokens per request and second of ``shape`` at a bucket: ``tau / (t + the step's other work)``
+        (admission, streaming, retiring: the same whatever the shape, so a deeper shape's longer cycle costs less
+        in relative terms than its cycle time alone says)."""
+        return self.tau[shape] / max(self._seconds(bucket, shape) + self.overhead.get(bucket, 0.0), 1e-12)
+
     def best(self, batch_size: int) -> SpecConfig | None:
-        """The shape of the highest measured ``tau / t`` at this batch size (None: nothing measured there yet)."""
+        """The shape of the highest measured `score` at this batch size (None: nothing measured there yet); the
+        current shape stays unless another scores ``margin`` higher (switches cost page moves, not just cycles)."""
         bucket = batch_bucket(batch_size)
         scored = [c for c in self.shapes if c in self.tau and self._timed((bucket, c))]
         if not scored:
             return None
-        return max(scored, key=lambda c: self.tau[c] / max(self._seconds(bucket, c), 1e-12))
+        top = max(scored, key=lambda c: self.score(c, bucket))
+        current = self.current if self.current in scored else None
+        if current is not None and self.score(top, bucket) < (1 + self.policy.margin) * self.score(current, bucket):
+            return current
+        return top
+
+    def record_overhead(self, batch_size: int, seconds: float) -> None:
+        """Fold in a step's work besides its cycle (admission, streaming, retiring) at this batch size."""
+        bucket, w = batch_bucket(batch_size), self.policy.ema_weight
+        old = self.overhead.get(bucket)
+        self.overhead[bucket] = seconds if old is None else (1 - w) * old + w * seconds
 
     def choose(self, batch_size: int) -> SpecConfig:
         """The shape of the next cycle at this batch size."""

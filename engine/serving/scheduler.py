@@ -171,6 +171,8 @@ class Scheduler:
         self.running: Ready | None = None
         self.finished: dict[int, Request] = {}
         self.stats = SchedulerStats()
+        self._cycle_seconds: float | None = None  # this step's cycle time (the controller weighs the rest too)
+        self._cycle_batch = 0
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._admit_one = False
@@ -286,7 +288,11 @@ class Scheduler:
             for request in finished:
                 self._finish(request)
             self.stats.steps += 1
-            self.stats.seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats.seconds += seconds
+            if self.controller is not None and self._cycle_seconds is not None:
+                self.controller.record_overhead(self._cycle_batch, seconds - self._cycle_seconds)
+            self._cycle_seconds = None
         return finished
 
     def _admit(self, finished: list[Request], in_flight: list[Request]) -> None:
@@ -421,6 +427,7 @@ class Scheduler:
         else:
             self.stats.plain_cycles += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
+        self._cycle_seconds, self._cycle_batch = seconds, batch_size
         if self.controller is not None:
             self.controller.record(shape, batch_size, seconds, counts)
 
