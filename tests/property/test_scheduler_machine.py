@@ -4,7 +4,8 @@ Random configs, draft families (EAGLE-shifted, aligned, random-tree lookup), poo
 to too tight for one request (forcing retraction and refusal), batch caps, speculation on / off /
 adaptive (a fixed cost model: the batch moves between draft shapes), random arrivals with ragged prompts
 and outputs, stop token ids, stop strings (a toy detokenizer with multi-byte characters split across
-tokens), NaN-logit requests and invalid prompts. Checked mode validates every invariant of docs/invariants.md
+tokens), NaN-logit requests, invalid prompts, and cancellations (between steps, and from the streaming callback
+during a step). Checked mode validates every invariant of docs/invariants.md
 at every transition; the machine checks what needs the whole run:
 
 * every request finishes or errors exactly once, and streamed tokens add up to its output;
@@ -12,6 +13,8 @@ at every transition; the machine checks what needs the whole run:
   quadratic oracle below), a retracted-and-resumed request included;
 * errors only where expected (NaN logits, invalid prompt, a request too big for the pool);
 * sampled requests (temperature > 0, mixed into the batches) stop exactly at their first stop;
+* a cancelled request was cancelled, and its output is a prefix of what it would have produced, short of any
+  stop (a greedy one: of its autoregressive output); a cancel between steps finishes it at once;
 * pages: the running requests hold exactly what the pool has lent, and it returns to empty.
 """
 
@@ -119,13 +122,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_prefill_tokens=max_prefill,
             speculation=speculation,
             checked=True,
-            on_tokens=lambda rid, tokens: self.streamed.setdefault(rid, []).extend(tokens),
+            on_tokens=self.on_tokens,
             on_finish=lambda request: self.finish_calls.append(request.request_id),
         )
         pairing = "aligned" if family == "aligned" else "shifted"
         self.reserve = config.reserve_len(pairing)
         self.submitted: dict[int, tuple[tuple[int, ...], SamplingParams, str | None]] = {}
+        self.cancel_requested: set[int] = set()
+        self.cancel_on_stream: set[int] = set()
         self.submit(first)
+
+    def on_tokens(self, rid: int, tokens: list[int]) -> None:
+        self.streamed.setdefault(rid, []).extend(tokens)
+        if rid in self.cancel_on_stream:  # during a step: it lands when the step ends
+            self.cancel_on_stream.discard(rid)
+            self.scheduler.cancel(rid)
 
     @rule(batch=st.lists(request_specs(), min_size=1, max_size=3))
     def submit(self, batch) -> None:
@@ -146,6 +157,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             if trouble == "nan":
                 self.target.nan_requests.add(rid)
             self.submitted[rid] = (tuple(prompt), params, trouble)
+
+    @rule(index=st.integers(0, 1000), in_stream=st.booleans())
+    def cancel(self, index, in_stream) -> None:
+        rid = sorted(self.submitted)[index % len(self.submitted)]
+        self.cancel_requested.add(rid)
+        if in_stream:
+            self.cancel_on_stream.add(rid)
+            return
+        was_finished = rid in self.scheduler.finished
+        assert self.scheduler.cancel(rid) is (not was_finished)
+        if not was_finished:
+            assert self.scheduler.finished[rid].finish_reason == "cancelled", f"request {rid}: cancel did not land"
+            assert self.pool.pages_held(rid) == 0
 
     @rule(times=st.integers(1, 3))
     def step(self, times) -> None:
@@ -171,6 +195,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, request in self.scheduler.finished.items():
             prompt, params, trouble = self.submitted[rid]
             assert self.streamed.get(rid, []) == list(request.output), f"request {rid}: streamed != output"
+            if request.finish_reason == "cancelled":
+                self.check_cancelled(rid, request, prompt, params, trouble)
+                continue
             if trouble == "sampled":  # no token oracle (sampling is another test's): the stop rules still hold
                 self.check_stops(rid, request, prompt, params)
                 continue
@@ -186,6 +213,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             assert list(request.output) == expected, f"request {rid}: {request.output} != greedy {expected}"
             assert request.finish_reason == reason, f"request {rid}: {request.finish_reason} != {reason}"
+
+    def check_cancelled(self, rid, request, prompt, params, trouble) -> None:
+        assert rid in self.cancel_requested, f"request {rid} cancelled without a cancel"
+        output = list(request.output)
+        if trouble not in (None, "sampled"):  # it would have errored at its prefill: cancelled before it
+            assert output == [], f"request {rid} ({trouble}): cancelled with an output"
+            return
+        if trouble is None:
+            expected, _ = greedy_with_stops(self.target, self.detokenizer, prompt, params)
+            assert len(output) < len(expected) and output == expected[: len(output)], f"request {rid}: not a prefix"
+            return
+        hit = stop_text_reference(output, params.stop_strings, self.detokenizer) if params.stop_strings else None
+        assert hit is None and not set(output) & set(params.stop_token_ids), f"request {rid}: cancelled past a stop"
+        assert len(output) < params.max_new_tokens
 
     def check_stops(self, rid, request, prompt, params) -> None:
         output = list(request.output)
