@@ -112,7 +112,8 @@ class AdaptiveSpeculation:
     * ``shapes``: the menu, one family (the same ``K`` and page size); None: `shape_family` of the scheduler's
       config.
     * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
-    * ``ema_weight``: weight of the newest cycle in the moving average of each shape's committed tokens.
+    * ``ema_weight``: weight of the newest cycle in the moving averages (of the step's other work; of a shape's
+      committed tokens per request, per `TAU_REQUESTS` request-verifies).
     * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
     * ``margin``: how much higher another shape must score before the batch moves to it.
     """
@@ -130,6 +131,9 @@ def batch_bucket(batch_size: int) -> int:
 
 
 TIMING_WINDOW = 8  # a shape's cycle time at a bucket: the least of its last 8 cycles there
+# a shape's tau forgets with every TAU_REQUESTS request-verifies as an EMA does with every cycle: a cycle of one
+# request (committed counts from 1 to S + 1) moves it as little as 1/TAU_REQUESTS of a cycle of that many
+TAU_REQUESTS = 32
 
 
 class ShapeController:
@@ -142,6 +146,7 @@ class ShapeController:
         self.tau: dict[SpecConfig, float] = {c: 1.0 for c in self.shapes if not c.drafts}
         self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
         self._window: dict[tuple[int, SpecConfig], deque] = {}
+        self._tau_sums: dict[SpecConfig, tuple[float, float]] = {}  # decayed sums of committed tokens, of verifies
         self.overhead: dict[int, float] = {}  # bucket -> EMA of a step's seconds besides its cycle
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
@@ -223,11 +228,13 @@ class ShapeController:
             self.seconds[key] = min(window)
         if not shape.drafts or not committed:
             return
-        w = self.policy.ema_weight
         same = [shape]
         if shape.is_chain:
             same = [c for c in self.shapes if c.drafts and c.is_chain and c.num_steps <= shape.num_steps]
+        keep = (1 - self.policy.ema_weight) ** (len(committed) / TAU_REQUESTS)
         for c in same:
-            mean = sum(min(n, c.num_steps + 1) for n in committed) / len(committed)
-            old = self.tau.get(c)
-            self.tau[c] = mean if old is None else (1 - w) * old + w * mean
+            total, count = self._tau_sums.get(c, (0.0, 0.0))
+            total = keep * total + sum(min(n, c.num_steps + 1) for n in committed)
+            count = keep * count + len(committed)
+            self._tau_sums[c] = (total, count)
+            self.tau[c] = total / count
