@@ -26,9 +26,11 @@ VOCAB = 24
 
 @st.composite
 def configs(draw) -> SpecConfig:
-    steps = draw(st.integers(1, 8))
+    steps = draw(st.integers(0, 8))
     topk = draw(st.integers(1, 4))
-    if topk == 1:
+    if steps == 0:  # no draft: the root alone, a plain decode step through the cycle
+        n = 1
+    elif topk == 1:
         n = steps + 1
     else:
         n = draw(st.integers(2, min(1 + max_tree_nodes(steps, topk), 40)))
