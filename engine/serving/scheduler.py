@@ -237,11 +237,12 @@ class Scheduler:
         """Give a request up; it finishes with ``finish_reason="cancelled"``, its output so far kept.
 
         A waiting request leaves the queue; a running one leaves the batch through the table's Ready ``retire``
-        row, which frees its pages. Called between steps it takes effect at once (``on_finish`` sees the request
-        before `cancel` returns); called from a callback during a step, when that step ends (a request the step
-        finishes anyway keeps its own finish reason). Returns True if the request was waiting or running, False
-        if it had already finished. Raises `ValueError` for an id this scheduler never issued. Like `submit`, call
-        it from the thread that steps the scheduler (or from its callbacks): the scheduler takes no lock."""
+        row, which frees its pages. Called between steps, or from ``on_finish``, it takes effect at once
+        (``on_finish`` sees the request before `cancel` returns); called from ``on_tokens``, during a step, when
+        that step ends (a request the step finishes anyway keeps its own finish reason). Returns True if the
+        request was waiting or running, False if it had already finished. Raises `ValueError` for an id this
+        scheduler never issued. Like `submit`, call it from the thread that steps the scheduler (or from its
+        callbacks): the scheduler takes no lock."""
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise ValueError(f"request_id must be an int returned by submit, got {request_id!r}")
         if request_id in self.finished:
