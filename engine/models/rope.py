@@ -14,6 +14,10 @@ gives the default ones, bitwise as before.
 ``dynamic`` (NTK) is refused: transformers recomputes the frequencies of a whole forward from the longest
 position in it, which a batch of requests at different lengths cannot reproduce.
 
+A GGUF file of a Llama 3.1 model carries its ``llama3`` scaling as one divisor per frequency
+(``rope_freqs.weight``, llama.cpp's form: frequency ``i`` is divided by ``factors[i]``). `scaling_from_freq_factors`
+reads the ``llama3`` parameters back from them and checks that they give the same frequencies.
+
     theta = rope_base_from_hf(raw_config_json, "config.json")   # a float, or a ScaledRopeBase
     inv_freq = rope_inv_freq(head_dim, theta)                   # [head_dim / 2] float32
 """
@@ -163,3 +167,64 @@ def rope_base_from_hf(raw: dict[str, Any], source: str, default_theta: float = 1
     except (TypeError, ValueError) as error:
         raise ModelLoadError(f"{source}: {rope_type} RoPE scaling: {error}") from error
     return ScaledRopeBase(base, scaling)
+
+
+def scaling_from_freq_factors(
+    factors: torch.Tensor,
+    head_dim: int,
+    base: float,
+    source: str,
+    original_max_position: int | None = None,
+) -> RopeScaling | None:
+    """The `RopeScaling` whose frequencies are the default ones divided by ``factors [head_dim / 2]`` (a GGUF's
+    ``rope_freqs.weight``): None for factors all 1, ``linear`` for one factor throughout, else ``llama3``.
+
+    In the ``llama3`` band between the kept and the divided frequencies, ``1 / factors[i] = (1 - s) / factor + s``
+    with ``s = (original / wavelength - low) / (high - low)``, linear in ``1 / wavelength``: two interpolated
+    frequencies give its slope and intercept. ``original_max_position`` (a GGUF's
+    ``rope.scaling.original_context_length``) fixes the three parameters; without it ``low_freq_factor`` is taken
+    as 1 (Llama 3.1's). The parameters found must give the factors' frequencies within float32 rounding, else a
+    `ModelLoadError` says so."""
+    factors = factors.double().reshape(-1)
+    if factors.numel() != head_dim // 2 or not bool(torch.isfinite(factors).all()) or not bool((factors > 0).all()):
+        raise ModelLoadError(
+            f"{source}: rope_freqs.weight holds {factors.numel()} values for a head dimension of {head_dim}: expected "
+            f"{head_dim // 2} positive per-frequency factors"
+        )
+    if bool((factors == 1).all()):
+        return None
+    factor = float(factors.max())
+    if bool((factors == factors[0]).all()):
+        return RopeScaling("linear", factor)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).double() / head_dim
+    wavelength = 2 * math.pi * base**exponent
+    band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if int(band.sum()) < 2:
+        raise ModelLoadError(
+            f"{source}: rope_freqs.weight interpolates {int(band.sum())} frequencies: the llama3 RoPE parameters "
+            "cannot be read from fewer than 2; convert the model with its config.json (a Hugging Face folder)"
+        )
+    smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)  # s of each interpolated frequency
+    design = torch.stack([1 / wavelength[band], torch.ones_like(smooth)], 1)
+    slope, intercept = torch.linalg.lstsq(design, smooth[:, None]).solution[:, 0].tolist()
+    try:
+        if original_max_position is None:
+            original = round(-slope / intercept)  # low = 1: high - low = -1 / intercept, original = slope (high - low)
+        else:
+            original = int(original_max_position)
+        width = original / slope  # high - low
+        low = -intercept * width
+        scaling = RopeScaling("llama3", factor, round(low, 6), round(low + width, 6), original)
+    except (ValueError, ZeroDivisionError, OverflowError) as error:
+        raise ModelLoadError(
+            f"{source}: rope_freqs.weight holds per-frequency factors that no llama3 RoPE scaling gives ({error}); "
+            "convert the model with its config.json (a Hugging Face folder)"
+        ) from error
+    expected = rope_inv_freq(head_dim, float(base)).double() / factors
+    found = rope_inv_freq(head_dim, ScaledRopeBase(float(base), scaling)).double()
+    if not torch.allclose(found, expected, rtol=1e-5, atol=0):
+        raise ModelLoadError(
+            f"{source}: rope_freqs.weight holds per-frequency factors that no llama3 RoPE scaling gives (closest: "
+            f"{scaling.to_hf()}); convert the model with its config.json (a Hugging Face folder)"
+        )
+    return scaling

@@ -193,15 +193,27 @@ def _eos_token_ids(gguf: GGUFFile, arch: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
+def _rope_base(gguf: GGUFFile, arch: str, head_dim: int) -> float:
+    """The RoPE base, a `rope.ScaledRopeBase` where the file carries per-frequency factors (``rope_freqs.weight``,
+    Llama 3.1's ``llama3`` scaling as llama.cpp writes it)."""
+    base = float(gguf.get(f"{arch}.rope.freq_base", 10000.0))
+    info = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
+    if info is None:
+        return base
+    from ..models.rope import ScaledRopeBase, scaling_from_freq_factors
+
+    original = gguf.get(f"{arch}.rope.scaling.original_context_length")
+    factors = torch.from_numpy(gguf.dequantize(info))
+    scaling = scaling_from_freq_factors(factors, head_dim, base, f"{gguf.path}", original)
+    return base if scaling is None else ScaledRopeBase(base, scaling)
+
+
 def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
     """Read a `LlamaConfig` from the metadata of an open GGUF file."""
     arch = gguf_architecture(gguf)
     scaling = gguf.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelLoadError(f"{gguf.path}: RoPE scaling {scaling!r} is not supported; supported: none")
-    names = gguf.tensor_names()
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(f"{gguf.path}: per-frequency RoPE factors (Llama 3.1 style) are not supported")
     hidden_size = int(_require(gguf, f"{arch}.embedding_length"))
     num_heads = int(_require(gguf, f"{arch}.attention.head_count"))
     tokens = gguf.get("tokenizer.ggml.tokens")
@@ -221,10 +233,10 @@ def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
             num_heads=num_heads,
             num_kv_heads=int(gguf.get(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
-            rope_theta=float(gguf.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=_rope_base(gguf, arch, head_dim),
             rms_norm_eps=float(gguf.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             max_position=int(gguf.get(f"{arch}.context_length", 4096)),
-            tie_word_embeddings="output.weight" not in names,
+            tie_word_embeddings="output.weight" not in gguf.tensor_names(),
             bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_eos_token_ids(gguf, arch) if arch == "gemma3" else (() if eos is None else (int(eos),)),
             **(_gemma3_fields(gguf, num_layers, hidden_size, num_heads, head_dim) if arch == "gemma3" else {}),
@@ -291,11 +303,13 @@ def iter_gguf_tensors(gguf: GGUFFile, config: LlamaConfig) -> Iterator[tuple[str
     """
     gemma = config.architecture == "gemma3"
     for info in gguf.tensors:
+        if info.name == "rope_freqs.weight":  # read into config.rope_theta (`_rope_base`)
+            continue
         name = hf_name(info.name, config.architecture)
         if name is None:
             raise ModelLoadError(
                 f"{gguf.path}: tensor {info.name!r} is not part of a plain {config.architecture} model "
-                f"(biases, RoPE factors and multimodal parts are not supported)"
+                f"(biases and multimodal parts are not supported)"
             )
         values = gguf.dequantize(info)
         if gemma:

@@ -1,4 +1,5 @@
-"""RoPE scaling (``llama3``, ``linear``) on a tiny random Llama 3.1-shaped model, against transformers.
+"""RoPE scaling (``llama3``, ``linear``) on a tiny random Llama 3.1-shaped model, against transformers; and the
+same scaling read from a GGUF file's per-frequency factors (``rope_freqs.weight``).
 
 The prompt's positions run past ``original_max_position_embeddings`` and the head dimension spans all three
 llama3 bands (frequencies kept, interpolated, divided by ``factor``), so each part of the scaling counts.
@@ -8,8 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import pickle
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from speccycle.engine.drafters.eagle import EagleConfig
@@ -19,7 +23,7 @@ from speccycle.engine.memory.kv_pool import PagedKVPool
 from speccycle.engine.models.llama import random_llama_weights, rope_cos_sin
 from speccycle.engine.models.rope import RopeScaling, ScaledRopeBase, rope_inv_freq, rope_scaling
 from speccycle.engine.models.target import LlamaTarget
-from speccycle.engine.weights.weights_gguf import LlamaConfig
+from speccycle.engine.weights.weights_gguf import _GLOBAL_NAMES, _LAYER_NAMES, LlamaConfig, load_gguf, load_gguf_config
 from speccycle.engine.weights.weights_hf import config_from_hf, load_hf, save_hf
 
 ORIGINAL_CONTEXT = 32
@@ -128,3 +132,92 @@ def test_config_refusals_name_the_setting():
     config = config_from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA3.to_hf()}})
     assert config.rope_theta == ScaledRopeBase(500000.0, LLAMA3)
     assert type(config_from_hf({**base, "rope_scaling": {"rope_type": "default"}}).rope_theta) is float
+
+
+# ---- a GGUF file's per-frequency factors (rope_freqs.weight, as llama.cpp's converter writes Llama 3.1) ----------
+def llama_cpp_rope_factors(s: RopeScaling, head_dim: int, base: float) -> np.ndarray:
+    """The divisor of each frequency under ``llama3`` scaling ``s``: 1 kept, ``factor`` divided, between them the
+    ratio of the default frequency to the interpolated one."""
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * base ** (i / head_dim)
+        if wavelength < s.original_max_position / s.high_freq_factor:
+            factors.append(1.0)
+        elif wavelength > s.original_max_position / s.low_freq_factor:
+            factors.append(s.factor)
+        else:
+            smooth = (s.original_max_position / wavelength - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            factors.append(1.0 / ((1 - smooth) / s.factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(path, config: LlamaConfig, weights, rope_freqs: np.ndarray | None, original: int | None = None):
+    """A float32 GGUF file of ``weights`` with llama.cpp's names and Q/K row order, and ``rope_freqs.weight``."""
+    names = {hf: name for name, hf in _GLOBAL_NAMES.items()}
+    layer_names = {hf: name for name, hf in _LAYER_NAMES.items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_theta))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if original is not None:
+        writer.add_rope_scaling_orig_ctx_len(original)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, tensor in weights.items():
+        array = tensor.numpy().astype(np.float32)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+        if heads is not None:  # llama.cpp's row order: each head's halves interleaved in pairs
+            rows = array.shape[0]
+            array = array.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
+        if name in names:
+            writer.add_tensor(names[name], array)
+        else:
+            parts = name.split(".")
+            writer.add_tensor(f"blk.{parts[2]}.{layer_names['.'.join(parts[3:])]}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("original", [None, ORIGINAL_CONTEXT], ids=["factors-alone", "with-original-context"])
+def test_a_gguf_with_rope_freqs_runs_its_llama3_scaling(tmp_path, original):
+    """Llama 3.1 as a GGUF file: the factors give back the llama3 parameters, and the model the logits of the
+    same weights with the scaling of its config.json (which `test_scaled_model_matches_transformers` holds equal to
+    transformers')."""
+    config = tiny_config(LLAMA3)
+    weights = random_llama_weights(config, seed=5, scale=0.2)
+    factors = llama_cpp_rope_factors(LLAMA3, HEAD_DIM, 10000.0)
+    assert ((factors > 1) & (factors < LLAMA3.factor)).sum() >= 2  # the tiny config interpolates some frequencies
+    path = write_gguf(tmp_path / "llama31.gguf", tiny_config(None), weights, factors, original)
+    loaded_config, loaded = load_gguf(path)
+    assert rope_scaling(loaded_config.rope_theta) == LLAMA3 and float(loaded_config.rope_theta) == 10000.0
+    assert "rope_freqs.weight" not in loaded and set(loaded) == set(weights)
+    torch.testing.assert_close(engine_logits(loaded_config, loaded), engine_logits(config, weights), atol=1e-6, rtol=0)
+    # factors of 1 everywhere are the default frequencies; one factor everywhere is linear scaling
+    assert (
+        type(load_gguf_config(write_gguf(tmp_path / "ones.gguf", config, weights, np.ones(16, np.float32))).rope_theta)
+        is float
+    )
+    linear = load_gguf_config(write_gguf(tmp_path / "linear.gguf", config, weights, np.full(16, 4.0, np.float32)))
+    assert rope_scaling(linear.rope_theta) == LINEAR
+
+
+def test_rope_freqs_no_llama3_scaling_gives_are_refused(tmp_path):
+    config, weights = tiny_config(None), random_llama_weights(tiny_config(None), seed=5, scale=0.2)
+    factors = llama_cpp_rope_factors(LLAMA3, HEAD_DIM, 10000.0)
+    factors[[1, 2, 3]] = [1.5, 5.0, 2.0]  # no longer monotone in the wavelength
+    with pytest.raises(ModelLoadError, match="per-frequency factors that no llama3 RoPE scaling gives"):
+        load_gguf_config(write_gguf(tmp_path / "odd.gguf", config, weights, factors))
+    with pytest.raises(ModelLoadError, match="holds 8 values for a head dimension of 32"):
+        load_gguf_config(write_gguf(tmp_path / "short.gguf", config, weights, factors[:8]))
