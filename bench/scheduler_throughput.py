@@ -87,6 +87,12 @@ def run_mode(
         "fused_cycles": stats.fused_cycles,
         "shapes": {f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}": n for c, n in stats.shapes.items()},
         "retractions": stats.retractions,
+        # where the steps' wall time went: admissions (prefills), cycles, the rest (streaming, retiring, the loop)
+        "step_seconds": {
+            "prefill": round(stats.prefill_seconds, 4),
+            "cycles": round(stats.cycle_seconds, 4),
+            "other": round(stats.seconds - stats.prefill_seconds - stats.cycle_seconds, 4),
+        },
         "outputs": outputs,
     }
 

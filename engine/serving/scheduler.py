@@ -83,7 +83,9 @@ class SchedulerStats:
     refused: int = 0  # requests that could never fit the pool
     errors: int = 0  # requests finished with "error" (refusals included)
     cancelled: int = 0  # requests finished with "cancelled"
-    seconds: float = 0.0
+    seconds: float = 0.0  # in steps, of which:
+    prefill_seconds: float = 0.0  # admissions (the prefill and its draft extend, launched: the host's wall time)
+    cycle_seconds: float = 0.0  # cycles (a fused one waits for its commits: the GPU's time with the host's)
     shapes: dict = attrs.field(factory=dict)  # SpecConfig -> cycles run in that shape
 
     @property
@@ -340,6 +342,7 @@ class Scheduler:
             return
         in_flight += batch
         self.stats.prefills += 1
+        start = time.perf_counter()
         try:
             record = run_step(
                 Admitted(config=self.config, requests=tuple(batch)), self.ports, self.backend, checked=self.checked
@@ -361,6 +364,7 @@ class Scheduler:
         if self.running is not None:  # the running batch may be in another shape of the family this cycle
             ready = reshape(ready, self.running.config)
         self.running = ready if self.running is None else merge_ready(self.running, ready)
+        self.stats.prefill_seconds += time.perf_counter() - start
 
     def _cycle(self, finished: list[Request]) -> None:
         shape = self.controller.choose(self.num_running) if self.controller else self.config
@@ -429,6 +433,7 @@ class Scheduler:
             self.stats.plain_cycles += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         self._cycle_seconds, self._cycle_batch = seconds, batch_size
+        self.stats.cycle_seconds += seconds
         if self.controller is not None:
             self.controller.record(shape, batch_size, seconds, counts)
 
