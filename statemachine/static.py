@@ -103,17 +103,30 @@ class StaticExecutor:
                 checks.check_transition(b.source, b.result, self.ports)
 
 
-def materialize(record, stop_ids: Sequence[int]) -> Compacted:
+def _log_on_host(record, width: int | None) -> tuple[list[int], list[bool], list[list[int]]]:
+    """Each request's log length, done flag and log tokens, on the host. ``width``: the log columns a run may have
+    written (one cycle's, ``S + 1``: then one copy brings all three back); None: its whole log, in two copies."""
+    log, n = record.log, len(record.requests)
+    if not n:
+        return [], [], []
+    if width is None:
+        lengths, done = log.lengths[:n].tolist(), log.done[:n].tolist()
+        width = max(lengths, default=0)
+        return lengths, done, log.tokens[:n, :width].cpu().tolist()
+    packed = torch.cat([log.lengths[:n], log.done[:n].long(), log.tokens[:n, :width].reshape(-1)]).tolist()
+    rows = [packed[2 * n + b * width : 2 * n + (b + 1) * width] for b in range(n)]
+    return packed[:n], [bool(d) for d in packed[n : 2 * n]], rows
+
+
+def materialize(record, stop_ids: Sequence[int], width: int | None = None) -> Compacted:
     """The eager `Compacted` record of a static one (`Ready` or `Compacted` with a log): each request's output with
     the log's tokens appended, a finished request's reason (``stop``: its last token is a stop id, else
-    ``length``), no log."""
-    log, requests = record.log, []
-    lengths, done = (log.lengths.tolist(), log.done.tolist()) if record.requests else ([], [])
-    width = max(lengths, default=0)
-    rows = log.tokens[: len(record.requests), :width].cpu() if record.requests else None
+    ``length``), no log. ``width``: the log columns the run may have written (None: all)."""
+    requests = []
+    lengths, done, rows = _log_on_host(record, width)
     stops = set(stop_ids)
     for b, request in enumerate(record.requests):
-        output = request.output + tuple(rows[b, : lengths[b]].tolist())
+        output = request.output + tuple(rows[b][: lengths[b]])
         reason = None
         if done[b]:
             reason = "stop" if output and output[-1] in stops else "length"
@@ -129,10 +142,10 @@ def materialize(record, stop_ids: Sequence[int]) -> Compacted:
     )
 
 
-def materialize_ready(record: Ready, stop_ids: Sequence[int]) -> Ready:
+def materialize_ready(record: Ready, stop_ids: Sequence[int], width: int | None = None) -> Ready:
     """The eager `Ready` record of a static one: the requests as `materialize` gives them, the state cloned off the
     buffers (a later cycle overwrites them). Requests that finished retire through the table's Ready ``retire``."""
-    done = materialize(record, stop_ids)
+    done = materialize(record, stop_ids, width)
     n = len(record.requests)  # rows past n: a padded batch's padding
 
     def rows(t):

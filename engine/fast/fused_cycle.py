@@ -264,7 +264,7 @@ class FusedCycles:
     def _step(self, ready: Ready, checked: bool, ports: Ports) -> tuple[Ready, list[int]]:
         requests, cfg = ready.requests, ready.config
         ids = [r.request_id for r in requests]
-        lens = ready.seq_lens.tolist()
+        lens = [len(r.tokens) - 1 for r in requests]  # L: prompt + output - the root (invariant 8), no copy back
         reserve(self.pool, ids, [length + cfg.reserve_len() for length in lens])
         stops = sorted(set(requests[0].sampling.stop_token_ids))
         limits = [r.sampling.max_new_tokens for r in requests]
@@ -287,8 +287,8 @@ class FusedCycles:
         self.steps = tuple(b.step for b in boundaries)
         if checked:
             self.executor(ports).check([_with_requests(b, requests) for b in boundaries])
-        final = bt.buffers.ready(1, requests)
-        return materialize_ready(final, stops), final.log.lengths[: len(requests)].tolist()
+        ready = materialize_ready(bt.buffers.ready(1, requests), stops, width=cfg.accept_width)  # one copy back
+        return ready, [len(new.output) - len(old.output) for new, old in zip(ready.requests, requests)]
 
     def _loop(self, bt: _Batch, bound: int, max_cycles: int, requests, executor: StaticExecutor | None) -> int:
         """Replay until every request is done; returns the number of cycles run. ``executor``: check every
