@@ -110,9 +110,9 @@ def fused_engine(model_path):
 @pytest.mark.slow
 def test_a_cancel_during_a_captured_cycle_retires_the_request_after_it(fused_engine):
     """The graphed executor's cycle (eagerly on a CPU) streams its commits; a cancel from that callback lands
-    after the cycle, through the Ready retire row; the other requests keep their autoregressive outputs."""
+    after the cycle, through the Ready retire row; the other request keeps its autoregressive output."""
     engine = fused_engine
-    prompts = [engine.chat_prompt(m) for m in ("Write a haiku about KV caches.", "Count to five.", "Name a color.")]
+    prompts = [engine.chat_prompt(m) for m in ("Write a haiku about KV caches.", "Count to five.")]
     ar = [engine.generate_autoregressive([p], 10)[0] for p in prompts]
     free, before = engine.pool.num_free_pages, engine.fused_cycles.run_s
     scheduler = Scheduler.from_engine(engine, checked=True, speculation="on")
@@ -130,5 +130,5 @@ def test_a_cancel_during_a_captured_cycle_retires_the_request_after_it(fused_eng
     cancelled = scheduler.finished[ids[1]]
     assert cancelled.finish_reason == "cancelled" and 1 < len(cancelled.output) < len(ar[1])
     assert list(cancelled.output) == ar[1][: len(cancelled.output)]
-    assert [list(scheduler.finished[i].output) for i in (ids[0], ids[2])] == [ar[0], ar[2]]
+    assert list(scheduler.finished[ids[0]].output) == ar[0]
     assert engine.pool.num_free_pages == free
