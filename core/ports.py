@@ -241,8 +241,9 @@ class KVPool(Protocol):
     """A paged KV pool: a request's position ``p`` lives at slot ``page_table[p // P] * P + p % P``.
 
     Optional: ``num_pages``, the pages of the whole pool (`kv_capacity`; without it, the free pages when the
-    scheduler starts), and ``has_request(request_id) -> bool``, whether the pool knows a request that may
-    hold no page (`kv_knows`; without it, no such request).
+    scheduler starts), ``has_request(request_id) -> bool``, whether the pool knows a request that may
+    hold no page (`kv_knows`; without it, no such request), and ``shared_pages() -> frozenset[int]``, the
+    pages no request may write (a prefix cache's, `kv_shared_pages`; without it, none).
     """
 
     page_size: int
@@ -476,6 +477,13 @@ def kv_capacity(ports) -> int:
     """Pages in the whole KV pool: its ``num_pages``, else the pages free now."""
     pool = ports.kv_pool
     return int(getattr(pool, "num_pages", pool.num_free_pages))
+
+
+def kv_shared_pages(ports) -> frozenset[int]:
+    """Pages the KV pool holds read-only (``shared_pages()``: a prefix cache's pages, shared between requests);
+    empty where the pool has no such pages or does not say."""
+    shared_pages = getattr(ports.kv_pool, "shared_pages", None)
+    return frozenset() if shared_pages is None else shared_pages()
 
 
 def kv_knows(ports, request_id: int) -> bool:

@@ -100,10 +100,15 @@ class OutputLog:
 
 @attrs.frozen(eq=False)
 class Admitted:
-    """Requests whose prompts are not yet in the cache."""
+    """Requests whose prompts are not yet in the cache.
+
+    ``cached``: per request, how many of its leading tokens' KV its pages already hold (a prefix cache hit,
+    `PagedKVPool.attach_prefix`); the prefill computes only the rest. Empty: none for any request.
+    """
 
     config: SpecConfig
     requests: tuple[Request, ...]
+    cached: tuple[int, ...] = ()
 
 
 @attrs.frozen(eq=False)

@@ -11,8 +11,8 @@ import math
 import attrs
 import torch
 
-from ..core.ports import draft_kind, recurrent_pending_rows, recurrent_state_lens
-from ..core.records import Accepted, Compacted, Drafted, Ready, RowOutputs, Verified
+from ..core.ports import draft_kind, kv_shared_pages, recurrent_pending_rows, recurrent_state_lens
+from ..core.records import Accepted, Admitted, Compacted, Drafted, Ready, RowOutputs, Verified
 from ..core.tree import ancestor_mask, pack_mask, tree_depths, unpack_mask
 
 INVARIANTS = {
@@ -30,6 +30,7 @@ INVARIANTS = {
     12: "recurrent state",
     13: "block drafts",
     14: "fast kernel equals reference",
+    15: "shared pages are read-only",
 }
 
 
@@ -63,6 +64,10 @@ def check_transition(source, result, ports) -> None:
     check_record(result, ports)
     if isinstance(result, Compacted) and isinstance(source, Accepted):
         _check_compaction(source, result)
+    if isinstance(source, Admitted) and isinstance(result, Compacted):
+        _check_prefill_writes(source, ports)
+    if isinstance(source, Compacted) and isinstance(result, Ready) and source.extend.out_slots is None:
+        _check_extend_writes(source, ports)
 
 
 def check_record(record, ports) -> None:
@@ -79,6 +84,61 @@ def check_record(record, ports) -> None:
         _check_accepted(record)
     if isinstance(record, (Drafted, Verified, Accepted)):
         _check_reserved(record, ports)
+    if isinstance(record, Drafted):
+        bs = len(record.requests)
+        _check_writes(ports, record, "verify", record.verify_slots[:bs].reshape(bs, -1))
+        _check_writes(ports, record, "draft scratch", record.draft_slots[:bs].reshape(bs, -1))
+
+
+def _check_writes(ports, record, what: str, slots: torch.Tensor) -> None:
+    """Invariant 15: no slot a request writes (``slots [bs, X]``, -1 for none) lies in a shared, read-only page."""
+    shared = kv_shared_pages(ports)
+    if not shared or slots.numel() == 0:
+        return
+    pages = (slots // ports.kv_pool.page_size).tolist()
+    for request, row, written in zip(record.requests, pages, slots.tolist()):
+        hit = sorted({p for p, s in zip(row, written) if s >= 0 and p in shared})
+        require(
+            not hit,
+            15,
+            f"request {request.request_id}: its {what} rows write pages {hit}, which the prefix cache shares",
+        )
+
+
+def _position_slots(ports, requests, positions: list[list[int]]) -> torch.Tensor:
+    """Slots of each request's ``positions`` through its page table, ``[bs, X]`` -1 padded."""
+    pool, P = ports.kv_pool, ports.kv_pool.page_size
+    table = pool.page_table(tuple(r.request_id for r in requests)).tolist()
+    width = max([len(p) for p in positions] + [0])
+    out = [[table[b][p // P] * P + p % P for p in ps] + [-1] * (width - len(ps)) for b, ps in enumerate(positions)]
+    return torch.tensor(out, dtype=torch.long).reshape(len(requests), width)
+
+
+def _check_prefill_writes(source: Admitted, ports) -> None:
+    """Invariant 15 at prefill: the rows past each request's cached length write only pages it owns alone."""
+    if not kv_shared_pages(ports):
+        return
+    cached = source.cached or (0,) * len(source.requests)
+    P = ports.kv_pool.page_size  # a request refused at prefill reserved nothing past its cached pages
+    live = [
+        (r, c) for r, c in zip(source.requests, cached) if ports.kv_pool.pages_held(r.request_id) * P >= len(r.tokens)
+    ]
+    if not live:
+        return
+    requests = [r for r, _ in live]
+    positions = [list(range(c, len(r.tokens))) for r, c in live]
+    _check_writes(ports, attrs.evolve(source, requests=tuple(requests), cached=()), "prefill",
+                  _position_slots(ports, requests, positions))  # fmt: skip
+
+
+def _check_extend_writes(source: Compacted, ports) -> None:
+    """Invariant 15 at the draft extend: its rows write only pages their request owns alone."""
+    if not kv_shared_pages(ports) or not source.requests:
+        return
+    positions: list[list[int]] = [[] for _ in source.requests]
+    for b, p in zip(source.extend.row_request.tolist(), source.extend.positions.tolist()):
+        positions[b].append(p)
+    _check_writes(ports, source, "draft extend", _position_slots(ports, source.requests, positions))
 
 
 def _committed(record) -> list[tuple[tuple[int, ...], bool]]:

@@ -184,8 +184,13 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     A request that fails validation (empty prompt, ids outside the vocabulary, unsupported sampling)
     finishes at once with ``finish_reason="error"`` and its reason; the others go on. A batch that
     holds one request id twice is refused whole (`refuse_duplicate_ids`): every entry comes through here.
+
+    A request with a prefix cache hit (``rec.cached``: its pages already hold the KV of its first ``c`` tokens,
+    shared read-only pages) is extended over its tokens from position ``c`` only, attending the cached pages;
+    its draft extend rows start at ``c`` too (the draft's KV of the cached positions is in those pages).
     """
     refuse_duplicate_ids(rec.requests)
+    cached = _cached_lens(rec, ports)
     valid, refused = [], []
     for request in rec.requests:
         try:
@@ -202,7 +207,9 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
         zeros = torch.zeros(len(refused), dtype=torch.long, device=_device(ports))
         extend = ExtendRows(input_ids=zeros[:0], positions=zeros[:0], row_request=zeros[:0], hidden=None)
         return Compacted(config=rec.config, requests=tuple(refused), seq_lens=zeros, root_tokens=zeros, extend=extend)
-    done = _prefill_valid(attrs.evolve(rec, requests=tuple(valid)), ports, backend)
+    done = _prefill_valid(
+        attrs.evolve(rec, requests=tuple(valid), cached=tuple(cached[r.request_id] for r in valid)), ports, backend
+    )
     if not refused:
         return done
     pad = torch.zeros(len(refused), dtype=torch.long, device=done.seq_lens.device)
@@ -214,21 +221,46 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
     )
 
 
+def _cached_lens(rec: Admitted, ports: Ports) -> dict[int, int]:
+    """Each request's cached length (0 where ``rec.cached`` is empty), checked against its tokens and pages."""
+    if not rec.cached:
+        return {r.request_id: 0 for r in rec.requests}
+    if len(rec.cached) != len(rec.requests):
+        raise ValueError(f"Admitted.cached has {len(rec.cached)} lengths for {len(rec.requests)} requests")
+    pool = ports.kv_pool
+    for request, c in zip(rec.requests, rec.cached):
+        n = len(request.tokens)
+        if not 0 <= c < max(n, 1) or pool.pages_held(request.request_id) < math.ceil(c / pool.page_size):
+            raise ValueError(
+                f"request {request.request_id}: cached length {c} for {n} tokens and "
+                f"{pool.pages_held(request.request_id)} pages: it must be below the token count and its pages must "
+                "cover it (take it from the pool's attach_prefix)"
+            )
+    return {r.request_id: c for r, c in zip(rec.requests, rec.cached)}
+
+
 def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     cfg, target = rec.config, ports.target
     ids = tuple(r.request_id for r in rec.requests)
     offset = draft_offset(ports, cfg)
     lens = [len(r.tokens) for r in rec.requests]  # prompt + output: a resumed request recomputes both
+    cached = list(rec.cached) if rec.cached else [0] * len(lens)
     reserve(ports.kv_pool, ids, [n + offset for n in lens])
     device = _device(ports)
     prompt_lens = torch.tensor(lens, dtype=torch.long, device=device)
-    input_ids = torch.tensor([t for r in rec.requests for t in r.tokens], dtype=torch.long, device=device)
-    row_request = torch.repeat_interleave(torch.arange(len(lens), device=device), prompt_lens)
-    starts = torch.cumsum(prompt_lens, 0) - prompt_lens
+    counts = [n - c for n, c in zip(lens, cached)]  # rows computed: the tokens past the cached prefix
+    row_counts = torch.tensor(counts, dtype=torch.long, device=device)
+    input_ids = torch.tensor(
+        [t for r, c in zip(rec.requests, cached) for t in r.tokens[c:]], dtype=torch.long, device=device
+    )
+    row_request = torch.repeat_interleave(torch.arange(len(lens), device=device), row_counts)
+    starts = torch.cumsum(row_counts, 0) - row_counts
     positions = torch.arange(input_ids.shape[0], device=device) - starts[row_request]
+    if any(cached):
+        positions = positions + torch.tensor(cached, dtype=torch.long, device=device)[row_request]
     page_table = ports.kv_pool.page_table(ids)
     out_slots = _row_slots(backend, page_table, row_request, positions, ports.kv_pool.page_size)
-    last_rows = starts + prompt_lens - 1
+    last_rows = starts + row_counts - 1
     batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
     out = target.forward(batch)
     first = _greedy(out, backend)  # [bs]
@@ -251,7 +283,7 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
         next_ids[last_rows] = first
         extend = ExtendRows(input_ids=next_ids, positions=positions, row_request=row_request, hidden=out.hidden)
     else:
-        extend = _aligned_prompt_rows(rec.requests, first, device)
+        extend = _aligned_prompt_rows(rec.requests, first, device, cached)
     return Compacted(
         config=cfg,
         requests=tuple(requests),
@@ -261,12 +293,14 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     )
 
 
-def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, device) -> ExtendRows:
-    tokens = [list(r.tokens) + [t] for r, t in zip(requests, first.tolist())]
+def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, device, cached: Sequence[int]) -> ExtendRows:
+    """The root and the tokens from each request's cached length ``c`` on, at positions ``c..n``."""
+    tokens = [list(r.tokens[c:]) + [t] for r, t, c in zip(requests, first.tolist(), cached)]
     lens = torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device)
     row_request = torch.repeat_interleave(torch.arange(len(tokens), device=device), lens)
     starts = torch.cumsum(lens, 0) - lens
     positions = torch.arange(int(lens.sum()), device=device) - starts[row_request]
+    positions = positions + torch.tensor(list(cached), dtype=torch.long, device=device)[row_request]
     flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=device)
     return ExtendRows(input_ids=flat, positions=positions, row_request=row_request, hidden=None)
 

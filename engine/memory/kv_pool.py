@@ -9,6 +9,14 @@ tensor ``[num_pages * P, num_kv_heads, head_dim]``; a layer writes row ``t`` at 
     target_kv = pool.add_cache("target", num_layers=30, num_kv_heads=3, head_dim=64)
     pool.allocate(request_id=7, num_tokens=40)       # 3 pages
     pool.page_table([7])                              # [[p0, p1, p2]]
+
+With ``prefix_cache=True`` the pool also keeps committed full pages after their request is freed, in a radix
+tree keyed by their tokens (`engine.memory.prefix_cache`): ``attach_prefix`` gives a new request the pages of
+the longest cached prefix of its tokens (shared, read-only, reference counted) and a private copy of the
+first page that only partly agrees; ``publish`` puts a request's full committed pages into the tree;
+unreferenced cached pages count as free and are evicted, least recently used first, when a reservation
+needs them. Every cache of the pool (target and drafts) is indexed by the same slots, so a shared page
+carries the target's and the draft's KV of those positions at once.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 
 from ...core.ports import KVPoolExhausted
 from ..errors import KVPoolError
+from .prefix_cache import PageNode, PrefixTree
 
 TARGET_CACHE = "target"
 
@@ -28,7 +37,9 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [num_slots, num_kv_h
 class PagedKVPool:
     """A `KVPool` (core.ports) over ``num_pages`` pages of ``page_size`` slots, on one device."""
 
-    def __init__(self, num_pages: int, page_size: int = 16, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, num_pages: int, page_size: int = 16, device: str | torch.device = "cpu", prefix_cache: bool = False
+    ) -> None:
         if num_pages < 1 or page_size < 1:
             raise KVPoolError(f"num_pages={num_pages} and page_size={page_size} must both be >= 1")
         self.num_pages = num_pages
@@ -43,6 +54,10 @@ class PagedKVPool:
         # table up to three times (draft, verify, draft extend) and most cycles allocate nothing.
         self._version = 0
         self._table: tuple | None = None  # (version, request_ids, device, table)
+        self._tree: PrefixTree | None = PrefixTree(page_size) if prefix_cache else None
+        # per request: the tree node keyed by each of its leading pages, matched or published (a node's page
+        # may be another request's copy of the same tokens, when both computed them)
+        self._paths: dict[int, list[PageNode]] = {}
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -51,7 +66,17 @@ class PagedKVPool:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages a reservation can take: the free list and the cached pages no request holds (evicted on demand)."""
+        return len(self._free) + (self._tree.evictable if self._tree is not None else 0)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._tree is not None
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages in the prefix cache, held by requests or not (0 without a prefix cache)."""
+        return len(self._tree.nodes) if self._tree is not None else 0
 
     def pages_held(self, request_id: int) -> int:
         """Pages the request holds now (0 for an unknown or freed request)."""
@@ -73,12 +98,14 @@ class PagedKVPool:
             raise KVPoolError(f"request {request_id}: num_tokens={num_tokens} must be >= 0")
         pages = self._pages.get(request_id, [])
         needed = self.pages_needed(num_tokens) - len(pages)
-        if needed > len(self._free):
+        if needed > self.num_free_pages:
             raise KVPoolExhausted(
                 f"request {request_id} needs {needed} more KV pages ({num_tokens} tokens at page size "
-                f"{self.page_size}) and the pool has {len(self._free)} free of {self.num_pages}: "
+                f"{self.page_size}) and the pool has {self.num_free_pages} free of {self.num_pages}: "
                 f"retract or defer requests, or build the pool with more pages"
             )
+        if needed > len(self._free):  # take unreferenced cached pages, least recently used first
+            self._free.extend(self._tree.evict(needed - len(self._free)))
         self._pages[request_id] = pages
         self._freed.discard(request_id)
         if needed > 0:
@@ -97,15 +124,148 @@ class PagedKVPool:
         if len(pages) > keep:  # a release that frees no page leaves the cached page table valid
             self._version += 1
         while len(pages) > keep:
-            self._free.append(pages.pop())
+            self._drop(pages.pop())
+        path = self._paths.get(request_id)
+        if path is not None and len(path) > keep:
+            del path[keep:]
 
     def free(self, request_id: int) -> None:
         """Free every page the request holds and forget it. A second free raises `KVPoolError`."""
         if request_id not in self._pages:
             raise KVPoolError(self._unknown(request_id, "free"))
         self._version += 1
-        self._free.extend(reversed(self._pages.pop(request_id)))
+        for page in reversed(self._pages.pop(request_id)):
+            self._drop(page)
+        self._paths.pop(request_id, None)
         self._freed.add(request_id)
+
+    def _drop(self, page: int) -> None:
+        """A request lets go of ``page``: a cached page loses a reference, a private one goes back to the free list."""
+        node = self._tree.nodes.get(page) if self._tree is not None else None
+        if node is None:
+            self._free.append(page)
+        else:
+            self._tree.add_ref(node, -1)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def attach_prefix(self, request_id: int, tokens: Sequence[int]) -> int:
+        """Give a request that holds no page the cached pages of the longest prefix of ``tokens``; returns how
+        many tokens' KV it now holds (its cached length, at most ``len(tokens) - 1``: the prefill computes at least
+        the last token).
+
+        Full pages are shared (read-only, reference counted). Where the next cached page agrees with ``tokens``
+        only in part, the request gets a private copy of that page's agreeing slots in every cache
+        (copy-on-write) when a free page is at hand. 0 without a prefix cache.
+        """
+        if self._tree is None:
+            return 0
+        if self._pages.get(request_id):
+            raise KVPoolError(
+                f"request {request_id} already holds {len(self._pages[request_id])} KV pages: attach_prefix is for "
+                "a request before its prefill; free it first"
+            )
+        tree, P = self._tree, self.page_size
+        pages: list[int] = []
+        path: list[PageNode] = []
+        node = tree.root
+        for k in range(tree.full_pages(len(tokens))):
+            child = node.children.get(tree.key(tokens, k))
+            if child is None:
+                break
+            tree.add_ref(child, 1)
+            tree.touch(child)
+            pages.append(child.page)
+            path.append(child)
+            node = child
+        self._pages[request_id] = pages
+        self._paths[request_id] = path
+        self._freed.discard(request_id)
+        if pages:
+            self._version += 1
+        cached = len(pages) * P
+        source, agree = tree.longest_partial(node, tokens[cached:])
+        copy = agree - 1  # slot j's draft KV needs token j + 1 to agree too
+        if source is None or copy < 1:
+            return cached
+        tree.add_ref(source, 1)  # pinned: the page taken for the copy must not be this one
+        try:
+            if self.num_free_pages < 1:
+                return cached
+            self.allocate(request_id, cached + 1)
+            tree.touch(source)
+            src = torch.arange(copy, device=self.device) + source.page * P
+            dst = torch.arange(copy, device=self.device) + pages[-1] * P
+            for storage in self._storage.values():  # [layers, 2, slots, Hkv, D]
+                storage[:, :, dst] = storage[:, :, src]
+        finally:
+            tree.add_ref(source, -1)
+        return cached + copy
+
+    def publish(self, request_id: int, tokens: Sequence[int], num_tokens: int) -> int:
+        """Put the request's full pages of positions ``[0, num_tokens)`` into the prefix cache; returns how many
+        pages went in. ``tokens``: the request's ids, at least through position ``num_tokens`` (a page is keyed
+        by its tokens and the next one). Call it only for positions whose KV is final in every cache (committed
+        and drafted over): the pages become read-only. A page whose tokens another request published first
+        stays private (it is freed with the request). 0 without a prefix cache.
+        """
+        if self._tree is None:
+            return 0
+        if request_id not in self._pages:
+            raise KVPoolError(self._unknown(request_id, "publish"))
+        tree, pages = self._tree, self._pages[request_id]
+        path = self._paths.setdefault(request_id, [])
+        limit = min(tree.full_pages(len(tokens)), num_tokens // self.page_size, len(pages))
+        node = path[-1] if path else tree.root
+        added = 0
+        for k in range(len(path), limit):
+            key = tree.key(tokens, k)
+            child = node.children.get(key)
+            if child is None:
+                child = tree.insert(node, key, pages[k])
+                added += 1
+            else:
+                tree.touch(child)
+            path.append(child)
+            node = child
+        return added
+
+    def shared_pages(self) -> frozenset[int]:
+        """The pages in the prefix cache: read-only, no request may write them (empty without a prefix cache)."""
+        return frozenset(self._tree.nodes) if self._tree is not None else frozenset()
+
+    def audit(self) -> None:
+        """Raise `KVPoolError` unless every page is in exactly one place (free, cached or one request's private
+        page) and each cached page's reference count is the number of requests holding it."""
+        held: dict[int, int] = {}
+        for pages in self._pages.values():
+            for page in pages:
+                held[page] = held.get(page, 0) + 1
+        cached = self._tree.nodes if self._tree is not None else {}
+        free = self._free
+        problems = []
+        if len(set(free)) != len(free):
+            problems.append("a page is on the free list twice")
+        for page in free:
+            if page in held or page in cached:
+                problems.append(f"page {page} is free and {'held' if page in held else 'cached'}")
+        for page, count in held.items():
+            node = cached.get(page)
+            if node is None and count > 1:
+                problems.append(f"private page {page} is held by {count} requests")
+            if node is not None and node.refs != count:
+                problems.append(f"cached page {page} counts {node.refs} references, {count} requests hold it")
+        for page, node in cached.items():
+            if node.refs and page not in held:
+                problems.append(f"cached page {page} counts {node.refs} references and no request holds it")
+        lent = len(free) + len(cached) + sum(1 for page in held if page not in cached)
+        if lent != self.num_pages:
+            problems.append(f"{self.num_pages - lent} of {self.num_pages} pages are nowhere (leaked)")
+        if self._tree is not None:
+            evictable = sum(1 for node in cached.values() if node.subtree_refs == 0)
+            if evictable != self._tree.evictable:
+                problems.append(f"{evictable} cached pages are unreferenced, the tree counts {self._tree.evictable}")
+        if problems:
+            raise KVPoolError("KV pool accounting broken: " + "; ".join(problems[:5]))
 
     def _unknown(self, request_id: int, verb: str) -> str:
         if request_id in self._freed:

@@ -52,6 +52,7 @@ import torch
 from ...backends.registry import get_backend
 from ...core import Admitted, Compacted, KVPoolExhausted, Ports, Ready, Request, SamplingParams, SpecConfig, Verified
 from ...core.ports import (
+    NoRecurrentState,
     draft_kind,
     draft_pairing,
     draft_vocab_size,
@@ -87,10 +88,23 @@ class SchedulerStats:
     prefill_seconds: float = 0.0  # admissions (the prefill and its draft extend, launched: the host's wall time)
     cycle_seconds: float = 0.0  # cycles (a fused one waits for its commits: the GPU's time with the host's)
     shapes: dict = attrs.field(factory=dict)  # SpecConfig -> cycles run in that shape
+    prefill_tokens: int = 0  # tokens admitted requests needed KV for (prompt, and output when resumed)
+    cached_tokens: int = 0  # of those, the tokens a prefix cache hit served (not computed)
+    published_pages: int = 0  # pages requests put into the prefix cache
 
     @property
     def tau(self) -> float:
         return self.accepted / self.verifies if self.verifies else 0.0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prefill tokens the target computed: those no prefix cache hit served."""
+        return self.prefill_tokens - self.cached_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of prefill tokens served from the prefix cache (0 without one)."""
+        return self.cached_tokens / self.prefill_tokens if self.prefill_tokens else 0.0
 
 
 class Scheduler:
@@ -121,6 +135,7 @@ class Scheduler:
         on_finish: Callable[[Request], None] | None = None,
         request_ids: Iterator[int] | None = None,
         fused_cycles=None,
+        prefix_cache: bool = False,
     ) -> None:
         if not isinstance(ports, Ports):
             raise ValueError(f"ports must be a speccycle.core.Ports, got {type(ports).__name__}")
@@ -153,6 +168,18 @@ class Scheduler:
             raise ValueError(f"speculation={speculation!r}: choose 'on', 'off', 'adaptive' or an AdaptiveSpeculation")
         if policy is not None and policy.shapes is not None and policy.shapes[0].topk != config.topk:
             raise ValueError(f"AdaptiveSpeculation.shapes must keep the config's topk (K)={config.topk}")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
+        if prefix_cache and not getattr(ports.kv_pool, "prefix_caching", False):
+            raise ValueError(
+                "prefix_cache=True needs a KV pool with a prefix cache: build PagedKVPool(..., prefix_cache=True)"
+            )
+        if prefix_cache and not isinstance(ports.recurrent, NoRecurrentState):
+            raise ValueError(
+                "prefix_cache=True caches paged attention KV only, and this model keeps recurrent state: "
+                "pass prefix_cache=False"
+            )
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
         self.checked, self.max_batch_size = checked, max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -180,6 +207,7 @@ class Scheduler:
         self._admit_one = False
         self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
         self._cancels: dict[int, None] = {}  # ids cancelled during a step, in call order
+        self._published: dict[int, int] = {}  # request id -> pages below its L when it last published
         # the graphed executor of the engine's fast EAGLE draft (`engine.fast.fused_cycle`): speculative cycles it
         # covers run as its captured cycle; None, or a batch it does not cover, runs the table eagerly
         self.fused_cycles = fused_cycles if fused_cycles is not None and fused_cycles.draft is ports.draft else None
@@ -280,8 +308,10 @@ class Scheduler:
         try:
             self._apply_cancels(finished)
             self._admit(finished, in_flight)
+            self._publish()
             if self.num_running:
                 self._cycle(finished)
+                self._publish()
             self._apply_cancels(finished)  # those called from this step's callbacks
         except BaseException as error:
             self._abort(error, finished, in_flight)
@@ -344,9 +374,11 @@ class Scheduler:
         self.stats.prefills += 1
         start = time.perf_counter()
         try:
-            record = run_step(
-                Admitted(config=self.config, requests=tuple(batch)), self.ports, self.backend, checked=self.checked
-            )
+            # a prefix cache hit: the pool lends each request the pages of its longest cached prefix first
+            pool = self.ports.kv_pool
+            cached = tuple(pool.attach_prefix(r.request_id, r.tokens) for r in batch) if self.prefix_cache else ()
+            admitted = Admitted(config=self.config, requests=tuple(batch), cached=cached)
+            record = run_step(admitted, self.ports, self.backend, checked=self.checked)
         except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): defer the batch
             for request in batch:
                 self._free(request.request_id)
@@ -358,6 +390,8 @@ class Scheduler:
                 self._admit_one = True  # retry one request at a time until a prefill fits
             return
         self._admit_one = False
+        self.stats.prefill_tokens += sum(len(r.tokens) for r in batch)
+        self.stats.cached_tokens += sum(cached)
         self._stream(record.requests)
         ready = self._to_ready(record, finished)
         in_flight.clear()
@@ -365,6 +399,22 @@ class Scheduler:
             ready = reshape(ready, self.running.config)
         self.running = ready if self.running is None else merge_ready(self.running, ready)
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _publish(self) -> None:
+        """Put the running requests' new full pages of committed tokens into the prefix cache.
+
+        At a `Ready` boundary every cache holds final KV for positions ``[0, L)`` (the target's committed
+        tokens; the draft extend has run over them), and no later row of the request writes below ``L``: the
+        pages wholly below ``L`` can be shared. Speculative slots (verify rows, draft scratch) lie at ``L`` and
+        past, in pages the request keeps to itself.
+        """
+        if not self.prefix_cache or not self.num_running:
+            return
+        pool = self.ports.kv_pool
+        for request, L in zip(self.running.requests, self.running.seq_lens.tolist()):
+            if L // pool.page_size > self._published.get(request.request_id, 0):
+                self.stats.published_pages += pool.publish(request.request_id, request.tokens, L)
+                self._published[request.request_id] = L // pool.page_size
 
     def _cycle(self, finished: list[Request]) -> None:
         shape = self.controller.choose(self.num_running) if self.controller else self.config
@@ -518,6 +568,7 @@ class Scheduler:
         return math.ceil(tokens / self.ports.kv_pool.page_size)
 
     def _free(self, request_id: int) -> None:
+        self._published.pop(request_id, None)
         if self.ports.kv_pool.pages_held(request_id) or kv_knows(self.ports, request_id):
             self.ports.kv_pool.free(request_id)
         self.ports.recurrent.free(request_id=request_id)
@@ -537,6 +588,7 @@ class Scheduler:
         if request.request_id in self.finished:
             raise AssertionError(f"request {request.request_id} finished twice")  # a scheduler bug
         self._stream([request])
+        self._published.pop(request.request_id, None)
         self.finished[request.request_id] = request
         if request.finish_reason == "error":
             self.stats.errors += 1
