@@ -157,3 +157,80 @@ def test_bad_sizes_raise():
         PagedKVPool(num_pages=0, page_size=16)
     with pytest.raises(KVPoolError, match=">= 0"):
         PagedKVPool(num_pages=2, page_size=1).allocate(1, -1)
+
+
+# ---- prefix cache ------------------------------------------------------------------------------
+def _cached_pool(num_pages: int = 8, page_size: int = 2) -> PagedKVPool:
+    pool = PagedKVPool(num_pages=num_pages, page_size=page_size, prefix_cache=True)
+    pool.add_cache("target", 1, 1, 1)
+    return pool
+
+
+def test_prefix_pages_are_shared_keyed_by_the_next_token_and_counted_free_once_unreferenced():
+    pool = _cached_pool()
+    tokens = [5, 6, 7, 8, 9, 10]
+    assert pool.attach_prefix(0, tokens) == 0
+    pool.allocate(0, 6)
+    assert pool.publish(0, tokens, 6) == 2  # pages [5, 6] and [7, 8]: each needs its next token; [9, 10] has none
+    assert pool.shared_pages() == frozenset(pool.pages(0)[:2])
+    assert pool.attach_prefix(1, [5, 6, 7, 8, 9, 1]) == 4  # both pages, no computing them again
+    assert pool.pages(1) == pool.pages(0)[:2]
+    assert pool.attach_prefix(2, [5, 6, 7, 3]) == 2  # page [7, 8] agrees for one token: only [5, 6]
+    # page [7, 8] is keyed by 9 after it: a shifted draft's KV at position 3 was computed from token 9, so a
+    # request going on with 1 gets page [5, 6] and a private copy of position 2 only
+    assert pool.attach_prefix(3, [5, 6, 7, 8, 1]) == 3
+    assert pool.pages(3)[0] == pool.pages(0)[0] and pool.pages(3)[1] not in pool.shared_pages()
+    pool.free(0)
+    assert pool.num_free_pages == 8 - 2 - 1  # the cached pages requests 1-3 hold, request 3's copy
+    for rid in (1, 2, 3):
+        pool.free(rid)
+    assert pool.num_free_pages == 8 and pool.num_cached_pages == 2  # unreferenced cached pages count as free
+    pool.audit()
+
+
+def test_a_partly_agreeing_page_is_copied_into_a_private_page():
+    pool = _cached_pool(page_size=4)
+    storage = pool.slot_major("target")  # [slots, 2, 1, 1]
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    pool.attach_prefix(0, tokens)
+    pool.allocate(0, 9)
+    storage[pool.slots_for([0], torch.arange(9))] = torch.arange(9.0)[:, None, None, None] + 100
+    pool.publish(0, tokens, 8)
+    # agrees with page 1 ([5, 6, 7, 8] + 9) for 3 tokens: 2 slots copied (slot j's draft KV needs token j + 1)
+    assert pool.attach_prefix(1, [1, 2, 3, 4, 5, 6, 7, 0, 0]) == 6
+    assert pool.pages(1)[0] == pool.pages(0)[0] and pool.pages(1)[1] not in pool.shared_pages()
+    copied = storage[pool.slots_for([1], torch.arange(6))][:, 0, 0, 0]
+    assert copied.tolist() == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    pool.free(0)
+    pool.free(1)
+    pool.audit()
+
+
+def test_eviction_takes_least_recently_used_unreferenced_leaves_and_never_a_held_page():
+    pool = _cached_pool(num_pages=6, page_size=1)
+    for rid, tokens in enumerate([[1, 2, 0], [3, 4, 0], [5, 6, 0]]):  # 2 cached pages each, a chain per request
+        pool.attach_prefix(rid, tokens)
+        pool.allocate(rid, 2)
+        pool.publish(rid, tokens, 2)
+    pages = {rid: pool.pages(rid) for rid in range(3)}
+    pool.free(1)
+    pool.free(2)
+    assert pool.attach_prefix(3, [5, 6, 0]) == 2  # request 2's pages used again: request 1's are the least recent
+    # requests 0 (the oldest pages, still held) and 3 hold 4 pages; 2 more: request 1's (leaf first, then its parent)
+    pool.allocate(9, 2)
+    assert set(pool.pages(9)) == set(pages[1])
+    assert pool.num_free_pages == 0 and pool.num_cached_pages == 4
+    with pytest.raises(KVPoolExhausted):
+        pool.allocate(9, 3)
+    pool.audit()
+
+
+def test_attach_prefix_refuses_a_request_that_holds_pages_and_publish_an_unknown_one():
+    pool = _cached_pool()
+    pool.allocate(0, 3)
+    with pytest.raises(KVPoolError, match="free it first"):
+        pool.attach_prefix(0, [1, 2, 3])
+    with pytest.raises(KVPoolError, match="never allocated"):
+        pool.publish(7, [1, 2, 3], 2)
+    plain = PagedKVPool(num_pages=4, page_size=2)
+    assert plain.attach_prefix(0, [1, 2, 3]) == 0 and plain.publish(0, [1, 2, 3], 2) == 0 and not plain.shared_pages()
