@@ -148,6 +148,17 @@ INVARIANT_DOCS: dict[int, dict] = {
             f"{KERNELS}/test_sampling_kernels.py::test_tree_kernel_equals_reference",
         ],
     },
+    15: {
+        "statement": "A page in the KV pool's prefix cache is read-only: shared between requests (or kept for later "
+        "ones), it holds only full pages of committed tokens whose KV is final in every cache, and no row of any "
+        "request (prefill past its cached length, draft extend, verify rows, draft scratch) writes it.",
+        "tests": [
+            f"{PROPERTY}/test_prefix_cache.py::TestPrefixPoolMachine",
+            "tests/unit/test_prefix_scheduler.py::test_multi_turn_conversations_under_kv_pressure_equal_autoregressive",
+        ],
+        "checked": "the prefill's rows past each cached length, the draft extend's rows, every verify and draft "
+        "scratch slot checked against the pool's `shared_pages()`",
+    },
 }
 # Not an invariant of its own: the K == 1 fast path (see backends.md).
 EXTRA_TESTS = [

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, strategies as st
+from hypothesis import assume
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from speccycle.core.ports import KVPoolExhausted
 from speccycle.engine.errors import KVPoolError
