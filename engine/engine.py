@@ -164,6 +164,7 @@ class Engine:
         max_ngram: int | None = None,
         fast: bool | str | None = None,
         eagle_dtype: torch.dtype | None = None,
+        prefix_cache: bool = False,
     ) -> Engine:
         """Load the target (``model``: GGUF file, HF directory or a named model such as ``gemma3-270m``;
         None: SmolLM2-135M-Instruct) and a draft.
@@ -175,7 +176,9 @@ class Engine:
         ``"auto"`` (the CLI's default): on for a Llama-architecture model on CUDA, off elsewhere.
         ``spec`` None: `default_spec`; ``max_ngram`` None: the ngram draft's default. ``eagle_dtype``: the
         dtype an EAGLE head loaded from a file runs in (None: the target's on the fast path, else
-        `eagle_head_dtype`: bfloat16 on a CPU with bfloat16 instructions under a float32 target).
+        `eagle_head_dtype`: bfloat16 on a CPU with bfloat16 instructions under a float32 target). ``prefix_cache``:
+        the KV pool keeps committed pages for later requests with the same prefix (`Scheduler(prefix_cache=True)`,
+        docs/serving.md).
         """
         if draft not in DRAFTS:
             raise ValueError(f"unknown draft {draft!r}: choose one of {', '.join(DRAFTS)}")
@@ -207,7 +210,12 @@ class Engine:
             head = eagle_head
             feature_layers = head.config.feature_layers if head.config.version == 3 else None
         target_model = build_model(config, weights, dtype=dtype, device=device, feature_layers=feature_layers)
-        pool = PagedKVPool(num_pages=-(-kv_tokens // spec.page_size), page_size=spec.page_size, device=device)
+        pool = PagedKVPool(
+            num_pages=-(-kv_tokens // spec.page_size),
+            page_size=spec.page_size,
+            device=device,
+            prefix_cache=prefix_cache,
+        )
         tokenizer = _tokenizer(path)
         vocab = config.vocab_size
 
