@@ -229,6 +229,14 @@ class PagedKVPool:
             node = child
         return added
 
+    def drop_cached_pages(self) -> int:
+        """Evict every cached page no request holds (a cold cache); returns how many went back to the free list."""
+        if self._tree is None:
+            return 0
+        dropped = self._tree.evict(len(self._tree.nodes))
+        self._free.extend(dropped)
+        return len(dropped)
+
     def shared_pages(self) -> frozenset[int]:
         """The pages in the prefix cache: read-only, no request may write them (empty without a prefix cache)."""
         return frozenset(self._tree.nodes) if self._tree is not None else frozenset()

@@ -186,6 +186,9 @@ def test_prefix_pages_are_shared_keyed_by_the_next_token_and_counted_free_once_u
         pool.free(rid)
     assert pool.num_free_pages == 8 and pool.num_cached_pages == 2  # unreferenced cached pages count as free
     pool.audit()
+    assert pool.drop_cached_pages() == 2 and pool.num_cached_pages == 0 and pool.attach_prefix(4, tokens) == 0
+    pool.free(4)
+    pool.audit()
 
 
 def test_a_partly_agreeing_page_is_copied_into_a_private_page():
