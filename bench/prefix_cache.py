@@ -171,7 +171,7 @@ def main() -> None:
         "conversations": len(workload["conversations"][: args.conversations or None]),
         "turns": args.turns,
         "hit_rate_gap_points": gap,
-        "modes": results,
+        "rows": [{"mode": mode, **r} for mode, r in results.items()],
     }
     name = f"prefix_cache-{args.tag}" if args.tag else "prefix_cache"
     path = write_result(name, payload, args.device)
