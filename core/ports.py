@@ -242,8 +242,9 @@ class KVPool(Protocol):
 
     Optional: ``num_pages``, the pages of the whole pool (`kv_capacity`; without it, the free pages when the
     scheduler starts), ``has_request(request_id) -> bool``, whether the pool knows a request that may
-    hold no page (`kv_knows`; without it, no such request), and ``shared_pages() -> frozenset[int]``, the
-    pages no request may write (a prefix cache's, `kv_shared_pages`; without it, none).
+    hold no page (`kv_knows`; without it, no such request), ``shared_pages() -> frozenset[int]``, the
+    pages no request may write (a prefix cache's, `kv_shared_pages`; without it, none), and ``prefix_caching``
+    with ``attach_prefix`` and ``publish`` (`kv_prefix_caching`; without it, no prefix cache).
     """
 
     page_size: int
@@ -477,6 +478,13 @@ def kv_capacity(ports) -> int:
     """Pages in the whole KV pool: its ``num_pages``, else the pages free now."""
     pool = ports.kv_pool
     return int(getattr(pool, "num_pages", pool.num_free_pages))
+
+
+def kv_prefix_caching(ports) -> bool:
+    """Whether the KV pool keeps a prefix cache (``prefix_caching``: it then has ``attach_prefix(request_id,
+    tokens) -> int`` and ``publish(request_id, tokens, num_tokens)``, `engine.memory.kv_pool.PagedKVPool`); False
+    where the pool does not say."""
+    return bool(getattr(ports.kv_pool, "prefix_caching", False))
 
 
 def kv_shared_pages(ports) -> frozenset[int]:

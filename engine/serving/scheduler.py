@@ -58,6 +58,7 @@ from ...core.ports import (
     draft_vocab_size,
     kv_capacity,
     kv_knows,
+    kv_prefix_caching,
     target_device,
     target_vocab_size,
 )
@@ -170,7 +171,7 @@ class Scheduler:
             raise ValueError(f"AdaptiveSpeculation.shapes must keep the config's topk (K)={config.topk}")
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
-        if prefix_cache and not getattr(ports.kv_pool, "prefix_caching", False):
+        if prefix_cache and not kv_prefix_caching(ports):
             raise ValueError(
                 "prefix_cache=True needs a KV pool with a prefix cache: build PagedKVPool(..., prefix_cache=True)"
             )

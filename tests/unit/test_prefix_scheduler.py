@@ -125,3 +125,12 @@ def test_invariant_15_checked_mode_refuses_a_cycle_that_writes_a_shared_page(wei
     engine.pool.publish(rid, list(request.tokens) + [0] * 8, L + 8)
     with pytest.raises(InvariantViolation, match="invariant 15 .*prefix cache shares"):
         scheduler.step()
+
+
+def test_prefix_cache_option_needs_a_pool_with_one_and_a_bool(weights):
+    spec = SpecConfig(num_steps=2, topk=1, page_size=4)
+    plain = _engine(weights, "eagle", spec, 16, prefix_cache=False)
+    with pytest.raises(ValueError, match=r"PagedKVPool\(\.\.\., prefix_cache=True\)"):
+        Scheduler.from_engine(plain, prefix_cache=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        Scheduler.from_engine(_engine(weights, "eagle", spec, 16), prefix_cache="yes")
