@@ -201,6 +201,18 @@ class PagedKVPool:
             tree.add_ref(source, -1)
         return cached + copy
 
+    def cached_pages(self, tokens: Sequence[int]) -> int:
+        """How many full pages of ``tokens`` the prefix cache holds (a look: no reference taken, nothing touched)."""
+        if self._tree is None:
+            return 0
+        tree, node, count = self._tree, self._tree.root, 0
+        for k in range(tree.full_pages(len(tokens))):
+            node = node.children.get(tree.key(tokens, k))
+            if node is None:
+                break
+            count += 1
+        return count
+
     def publish(self, request_id: int, tokens: Sequence[int], num_tokens: int) -> int:
         """Put the request's full pages of positions ``[0, num_tokens)`` into the prefix cache; returns how many
         pages went in. ``tokens``: the request's ids, at least through position ``num_tokens`` (a page is keyed

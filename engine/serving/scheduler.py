@@ -340,6 +340,8 @@ class Scheduler:
             request = self.waiting[0]
             if batch and self.max_prefill_tokens and prefill_tokens + len(request.tokens) > self.max_prefill_tokens:
                 break  # the rest waits for the next step's prefill
+            if batch and self.prefix_cache and self._shares_uncached_pages(request, batch):
+                break  # next step it reads those pages from the cache instead of computing them again
             need = self._pages(len(request.tokens) + reserve)
             if need > self.capacity:
                 self.waiting.popleft()
@@ -400,6 +402,15 @@ class Scheduler:
             ready = reshape(ready, self.running.config)
         self.running = ready if self.running is None else merge_ready(self.running, ready)
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _shares_uncached_pages(self, request: Request, batch: Sequence[Request]) -> bool:
+        """Whether ``request`` starts with full pages that a request of this step's prefill will compute and the
+        prefix cache does not hold yet (page keys as the cache's: a page's tokens and the next one)."""
+        pool = self.ports.kv_pool
+        P, tokens = pool.page_size, request.tokens
+        cached = pool.cached_pages(tokens)
+        key = (cached + 1) * P + 1  # the tokens keying one page past the cached ones
+        return len(tokens) >= key and any(other.tokens[:key] == tokens[:key] for other in batch)
 
     def _publish(self) -> None:
         """Put the running requests' new full pages of committed tokens into the prefix cache.

@@ -134,3 +134,15 @@ def test_prefix_cache_option_needs_a_pool_with_one_and_a_bool(weights):
         Scheduler.from_engine(plain, prefix_cache=True)
     with pytest.raises(ValueError, match="must be True or False"):
         Scheduler.from_engine(_engine(weights, "eagle", spec, 16), prefix_cache="yes")
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(weights):
+    spec = SpecConfig(num_steps=2, topk=1, page_size=4)
+    engine = _engine(weights, "eagle", spec, 64)
+    prompts = _conversations(4, 3)  # an 11-token system prompt, then each its own question
+    expected = engine.generate_autoregressive(prompts, 6)
+    scheduler = Scheduler.from_engine(engine, prefix_cache=True, checked=True)
+    assert [list(r.output) for r in scheduler.generate(prompts, SamplingParams(max_new_tokens=6))] == expected
+    # the first prefill computes the system prompt's pages; the other two, admitted a step later, read two of
+    # them and copy the third's first two slots
+    assert scheduler.stats.prefills == 2 and scheduler.stats.cached_tokens == 2 * 10
