@@ -128,6 +128,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # on the decoded output text; the rule: statemachine/stops.py
     logprobs: bool = False  # return log p of each committed token (Request.logprobs)
+    # grammar-constrained output (docs: constrained), at most one: a JSON schema (a JSON string or a dict), a
+    # regular expression, or a Lark / EBNF grammar (llguidance's Lark dialect)
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if not _real(self.temperature) or not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -150,7 +155,37 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "stop_strings", tuple(texts))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        _check_constraint(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, source)`` of the request's grammar (kind ``json_schema``, ``regex`` or ``grammar``), or None."""
+        for kind in CONSTRAINT_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
+
+
+CONSTRAINT_KINDS = ("json_schema", "regex", "grammar")
+
+
+def _check_constraint(params: SamplingParams) -> None:
+    """At most one grammar, each a string (a JSON schema may come as a dict: it is kept as its JSON text)."""
+    import json
+
+    if isinstance(params.json_schema, dict):
+        object.__setattr__(params, "json_schema", json.dumps(params.json_schema))
+    given = [kind for kind in CONSTRAINT_KINDS if getattr(params, kind) is not None]
+    if len(given) > 1:
+        raise ValueError(
+            f"{' and '.join(given)} are both set: give a request one grammar (json_schema, regex or grammar)"
+        )
+    for kind in given:
+        if not isinstance(getattr(params, kind), str):
+            value = getattr(params, kind)
+            raise ValueError(f"{kind}={value!r} must be a string (json_schema: a JSON string or a dict)")

@@ -232,6 +232,33 @@ class Detokenizer(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
+class GrammarMatcher(Protocol):
+    """One request's grammar state in a grammar engine (docs: constrained). It moves forward over tokens and
+    back over the last ones, so the cycle walks each draft branch on one matcher and rolls it back."""
+
+    def try_consume(self, tokens: Sequence[int]) -> int:
+        """Advance over ``tokens`` as far as the grammar allows; the number consumed (the first refused stops it)."""
+
+    def rollback(self, count: int) -> None:
+        """Undo the last ``count`` consumed tokens."""
+
+    def fill_mask(self, out: torch.Tensor) -> None:
+        """Write the bitmask of the tokens allowed next into ``out`` (``[ceil(V / 32)]`` int32, on the host):
+        bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed."""
+
+    def is_stopped(self) -> bool:
+        """The grammar is finished (its end token consumed): nothing may follow."""
+
+
+@runtime_checkable
+class GrammarCompiler(Protocol):
+    """Compiles a request's grammar against the model's vocabulary (`SamplingParams.constraint`)."""
+
+    def compile(self, kind: str, source: str) -> GrammarMatcher:
+        """A fresh matcher for ``kind`` (``json_schema``, ``regex`` or ``grammar``) and its ``source``; raises
+        `ValueError` with the engine's reason for a grammar it cannot compile or does not support."""
+
+
 class KVPoolExhausted(RuntimeError):
     """The pool has too few free pages for a reservation. Engines retract or defer requests."""
 
@@ -322,6 +349,7 @@ class Ports:
     kv_pool: KVPool
     recurrent: RecurrentStatePool = attrs.field(factory=NoRecurrentState)
     detokenizer: Detokenizer | None = None  # needed only by requests with stop strings
+    grammar: GrammarCompiler | None = None  # needed only by constrained requests (docs: constrained)
 
 
 # ---- capabilities -------------------------------------------------------------------------------------

@@ -27,6 +27,20 @@ from .config import SamplingParams, SpecConfig
 FinishReason = Literal["eos", "stop", "length", "error", "cancelled"]
 
 
+@attrs.frozen(eq=False)
+class GrammarState:
+    """A constrained request's grammar: its engine's matcher and how many output tokens it stands after.
+
+    The matcher is the grammar engine's own object (`core.ports.GrammarMatcher`), owned by this request: the
+    draft and the verify advance it along a branch and roll it back; only the compact row moves it for good,
+    and then evolves ``consumed`` to the new output length (invariant 15: ``consumed == len(output)`` at every
+    `Compacted` and `Ready` record, and the matcher stands exactly after the committed tokens).
+    """
+
+    matcher: object = attrs.field(repr=False)
+    consumed: int = 0
+
+
 @attrs.frozen
 class Request:
     """One request's host-side bookkeeping. ``output`` holds every committed token, the root included."""
@@ -38,6 +52,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: tuple[float, ...] = ()  # log p of each output token, when sampling.logprobs (docs: sampling)
+    grammar: GrammarState | None = attrs.field(default=None, eq=False)  # set at prefill when sampling.constraint
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -178,6 +193,9 @@ class Drafted:
     # whose proposals the sampling verify treats as point masses.
     draft_probs: torch.Tensor | None = None
     log: OutputLog | None = None
+    # [bs, N, W] int32: the grammar's token bitmask of every verify row (``W = ceil(V / 32)``): row d's is the
+    # matcher's state after the path to node d; all ones for unconstrained requests. None: no constrained request.
+    token_masks: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)

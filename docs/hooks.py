@@ -159,6 +159,13 @@ INVARIANT_DOCS: dict[int, dict] = {
         "checked": "the prefill's rows past each cached length, the draft extend's rows, every verify and draft "
         "scratch slot checked against the pool's `shared_pages()`",
     },
+    16: {
+        "statement": "A constrained request's committed tokens are always accepted by its grammar, and after "
+        "every compaction its matcher stands exactly after them (docs: constrained).",
+        "tests": [],
+        "checked": "every `Compacted` and `Ready` record: each constrained request's matcher has consumed exactly "
+        "its output, a freshly compiled matcher accepts that output and ends in the same state (equal masks)",
+    },
 }
 # Not an invariant of its own: the K == 1 fast path (see backends.md).
 EXTRA_TESTS = [

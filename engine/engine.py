@@ -144,6 +144,7 @@ class Engine:
         self.fast_decoder = None
         self.host_control = False  # `engine.fast.host_control`; `accelerate` turns it on for a GPU
         self.fused_cycles = None  # `engine.fast.fused_cycle`; `accelerate` builds it for a fast EAGLE draft
+        self._grammar = None  # `engine.grammar.LlguidanceCompiler`, made on the first constrained request
         if fast:
             from .fast.path import accelerate
 
@@ -284,15 +285,21 @@ class Engine:
         on_tokens: Callable[[int, list[int]], None] | None = None,
         checked: bool = False,
         on_step: Callable[[object], None] | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> tuple[list[Request], GenerationStats]:
         """Speculative decoding of a batch. ``on_tokens(index, new_tokens)`` streams output.
 
         ``on_step(record)`` sees the record after every transition (tensor parallelism checks there
-        that every rank committed the same tokens). ``sampling``: temperature, top-k, top-p, seed and
-        logprobs of every prompt (prompt ``i`` gets ``seed + i``; ``max_new_tokens`` and the EOS stops
-        are added); None decodes greedily. Sampling is lossless (docs: sampling).
+        that every rank committed the same tokens). ``sampling``: temperature, top-k, top-p, seed,
+        logprobs and grammar of every prompt (prompt ``i`` gets ``seed + i``; ``max_new_tokens`` and the EOS
+        stops are added), or one `SamplingParams` per prompt (each its own seed and grammar); None decodes
+        greedily. Sampling is lossless (docs: sampling), and so is a grammar (docs: constrained).
         """
+        sampling, per_request = _shared_sampling(sampling, len(prompts))
+        if self.draft is None and per_request is None and sampling is not None and sampling.constraint is not None:
+            per_request = [sampling] * len(prompts)
+        if self.draft is None and per_request is not None:
+            return self._constrained_baseline(prompts, max_new_tokens, per_request, on_tokens)
         if self.draft is None and sampling is not None and not sampling.greedy:
             raise ValueError("--draft none is the greedy autoregressive baseline: sample with a draft")
         if self.draft is None:
@@ -311,6 +318,8 @@ class Engine:
         ids = [next(self._ids) for _ in prompts]
         index = {rid: i for i, rid in enumerate(ids)}
         per_prompt = [params if sampling is None else _sampling_for(sampling, params, i) for i in range(len(prompts))]
+        if per_request is not None:
+            per_prompt = [_sampling_for(sp, params, 0) for sp in per_request]
         record = Admitted(
             config=self.spec,
             requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
@@ -389,15 +398,57 @@ class Engine:
 
     def _device_ports(self) -> Ports:
         """The engine's own ports; its tokenizer matches stop strings (None: a request with them fails alone)."""
-        return Ports(target=self.target, draft=self.draft, kv_pool=self.pool, detokenizer=self.tokenizer)
+        return Ports(
+            target=self.target, draft=self.draft, kv_pool=self.pool, detokenizer=self.tokenizer, grammar=self.grammar
+        )
 
-    def generate_autoregressive(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128) -> list[list[int]]:
-        """Plain greedy decoding, one token per forward: the output `generate` must equal."""
+    @property
+    def grammar(self):
+        """The grammar engine of constrained requests (`engine.grammar.LlguidanceCompiler`); None without a
+        tokenizer (a constrained request then fails alone, saying so)."""
+        if self._grammar is None and self.tokenizer is not None:
+            from .grammar import LlguidanceCompiler
+
+            self._grammar = LlguidanceCompiler(self.tokenizer, self.model.config.vocab_size, self.stop_token_ids)
+        return self._grammar
+
+    def _constrained_baseline(self, prompts, max_new_tokens, per_request, on_tokens):
+        """``--draft none`` with per-request parameters: constrained autoregressive greedy decoding."""
+        start = time.perf_counter()
+        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
+        per_prompt = [_sampling_for(sp, params, 0) for sp in per_request]
+        if any(not sp.greedy for sp in per_prompt):
+            raise ValueError("--draft none is the greedy autoregressive baseline: sample with a draft")
+        outputs = self.generate_autoregressive(prompts, max_new_tokens, sampling=per_prompt)
+        reqs = [Request(i, tuple(p), sp, tuple(o)) for i, (p, sp, o) in enumerate(zip(prompts, per_prompt, outputs))]
+        for i, out in enumerate(outputs):
+            if on_tokens:
+                on_tokens(i, list(out))
+        return reqs, GenerationStats(seconds=time.perf_counter() - start)
+
+    def generate_autoregressive(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[int]]:
+        """Plain greedy decoding, one token per forward: the output `generate` must equal. ``sampling`` with a
+        grammar (one `SamplingParams`, or one per prompt): each token the argmax of the masked logits
+        (`engine.grammar.constrained_greedy`), ending where the grammar is finished."""
         for prompt in prompts:
             self._validate(prompt)
         first = next(self._ids)
         for _ in range(len(prompts) - 1):
             next(self._ids)
+        shared, per_request = _shared_sampling(sampling, len(prompts))
+        if per_request is None and shared is not None and shared.constraint is not None:
+            per_request = [shared] * len(prompts)
+        if per_request is not None and any(sp.constraint is not None for sp in per_request):
+            from .grammar import constrained_greedy
+
+            params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
+            per_prompt = [_sampling_for(sp, params, 0) for sp in per_request]
+            return constrained_greedy(self.target, self.pool, prompts, per_prompt, self.grammar, first)
         if self.fast_decoder is not None:
             return self.fast_decoder.decode(prompts, max_new_tokens, self.stop_token_ids, first_request_id=first)
         return greedy_decode(
@@ -413,6 +464,18 @@ def _sampling_for(sampling: SamplingParams, engine_params: SamplingParams, index
         stop_token_ids=tuple(dict.fromkeys(engine_params.stop_token_ids + sampling.stop_token_ids)),
         seed=None if sampling.seed is None else sampling.seed + index,
     )
+
+
+def _shared_sampling(sampling, count: int) -> tuple[SamplingParams | None, list[SamplingParams] | None]:
+    """``(shared, per_request)``: one `SamplingParams` for every prompt, or a list with one per prompt (then
+    ``shared`` is the first that is not plain greedy, which the fast paths read to refuse the call, else None)."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return sampling, None
+    per_request = list(sampling)
+    if len(per_request) != count or not all(isinstance(sp, SamplingParams) for sp in per_request):
+        raise ValueError(f"sampling is one SamplingParams or a list of {count} (one per prompt)")
+    plain = [sp for sp in per_request if not (sp.greedy and sp.constraint is None and not sp.logprobs)]
+    return (plain[0] if plain else None), per_request
 
 
 def _tokenizer(path: Path):

@@ -31,6 +31,7 @@ INVARIANTS = {
     13: "block drafts",
     14: "fast kernel equals reference",
     15: "shared pages are read-only",
+    16: "grammar",
 }
 
 
@@ -73,6 +74,7 @@ def check_transition(source, result, ports) -> None:
 def check_record(record, ports) -> None:
     if isinstance(record, (Compacted, Ready)):
         _check_committed(record, ports)
+        _check_grammar(record, ports)
     if isinstance(record, Drafted):
         _check_drafted(record, ports)
     if isinstance(record, Verified):
@@ -139,6 +141,16 @@ def _check_extend_writes(source: Compacted, ports) -> None:
     for b, p in zip(source.extend.row_request.tolist(), source.extend.positions.tolist()):
         positions[b].append(p)
     _check_writes(ports, source, "draft extend", _position_slots(ports, source.requests, positions))
+
+
+def _check_grammar(record, ports) -> None:
+    """Invariant 16: every constrained request's matcher stands exactly after its committed tokens, all of which
+    its grammar accepts (`statemachine.grammar.check_matchers`)."""
+    from .grammar import check_matchers
+
+    if any(r.grammar is not None for r in record.requests):
+        problems = check_matchers(record.requests, ports)
+        require(not problems, 16, "; ".join(problems))
 
 
 def _committed(record) -> list[tuple[tuple[int, ...], bool]]:

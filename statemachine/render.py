@@ -22,19 +22,20 @@ def to_mermaid(table: tuple[Transition, ...] = TABLE) -> str:
 
 
 def to_markdown(table: tuple[Transition, ...] = TABLE) -> str:
-    """The table as Markdown: source, event, guard, target, backend ops, the static form (what the static and
-    graphed executors run: the row's own, or a fusion's), what it does."""
+    """The table as Markdown: source, event, guard, target, backend ops, the grammar steps, the static form (what
+    the static and graphed executors run: the row's own, or a fusion's), what it does."""
     out = [
-        "| source | event | guard | target | backend ops | static form | what it does |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| source | event | guard | target | backend ops | grammar | static form | what it does |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in table:
         ops = ", ".join(f"`{op}`" for op in row.ops) or "-"
         guard = f"`{row.guard_name}`" if row.guard_name else "-"
+        masks = ", ".join(f"`{step}`" for step in row.grammar) or "-"
         static = [f"`{row.static.__name__}`"] if row.static is not None else []
         static += [f"fusion `{f.op}`" for f in FUSIONS if row in f.rows and f.static is not None]
         out.append(
-            f"| `{row.source.__name__}` | `{row.event}` | {guard} | `{row.target.__name__}` | {ops} | "
+            f"| `{row.source.__name__}` | `{row.event}` | {guard} | `{row.target.__name__}` | {ops} | {masks} | "
             f"{', '.join(static) or '-'} | {row.doc} |"
         )
     return "\n".join(out) + "\n"

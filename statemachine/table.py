@@ -36,6 +36,9 @@ class Transition:
     # the row's static form (`statemachine.static_rows`): the same work over records at stable addresses, with no
     # host sync and no value-dependent shape, for the static and graphed executors; None: eager only
     static: Callable | None = attrs.field(default=None, repr=False)
+    # where a constrained request's grammar enters the row (`statemachine.grammar`): the host steps that compute
+    # its token masks, cut its run or move its matcher; the masks reach the logits through ``apply_token_mask``
+    grammar: tuple[str, ...] = ()
 
     @property
     def guard_name(self) -> str:
@@ -48,7 +51,14 @@ TABLE: tuple[Transition, ...] = (
         "prefill",
         Compacted,
         t.prefill,
-        ops=("slots_for_positions", "greedy_predict", "process_logits", "sample_without_replacement"),
+        ops=(
+            "slots_for_positions",
+            "greedy_predict",
+            "apply_token_mask",
+            "process_logits",
+            "sample_without_replacement",
+        ),
+        grammar=("compile_request", "next_masks", "cut", "advance"),
         doc="Target extend over the prompts, first token (argmax or sampled from p), draft-extend rows shifted by one.",
     ),
     Transition(
@@ -65,7 +75,8 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.draft_extend,
         guard=t.extend_ready,
-        ops=("slots_for_positions", "select_topk", "process_logits", "sample_without_replacement"),
+        ops=("slots_for_positions", "select_topk", "apply_token_mask", "process_logits", "sample_without_replacement"),
+        grammar=("next_masks",),
         doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q).",
         static=sr.draft_extend_static,
     ),
@@ -105,11 +116,13 @@ TABLE: tuple[Transition, ...] = (
         ops=(
             "slots_for_positions",
             "select_topk",
+            "apply_token_mask",
             "process_logits",
             "sample_without_replacement",
             "advance_frontier",
             "rerank_tree",
         ),
+        grammar=("FrontierMasks", "row_masks"),
         doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "
         "(sampled: children drawn from q, level order, no rerank).",
         static=sr.draft_tree_static,
@@ -121,6 +134,7 @@ TABLE: tuple[Transition, ...] = (
         t.lookup_tree,
         guard=t.lookup_draft_live,
         ops=("slots_for_positions",),
+        grammar=("row_masks",),
         doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify).",
         static=sr.lookup_tree_static,
     ),
@@ -142,6 +156,7 @@ TABLE: tuple[Transition, ...] = (
         ops=(
             "tree_mask",
             "greedy_predict",
+            "apply_token_mask",
             "verify_greedy",
             "verify_greedy_chain",
             "process_logits",
@@ -166,6 +181,7 @@ TABLE: tuple[Transition, ...] = (
         Accepted,
         t.accept,
         ops=("gather_accepted", "fill_bonus"),
+        grammar=("cut",),
         doc="Gather the accepted path, cut it at stops, read the bonus at stride S + 1.",
     ),
     Transition(
@@ -174,6 +190,7 @@ TABLE: tuple[Transition, ...] = (
         Compacted,
         t.compact,
         ops=("plan_kv_move", "move_kv", "last_correct_step_indices"),
+        grammar=("advance",),
         doc="Move the accepted path's KV to [L, L + accept_len); commit; pick recurrent state.",
     ),
 )
@@ -217,7 +234,7 @@ FUSIONS: tuple[Fusion, ...] = (
         doc="After the verify forward: the greedy walk, the cut at stop tokens and max_new_tokens, the bonus, "
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
         "and the done flags (the requests finish from them when the log is read back). Greedy requests with one "
-        "stop list and no stop strings or logprobs, no recurrent state, a forward draft paired shifted.",
+        "stop list and no stop strings, logprobs or grammar, no recurrent state, a forward draft paired shifted.",
         static=sr.accept_commit_static,
         covers=sr.static_covers,
     ),

@@ -42,7 +42,7 @@ from ..core.records import (
     Verified,
 )
 from ..core.tree import draft_position, draft_scratch_offsets, tree_depths
-from . import sampling
+from . import grammar, sampling
 from .stops import cut_at_stops
 
 
@@ -200,8 +200,10 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
                     f"request {request.request_id}: temperature={request.sampling.temperature}; block drafts "
                     "verify greedily, pass temperature=0 or use another draft"
                 )
+            if request.sampling.constraint is not None:
+                request = grammar.compile_request(request, ports)
             valid.append(sampling.with_seed(request))
-        except CycleError as err:
+        except (CycleError, grammar.GrammarRefused) as err:
             refused.append(attrs.evolve(request, finish_reason="error", error=str(err)))
     if not valid:
         zeros = torch.zeros(len(refused), dtype=torch.long, device=_device(ports))
@@ -263,8 +265,11 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     last_rows = starts + row_counts - 1
     batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
     out = target.forward(batch)
-    first = _greedy(out, backend)  # [bs]
-    first, logprobs = sampling.sample_first(rec.requests, out.logits, first, backend)  # sampled requests draw
+    logits, first = out.logits, _greedy(out, backend)  # [bs]
+    if grammar.constrained(rec.requests):  # the first token under each request's grammar
+        logits = backend.apply_token_mask(logits, grammar.next_masks(rec.requests, _words(ports), device))
+        first = backend.greedy_predict(logits)
+    first, logprobs = sampling.sample_first(rec.requests, logits, first, backend)  # sampled requests draw
     bad = _check_logits(out, torch.arange(len(lens), device=device), len(lens))
 
     requests = []
@@ -274,8 +279,12 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
             requests.append(_errored(request, "the target returned non-finite logits for the prompt"))
             continue
         keep, reason = cut_at_stops(request, [token], ports.detokenizer)
-        request = _with_logprobs(request, [logprob], 1)
-        requests.append(attrs.evolve(request, output=request.output + (token,), finish_reason=reason))
+        _, stop, error = grammar.cut(request, [token])
+        if error is not None:
+            requests.append(_errored(request, error))
+            continue
+        request = grammar.advance(_with_logprobs(request, [logprob], 1), [token])
+        requests.append(attrs.evolve(request, output=request.output + (token,), finish_reason=reason or stop))
 
     # Draft extend rows: shifted drafts see t[p + 1] at p, aligned drafts t[p] (root included).
     if offset == 0:
@@ -310,6 +319,11 @@ def _with_logprobs(request: Request, logprobs: Sequence[float | None], count: in
     if not request.sampling.logprobs:
         return request
     return attrs.evolve(request, logprobs=request.logprobs + tuple(float(x) for x in logprobs[:count]))
+
+
+def _words(ports: Ports) -> int:
+    """Int32 words of a token bitmask over the target's vocabulary."""
+    return grammar.mask_words(ports.target.vocab_size)
 
 
 def _errored(request: Request, message: str) -> Request:
@@ -446,13 +460,17 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     out = ports.draft.extend(batch, ext.hidden)
     rows = sampling.sampled_rows(rec.requests, out.logits.device)
     _refuse_draft_vocabulary_when_sampled(out, rows)
-    if rows is None and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
+    logits, masked = out.logits, grammar.constrained(rec.requests)
+    if masked:  # depth-1 candidates the grammar allows after the committed tokens
+        masks = grammar.next_masks(rec.requests, _words(ports), logits.device)
+        logits = backend.apply_token_mask(logits, masks, out.vocab_map)
+    if rows is None and not masked and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
         topk_p, topk_index = out.topk  # taken inside the port's forward (`ModelOutput.topk`)
     else:
-        topk_p, topk_index = backend.select_topk(out.logits, cfg.topk, out.vocab_map)
+        topk_p, topk_index = backend.select_topk(logits, cfg.topk, out.vocab_map)
     draft_probs = None
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
-        topk_p, topk_index, draft_probs = sampling.draw_children(rows, out.logits, 1, topk_p, topk_index, 0, backend)
+        topk_p, topk_index, draft_probs = sampling.draw_children(rows, logits, 1, topk_p, topk_index, 0, backend)
     hidden = None if out.hidden is None else out.hidden.index_select(0, last_rows)
     return _ready(rec, topk_p, topk_index, hidden, draft_probs)
 
@@ -523,6 +541,7 @@ def draft_levels(
     draft_hidden: torch.Tensor | None,
     rows=None,
     draft_probs: torch.Tensor | None = None,
+    frontier_masks: grammar.FrontierMasks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``S - 1`` draft forwards of `draft_tree`: every candidate level, EAGLE-2 rescored.
 
@@ -583,11 +602,15 @@ def draft_levels(
         )
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
         _refuse_draft_vocabulary_when_sampled(out, rows)
+        logits = out.logits
+        if frontier_masks is not None:  # each frontier node's children: what the grammar allows after its branch
+            masks = frontier_masks.level(cand_tokens, cand_parents, frontier_cand)
+            logits = backend.apply_token_mask(logits, masks, out.vocab_map)
         # [bs*K, K]; logits over the draft's own vocabulary (`vocab_map`) give the target's ids
-        child_p, child_ids = backend.select_topk(out.logits, K, out.vocab_map)
+        child_p, child_ids = backend.select_topk(logits, K, out.vocab_map)
         if rows is not None:
             child_p, child_ids, q = sampling.draw_children(
-                rows, out.logits, K, child_p, child_ids, j + 1, backend, parent_tokens=frontier_tokens.reshape(-1)
+                rows, logits, K, child_p, child_ids, j + 1, backend, parent_tokens=frontier_tokens.reshape(-1)
             )
             sampling.store_rows(draft_probs, q.view(bs, K, -1), frontier_cand + 1 if K > 1 else frontier_cand + 1 + j)
         if K == 1:  # a chain: the child is the next frontier, nothing to rescore
@@ -647,12 +670,14 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         draft_probs = rec.draft_probs.new_zeros((bs, N, rec.draft_probs.shape[-1]))
         draft_probs[:, 0] = rec.draft_probs
     levels = (ports, backend, cfg, ids, L, page_table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden)
+    masked = grammar.constrained(rec.requests)
+    frontier = grammar.FrontierMasks(rec.requests, _words(ports), K) if masked else None
     # A draft may run the greedy loop as one captured CUDA graph (engine.fast.path), calling draft_levels itself.
-    graphed = graphed_draft_levels(ports) if rows is None else None
+    graphed = graphed_draft_levels(ports) if rows is None and not masked else None
     if graphed is not None:
         cand_tokens, cand_scores, cand_parents, draft_positions = graphed(draft_levels, *levels)
     else:
-        cand_tokens, cand_scores, cand_parents, draft_positions = draft_levels(*levels, rows, draft_probs)
+        cand_tokens, cand_scores, cand_parents, draft_positions = draft_levels(*levels, rows, draft_probs, frontier)
 
     if K == 1:
         tokens = torch.cat([rec.root_tokens[:, None], cand_tokens], dim=1)  # `chain_tree`, parents shared
@@ -679,6 +704,7 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         draft_slots=draft_slots,
         draft_positions=draft_positions.contiguous(),
         draft_probs=draft_probs,
+        token_masks=grammar.row_masks(rec.requests, tokens, parents, padding, _words(ports)) if masked else None,
     )
 
 
@@ -715,6 +741,9 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         parents, depths = chain, shapes.chain_depths(bs, n + 1, device)
     else:
         depths = tree_depths(parents)
+    masks = None
+    if grammar.constrained(rec.requests):  # proposals the grammar refuses are dead rows: never accepted
+        masks = grammar.row_masks(rec.requests, tokens, parents, None, _words(ports))
     return Drafted(
         config=cfg,
         requests=rec.requests,
@@ -723,6 +752,7 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         verify_slots=verify_slots,
         draft_slots=shapes.no_extra_slots(bs, device).view(bs, 0, 1).expand(bs, 0, cfg.topk),
         draft_positions=shapes.no_extra_slots(bs, device),
+        token_masks=masks,
     )
 
 
@@ -763,7 +793,12 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     else:
         mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
     out, row_request = target_verify_forward(rec, ports, mask)
-    predict = _greedy(out, backend)  # [bs * N]
+    logits = out.logits
+    if rec.token_masks is None:
+        predict = _greedy(out, backend)  # [bs * N]
+    else:  # the target's distribution is the masked one: row d's mask is the grammar after the path to node d
+        logits = backend.apply_token_mask(logits, rec.token_masks.flatten(0, 1))
+        predict = backend.greedy_predict(logits)
     if rec.tree.parents is shapes.chain_parents(bs, N, device):  # a chain (draft_tree, lookup_tree): its walk
         accept_index, accept_len = backend.verify_greedy_chain(rec.tree.tokens, predict.view(bs, N), cfg.accept_width)
     else:
@@ -773,10 +808,10 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     rows, target_probs = sampling.sampled_rows(rec.requests, device), None
     if rows is not None:
         accept_index, accept_len, predict, target_probs = sampling.verify_sampled(
-            rows, rec.tree, rec.draft_probs, out.logits, cfg.accept_width, cfg.is_chain,
+            rows, rec.tree, rec.draft_probs, logits, cfg.accept_width, cfg.is_chain,
             accept_index, accept_len, predict, backend,
         )  # fmt: skip
-    logprobs = sampling.row_logprobs(rec.requests, out.logits, predict, rows, target_probs, N)
+    logprobs = sampling.row_logprobs(rec.requests, logits, predict, rows, target_probs, N)
     bad = _check_logits(out, row_request, bs)
     requests = tuple(
         _errored(r, "the target returned non-finite logits during verify") if b else r
@@ -809,15 +844,20 @@ def accept(rec: Verified, ports: Ports, backend) -> Accepted:
     cfg = rec.config
     accepted_rows = gather_rows(rec.rows, rec.accept_index, backend)
     accept_len = rec.accept_len
-    lens, reasons = [], []
+    lens, reasons, requests = [], [], []
     committed_all = accepted_rows.predict.tolist()
     walked = accept_len.tolist()
     for request, committed, n in zip(rec.requests, committed_all, walked):
-        if request.finish_reason == "error":
-            lens.append(1)
-            reasons.append("error")
-            continue
-        keep, reason = cut_at_stops(request, committed[:n], ports.detokenizer)
+        keep, reason = 1, "error"
+        if request.finish_reason != "error":
+            keep, reason = cut_at_stops(request, committed[:n], ports.detokenizer)
+            # the grammar's own end (its end token) or a token it refuses (a dead end: the request fails)
+            at, stop, error = grammar.cut(request, committed[:keep])
+            if error is not None:
+                request, keep, reason = _errored(request, error), 1, "error"
+            elif stop is not None:
+                keep, reason = at, reason if at == keep and reason is not None else stop
+        requests.append(request)
         lens.append(keep)
         reasons.append(reason)
     if lens != walked:  # a stop, the length limit or an error cut a run
@@ -825,7 +865,7 @@ def accept(rec: Verified, ports: Ports, backend) -> Accepted:
     bonus = backend.fill_bonus(accepted_rows.predict, accept_len, cfg.accept_width)
     return Accepted(
         config=cfg,
-        requests=rec.requests,
+        requests=tuple(requests),
         seq_lens=rec.seq_lens,
         tree=rec.tree,
         verify_slots=rec.verify_slots,
@@ -861,7 +901,7 @@ def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
         if request.finish_reason == "error":
             requests.append(request)
             continue
-        request = _with_logprobs(request, lps, n)
+        request = grammar.advance(_with_logprobs(request, lps, n), tokens[:n])
         requests.append(attrs.evolve(request, output=request.output + tuple(tokens[:n]), finish_reason=reason))
 
     # Draft extend rows: the committed tokens (accepted rows d < accept_len of each request) at

@@ -86,6 +86,21 @@ class TorchBackend:
         slots = pages if page_size == 1 else torch.add(flat % page_size, pages, alpha=page_size)
         return slots.reshape(positions.shape)
 
+    def apply_token_mask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, vocab_map: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits with every token a grammar refuses at ``-inf`` (docs: constrained); a new tensor.
+
+        ``bitmask`` holds bit ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed. ``vocab_map [V]``:
+        the logits' columns are a draft vocabulary, column ``c`` is target token ``vocab_map[c]``.
+
+        Shapes: ``logits [R, V]``, ``bitmask [R, W]`` int32 (``32 W >=`` the target vocabulary) -> ``[R, V]``.
+        """
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().flatten(1)  # [R, 32 W]
+        allowed = allowed[:, : logits.shape[-1]] if vocab_map is None else allowed.index_select(1, vocab_map)
+        return logits.masked_fill(~allowed, float("-inf"))
+
     # ---- verify ------------------------------------------------------------------------------
     def greedy_predict(self, logits: torch.Tensor) -> torch.Tensor:
         """Shapes: ``logits [R, V]`` -> ``[R]`` int64."""
