@@ -32,13 +32,17 @@ class LlguidanceMatcher:
 
     def __init__(self, matcher, words: int):
         self._matcher, self._bytes = matcher, words * 4
+        self.position = 0  # tokens consumed and not rolled back (checked mode compares it with the output)
 
     def try_consume(self, tokens: Sequence[int]) -> int:
-        return self._matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        done = self._matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        self.position += done
+        return done
 
     def rollback(self, count: int) -> None:
         if count and not self._matcher.rollback(count):
             raise RuntimeError(f"the grammar matcher cannot roll back {count} tokens: {self._matcher.get_error()}")
+        self.position -= count
 
     def fill_mask(self, out: torch.Tensor) -> None:
         if (

@@ -220,10 +220,10 @@ def check_matchers(requests: Sequence[Request], ports) -> list[str]:
         if request.grammar is None or request.finish_reason == "error":
             continue
         rid, output = request.request_id, request.output
-        if request.grammar.consumed != len(output):
-            problems.append(
-                f"request {rid}: its matcher stands after {request.grammar.consumed} tokens, not {len(output)}"
-            )
+        position = getattr(request.grammar.matcher, "position", request.grammar.consumed)  # where the engine counts
+        if request.grammar.consumed != len(output) or position != len(output):
+            stands = f"{request.grammar.consumed} tokens (its engine counts {position})"
+            problems.append(f"request {rid}: its matcher stands after {stands}, not after the {len(output)} committed")
             continue
         fresh = ports.grammar.compile(*request.sampling.constraint)
         done = fresh.try_consume(output)

@@ -36,8 +36,9 @@ class Transition:
     # the row's static form (`statemachine.static_rows`): the same work over records at stable addresses, with no
     # host sync and no value-dependent shape, for the static and graphed executors; None: eager only
     static: Callable | None = attrs.field(default=None, repr=False)
-    # where a constrained request's grammar enters the row (`statemachine.grammar`): the host steps that compute
-    # its token masks, cut its run or move its matcher; the masks reach the logits through ``apply_token_mask``
+    # where a constrained request's grammar enters the row: the host steps of `statemachine.grammar` that compute
+    # its token masks, cut its run or move its matcher, or the record field the row reads its masks from; the
+    # masks reach the logits through the backend op ``apply_token_mask``
     grammar: tuple[str, ...] = ()
 
     @property
@@ -163,6 +164,7 @@ TABLE: tuple[Transition, ...] = (
             "verify_chain_sampling",
             "verify_tree_sampling",
         ),
+        grammar=("Drafted.token_masks",),
         doc="One target forward over [root, drafts] at L + depth with the tree mask; greedy walk "
         "(sampled: lossless rejection sampling, chain or tree).",
     ),
