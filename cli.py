@@ -112,7 +112,11 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise UsageError("the prompt is empty: pass the message (with --raw, the text to continue)")
     spec = check_engine_args(args)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    from .engine.cli_options import constraint_from_args
+
+    constraint = constraint_from_args(args)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              **constraint)  # fmt: skip
     engine = _load_engine(args, spec)
     if engine.tokenizer is None:
         raise UsageError("this model has no tokenizer in its file: generate needs one")
@@ -128,6 +132,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     results, stats = engine.generate([ids], args.max_new_tokens, on_tokens=show, sampling=sampling)
     print()
+    if results[0].finish_reason == "error":  # a grammar that does not compile, ...
+        raise UsageError(results[0].error)
     tau = f"tau {stats.tau:.2f}" if stats.verifies else "tau -"
     print(
         f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, "
@@ -146,6 +152,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .engine.bench import BenchInterrupted, bench_header, device_label, format_report, load_prompts, run_bench
 
+    if any(getattr(args, name, None) is not None for name in ("json_schema", "regex", "grammar")):
+        raise UsageError(
+            "--json-schema, --regex and --grammar constrain `speccycle generate`; the constrained benchmark is "
+            "bench/constrained.py"
+        )
     if args.temperature != 0.0:
         raise UsageError(
             "speccycle bench compares speculative with greedy autoregressive output: use --temperature 0 "

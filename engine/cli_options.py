@@ -88,6 +88,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass to keep (1: all)")
     p.add_argument("--seed", type=int, default=None, help="sampling: seed for reproducible output")
+    grammar = p.add_mutually_exclusive_group()
+    grammar.add_argument(
+        "--json-schema", default=None, help="constrain the output to a JSON schema (a file or JSON text)"
+    )
+    grammar.add_argument("--regex", default=None, help="constrain the output to a regular expression")
+    grammar.add_argument("--grammar", default=None, help="constrain the output to a Lark grammar (a file or its text)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--device", default="cuda" if cuda_available() else "cpu")
     p.add_argument(
@@ -156,13 +162,37 @@ def check_engine_args(args: argparse.Namespace) -> SpecConfig:
             "published head's folder"
         )
     try:  # the library's own checks of a tree shape and of sampling options, as one-line usage errors
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        sampling = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            **constraint_from_args(args),
+        )  # fmt: skip
         spec = spec_from_args(args, args.device)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.draft == "none" and not sampling.greedy:
         raise UsageError("--draft none is the greedy autoregressive baseline: sample (--temperature > 0) with a draft")
     return spec
+
+
+def constraint_from_args(args: argparse.Namespace) -> dict:
+    """``--json-schema``, ``--regex`` or ``--grammar`` as `SamplingParams` fields (a file's text where the value
+    names a file); {} when none is given (docs: constrained)."""
+    out = {}
+    for option, field in (("json_schema", "json_schema"), ("regex", "regex"), ("grammar", "grammar")):
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if option != "regex" and Path(value).is_file():
+            value = Path(value).read_text()
+        if option == "json_schema":
+            import json
+
+            try:
+                json.loads(value)
+            except ValueError as err:
+                raise UsageError(f"--json-schema is neither a file nor JSON text ({err}): pass a schema") from None
+        out[field] = value
+    return out
 
 
 def check_device(device: str) -> None:

@@ -9,7 +9,8 @@
         print(piece, end="", flush=True)
 
 A prompt is a string (sent as one user turn through the model's chat template; ``raw=True`` continues the text
-as it is), a list of chat messages (`chat`), or token ids (`generate_ids`). Strings never pass as token
+as it is), a list of chat messages (`chat`), or token ids (`generate_ids`). ``json_schema=``, ``regex=``
+or ``grammar=`` constrains the reply (``llm.generate("A user:", json_schema=schema)``; docs: constrained). Strings never pass as token
 sequences: a string where ids belong is refused. Greedy unless ``temperature > 0``; both are lossless (the
 output of greedy decoding, or a sample of the target's distribution). The device is a GPU when torch sees one
 (bfloat16, the fast path), else the CPU (float32).
@@ -59,7 +60,8 @@ class LLM:
     def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 128, *, raw: bool = False,
                  **sampling: Any) -> str | list[str]:  # fmt: skip
         """The reply to ``prompt`` (a string), or one reply each for a list of strings, decoded in one batch.
-        ``sampling``: `SamplingParams`' temperature, top_k, top_p, seed."""
+        ``sampling``: `SamplingParams`' temperature, top_k, top_p, seed, and a grammar the reply must follow:
+        ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark) (docs: constrained)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UsageError("generate takes a string or a list of strings; token ids go to generate_ids")
@@ -113,10 +115,13 @@ class LLM:
         if isinstance(prompts, str) or any(isinstance(p, (str, bytes)) for p in prompts):
             raise UsageError("generate_ids takes lists of token ids; text goes to generate or chat")
         params = SamplingParams(**sampling) if sampling else None
-        if params is not None and params.greedy:
+        if params is not None and params.greedy and params.constraint is None:
             params = None  # greedy: the engine's own path (the fast path on a GPU)
         results, _ = self.engine.generate([list(p) for p in prompts], max_new_tokens, on_tokens=on_tokens,
                                           sampling=params)  # fmt: skip
+        failed = [r.error for r in results if r.finish_reason == "error"]
+        if failed:  # a grammar that does not compile, ...: the reason, once
+            raise UsageError(failed[0])
         return [list(r.output) for r in results]
 
     def _encode(self, text: str, raw: bool) -> list[int]:
