@@ -11,9 +11,9 @@
 A prompt is a string (sent as one user turn through the model's chat template; ``raw=True`` continues the text
 as it is), a list of chat messages (`chat`), or token ids (`generate_ids`). ``json_schema=``, ``regex=``
 or ``grammar=`` constrains the reply (``llm.generate("A user:", json_schema=schema)``; docs: constrained).
-Strings never pass as token sequences: a string where ids belong is refused. Greedy unless ``temperature > 0``; both are lossless (the
-output of greedy decoding, or a sample of the target's distribution). The device is a GPU when torch sees one
-(bfloat16, the fast path), else the CPU (float32).
+Strings never pass as token sequences: a string where ids belong is refused. Greedy unless ``temperature > 0``;
+both are lossless (the output of greedy decoding, or a sample of the target's distribution). The device is a
+GPU when torch sees one (bfloat16, the fast path), else the CPU (float32).
 """
 
 from __future__ import annotations
