@@ -7,7 +7,8 @@ Two parts, one JSON record (``bench/results/constrained-<date>.json``):
   masked) and constrained speculative decoding (``--draft``, its default shape on the device); tokens per second
   of each, the speedup, tau, whether the outputs are identical, and the host time the grammar took per cycle
   (every `statemachine.grammar` step the rows run: masks after the committed tokens, the draft levels' frontier
-  masks, the verify rows' masks, the cut and the matchers' advance), against the cycle's wall time.
+  masks, the verify rows' masks, the cut and the matchers' advance), against the cycle's wall time; and the
+  ablation: the same speculative run with the draft's own masks off (the verify still masks), its tau.
 * **lossless check** (``--check``): Spec-Bench prompts (``--prompts``, default the 13 the package ships), each
   under a JSON schema or a regex in turn, decoded in one batch both ways; the count of identical outputs.
 
@@ -36,7 +37,7 @@ ANSWER = {
     "additionalProperties": False,
 }
 SENTENCE = r"[A-Z][A-Za-z0-9 ,.;:'()-]{20,400}"
-TIMED = ("next_masks", "row_masks", "cut", "advance", "compile_request")
+TIMED = ("next_masks", "draft_masks", "row_masks", "cut", "advance", "compile_request")
 
 
 class GrammarClock:
@@ -70,6 +71,27 @@ class GrammarClock:
             setattr(owner, name, original)
 
 
+class NoDraftMasks:
+    """The ablation: the draft proposes from its unmasked distribution (its extend's and levels' masks all ones);
+    the verify still masks the target, so the output stays the constrained one and only acceptance changes."""
+
+    def __enter__(self):
+        self._saved = grammar_steps.draft_masks, grammar_steps.FrontierMasks.level
+
+        def ones(requests, words, device):
+            return torch.full((len(requests), words), -1, dtype=torch.int32, device=device)
+
+        def level_ones(masker, cand_tokens, cand_parents, frontier_cand):
+            rows = cand_tokens[0].shape[0] * masker.topk
+            return torch.full((rows, masker.words), -1, dtype=torch.int32, device=cand_tokens[0].device)
+
+        grammar_steps.draft_masks, grammar_steps.FrontierMasks.level = ones, level_ones
+        return self
+
+    def __exit__(self, *exc):
+        grammar_steps.draft_masks, grammar_steps.FrontierMasks.level = self._saved
+
+
 def _params(item: dict) -> SamplingParams:
     return SamplingParams(**{k: item[k] for k in ("json_schema", "regex") if k in item})
 
@@ -92,6 +114,10 @@ def speed(engine, max_new_tokens: int) -> dict:
             spec_s = time.perf_counter() - start
         output = list(results[0].output)
         grammar_s = sum(clock.seconds.values())
+        with NoDraftMasks():
+            start = time.perf_counter()
+            unmasked, unmasked_stats = engine.generate([prompt], max_new_tokens, sampling=[params])
+            unmasked_s = time.perf_counter() - start
         rows.append(
             {
                 "category": item["category"],
@@ -103,6 +129,9 @@ def speed(engine, max_new_tokens: int) -> dict:
                 "speculative_s": round(spec_s, 4),
                 "speedup": round(ar_s / spec_s, 3),
                 "tau": round(stats.tau, 3) if stats.verifies else None,
+                "tau_draft_unmasked": round(unmasked_stats.tau, 3) if unmasked_stats.verifies else None,
+                "speculative_draft_unmasked_s": round(unmasked_s, 4),
+                "identical_draft_unmasked": list(unmasked[0].output) == reference,
                 "cycles": len(cycles),
                 "grammar_ms_per_cycle": round(1e3 * grammar_s / max(len(cycles), 1), 3),
                 "cycle_ms": round(1e3 * spec_s / max(len(cycles), 1), 3),
@@ -116,6 +145,12 @@ def speed(engine, max_new_tokens: int) -> dict:
         totals["speculative_s"] += spec_s
         totals["grammar_s"] += grammar_s
         totals["cycles"] += len(cycles)
+        totals["unmasked_s"] += unmasked_s
+        totals["unmasked_tokens"] += len(unmasked[0].output)
+        totals["verifies"] += stats.verifies
+        totals["committed"] += stats.committed
+        totals["unmasked_verifies"] += unmasked_stats.verifies
+        totals["unmasked_committed"] += unmasked_stats.committed
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "text"}), flush=True)
     return {
         "prompts": rows,
@@ -128,6 +163,12 @@ def speed(engine, max_new_tokens: int) -> dict:
         "grammar_ms_per_cycle": round(1e3 * totals["grammar_s"] / max(totals["cycles"], 1), 3),
         "cycle_ms": round(1e3 * totals["speculative_s"] / max(totals["cycles"], 1), 3),
         "grammar_share_of_cycle": round(totals["grammar_s"] / totals["speculative_s"], 4),
+        "tau": round(totals["committed"] / max(totals["verifies"], 1), 3),
+        "draft_unmasked": {
+            "tau": round(totals["unmasked_committed"] / max(totals["unmasked_verifies"], 1), 3),
+            "speculative_tok_s": round(totals["unmasked_tokens"] / totals["unmasked_s"], 3),
+            "identical": sum(r["identical_draft_unmasked"] for r in rows),
+        },
     }
 
 

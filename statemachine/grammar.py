@@ -6,8 +6,8 @@ the masked one: every logits row the cycle reads for a constrained request first
 ``apply_token_mask`` with the bitmask of the grammar's state at that row. Where each row of the table takes its
 mask (the table's ``grammar`` column names these functions):
 
-* ``next_masks``: the state after the committed tokens (the prefill's first token; the draft extend's
-  depth-1 candidates);
+* ``next_masks``: the state after the committed tokens (the prefill's first token); ``draft_masks``, the
+  same for the draft extend's depth-1 candidates;
 * ``FrontierMasks``: each draft level's frontier nodes, the matcher walked along the node's branch and
   rolled back, so a forward draft proposes only tokens the grammar allows at each node;
 * ``row_masks``: every verify row, row ``d``'s mask the state after the path to node ``d``; the verify
@@ -93,6 +93,13 @@ def next_masks(requests: Sequence[Request], words: int, device) -> torch.Tensor:
         if _live(request):
             _fill(request.grammar.matcher, masks[b])
     return masks.to(device)
+
+
+def draft_masks(requests: Sequence[Request], words: int, device) -> torch.Tensor:
+    """The draft extend's depth-1 masks: the state after the committed tokens, as `next_masks`; a step of its own
+    so the draft side's masks are told apart from the target's (``bench/constrained.py`` turns them off to measure
+    what they bring). Shapes: -> ``[bs, W]`` int32."""
+    return next_masks(requests, words, device)
 
 
 def path_masks(

@@ -198,9 +198,9 @@ def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) ->
 # ---- coverage ----------------------------------------------------------------------------------------
 def static_covers(rec, ports) -> bool:
     """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings, logprobs or a
-    grammar (constrained batches run eagerly: their masks come from the host), all with the same stop ids (at most `MAX_STOPS`: the log holds one list), no recurrent state, ports that declare
-    static forwards, and a forward draft paired shifted, or a lookup draft in a cycle of ``S == 0`` (it proposes
-    nothing: a plain decode step)."""
+    grammar (constrained batches run eagerly: their masks come from the host), all with the same stop ids (at most
+    `MAX_STOPS`: the log holds one list), no recurrent state, ports that declare static forwards, and a forward
+    draft paired shifted, or a lookup draft in a cycle of ``S == 0`` (it proposes nothing: a plain decode step)."""
     if static_forwards(ports) is None:
         return False
     if draft_kind(ports) == "lookup":

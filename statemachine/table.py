@@ -77,7 +77,7 @@ TABLE: tuple[Transition, ...] = (
         t.draft_extend,
         guard=t.extend_ready,
         ops=("slots_for_positions", "select_topk", "apply_token_mask", "process_logits", "sample_without_replacement"),
-        grammar=("next_masks",),
+        grammar=("draft_masks",),
         doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q).",
         static=sr.draft_extend_static,
     ),

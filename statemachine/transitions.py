@@ -462,7 +462,7 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     _refuse_draft_vocabulary_when_sampled(out, rows)
     logits, masked = out.logits, grammar.constrained(rec.requests)
     if masked:  # depth-1 candidates the grammar allows after the committed tokens
-        masks = grammar.next_masks(rec.requests, _words(ports), logits.device)
+        masks = grammar.draft_masks(rec.requests, _words(ports), logits.device)
         logits = backend.apply_token_mask(logits, masks, out.vocab_map)
     if rows is None and not masked and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
         topk_p, topk_index = out.topk  # taken inside the port's forward (`ModelOutput.topk`)
