@@ -300,3 +300,27 @@ def test_bench_reports_what_ran_and_draft_none_has_no_tau(loaded, tmp_path, caps
     assert record["tau"] is None and record["identical_to_ar"] == 3 and record["max_new_tokens"] == 4
     assert record["header"] == header and record["interrupted"] is False
     assert record["speedup"] == pytest.approx(record["spec_tokens_per_s"] / record["ar_tokens_per_s"], rel=0.01)
+
+
+# ---- grammars ------------------------------------------------------------------------------------
+
+
+def test_a_json_schema_that_is_not_json_is_one_line_before_the_model_loads(capsys, no_model):
+    code, _, err = run(["generate", "hi", "--json-schema", "{not json"], capsys)
+    one_line_error(code, err, "--json-schema", "neither a file nor JSON text")
+
+
+def test_two_grammars_at_once_are_refused_by_the_parser(capsys, no_model):
+    code, _, err = run(["generate", "hi", "--regex", "a+", "--grammar", "start: x"], capsys)
+    one_line_error(code, err, "--grammar: not allowed with argument --regex")
+
+
+def test_a_grammar_that_does_not_compile_is_one_line(capsys, loaded):
+    pytest.importorskip("llguidance")
+    code, _, err = run(["generate", "hi", "--grammar", "start: undefined_rule", "--max-new-tokens", "4"], capsys)
+    one_line_error(code, err, "the grammar does not compile", "undefined_rule")
+
+
+def test_bench_refuses_a_grammar(capsys, no_model):
+    code, _, err = run(["bench", "--regex", "a+"], capsys)
+    one_line_error(code, err, "constrain `speccycle generate`", "bench/constrained.py")
