@@ -215,9 +215,11 @@ class Scheduler:
 
     @classmethod
     def from_engine(cls, engine, **kwargs) -> Scheduler:
-        """A scheduler over an `Engine`'s target, draft, pool and tokenizer (EOS from the model)."""
+        """A scheduler over an `Engine`'s target, draft, pool, tokenizer and grammar engine (EOS from the model)."""
         draft = engine.draft if engine.draft is not None else ZeroDraft(engine.target.vocab_size)
-        ports = Ports(target=engine.target, draft=draft, kv_pool=engine.pool, detokenizer=engine.tokenizer)
+        ports = Ports(
+            target=engine.target, draft=draft, kv_pool=engine.pool, detokenizer=engine.tokenizer, grammar=engine.grammar
+        )
         kwargs.setdefault("eos_token_ids", engine.stop_token_ids)
         kwargs.setdefault("backend", engine.backend)
         kwargs.setdefault("request_ids", engine._ids)  # ids stay unique beside Engine.generate

@@ -207,3 +207,25 @@ def test_invariant_15_checked_mode_catches_a_matcher_off_the_committed_tokens():
     record.requests[0].grammar.matcher.try_consume([0])  # one token past the committed ones
     with pytest.raises(InvariantViolation, match="invariant 15"):
         check_record(record, ports)
+
+
+def test_the_scheduler_keeps_constrained_requests_lossless_through_retraction_and_staggered_arrival():
+    """A pool too small for every request at once: constrained requests are retracted and resumed (the prefill
+    recompiles the grammar and walks the output again), requests join between cycles."""
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    config = SpecConfig(num_steps=3, topk=2, num_draft_tokens=5, page_size=2)
+    ports = attrs.evolve(_ports(config, "shifted"), kv_pool=FingerprintPool(num_pages=40, page_size=2))
+    ports = attrs.evolve(ports, target=HashedNgramTarget(ports.kv_pool, vocab_size=VOCAB.vocab_size, n=3))
+    ports = attrs.evolve(ports, draft=NoisyDraft(ports.target, 0.7, "shifted"))
+    scheduler = Scheduler(ports, config, checked=True)
+    prompts = [(3, 7, 1), (4, 7, 3), (5, 7, 5), (6, 7, 7)]
+    ids = [scheduler.submit(prompts[0], GRAMMARS[0]), scheduler.submit(prompts[1], GRAMMARS[1])]
+    scheduler.step()
+    ids += [scheduler.submit(prompts[2], GRAMMARS[2]), scheduler.submit(prompts[3], GRAMMARS[3])]
+    scheduler.run()
+    assert scheduler.stats.retractions > 0, "the pool was meant to be too small for every request at once"
+    for rid, prompt, params in zip(ids, prompts, GRAMMARS):
+        expected = constrained_autoregressive(ports.target, ports.grammar, Request(rid, prompt, params))
+        assert list(scheduler.finished[rid].output) == expected
+    assert ports.kv_pool.num_free_pages == ports.kv_pool.num_pages
