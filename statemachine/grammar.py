@@ -11,7 +11,8 @@ mask (the table's ``grammar`` column names these functions):
 * ``FrontierMasks``: each draft level's frontier nodes, the matcher walked along the node's branch and
   rolled back, so a forward draft proposes only tokens the grammar allows at each node;
 * ``row_masks``: every verify row, row ``d``'s mask the state after the path to node ``d``; the verify
-  applies them to the target's logits (greedy argmax and rejection sampling alike);
+  applies them to the target's logits (greedy argmax and rejection sampling alike). A lookup draft, which
+  cannot be masked, drops the rows past the last one the grammar allows;
 * ``cut``: the accept cuts the committed run where the grammar stops (its end token) and fails a request
   whose token the grammar refuses (an empty mask: the grammar reached a dead end);
 * ``advance``: the compact row moves each matcher over the committed tokens for good.
@@ -104,23 +105,29 @@ def draft_masks(requests: Sequence[Request], words: int, device) -> torch.Tensor
 
 def path_masks(
     requests: Sequence[Request], paths: Sequence[Sequence[Sequence[int] | None]], words: int
-) -> torch.Tensor:
-    """The bitmask after each path (tokens past the committed ones; None: a dead node). Walks each request's
-    matcher along the path and rolls it back. Shapes: ``paths [bs][P]`` -> ``[bs, P, W]`` int32, on the host."""
+) -> tuple[torch.Tensor, list[list[bool]]]:
+    """The bitmask after each path (tokens past the committed ones; None: a dead node), and whether the grammar
+    allows each path (an unconstrained request's always). Walks each request's matcher along the path and rolls
+    it back. Shapes: ``paths [bs][P]`` -> ``[bs, P, W]`` int32 on the host, ``[bs][P]``."""
     width = max((len(p) for p in paths), default=0)
     masks = torch.full((len(requests), width, words), -1, dtype=torch.int32)
+    live = []
     for b, request in enumerate(requests):
         if not _live(request):
+            live.append([True] * len(paths[b]))
             continue
-        matcher = request.grammar.matcher
+        matcher, allowed = request.grammar.matcher, []
         for i, path in enumerate(paths[b]):
             if path is None:
+                allowed.append(False)
                 continue
             done = matcher.try_consume(path)
             if done == len(path):
                 _fill(matcher, masks[b, i])
+            allowed.append(done == len(path))
             matcher.rollback(done)
-    return masks
+        live.append(allowed)
+    return masks, live
 
 
 def _paths(tokens: list[int], parents: list[int], dead: list[bool], rows: Sequence[int], root: bool) -> list:
@@ -140,17 +147,25 @@ def _paths(tokens: list[int], parents: list[int], dead: list[bool], rows: Sequen
 
 
 def row_masks(
-    requests: Sequence[Request], tokens: torch.Tensor, parents: torch.Tensor, padding: torch.Tensor | None, words: int
-) -> torch.Tensor:
+    requests: Sequence[Request],
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    padding: torch.Tensor | None,
+    words: int,
+    live: bool = False,
+):
     """Every verify row's bitmask: row ``d``'s is the state after the path to node ``d`` (row 0, the root: after
-    the committed tokens). Shapes: ``tokens``, ``parents [bs, N]`` -> ``[bs, N, W]`` int32 on ``tokens``' device."""
+    the committed tokens). Shapes: ``tokens``, ``parents [bs, N]`` -> ``[bs, N, W]`` int32 on ``tokens``' device;
+    with ``live``, also whether the grammar allows each row's path ``[bs][N]`` (a lookup draft drops the rows
+    past the last allowed one)."""
     bs, n = tokens.shape
     tok, par = tokens.tolist(), parents.tolist()
     pad = [[False] * n] * bs if padding is None else padding.tolist()
     paths = [
         _paths(tok[b], par[b], pad[b], range(n), root=True) if _live(requests[b]) else [None] * n for b in range(bs)
     ]
-    return path_masks(requests, paths, words).to(tokens.device)
+    masks, allowed = path_masks(requests, paths, words)
+    return (masks.to(tokens.device), allowed) if live else masks.to(tokens.device)
 
 
 class FrontierMasks:
@@ -180,7 +195,8 @@ class FrontierMasks:
                 else [None] * self.topk
                 for b in range(bs)
             ]
-        return path_masks(self.requests, paths, self.words).reshape(bs * self.topk, self.words).to(device)
+        masks, _ = path_masks(self.requests, paths, self.words)
+        return masks.reshape(bs * self.topk, self.words).to(device)
 
 
 def cut(request: Request, tokens: Sequence[int]) -> tuple[int, str | None, str | None]:

@@ -733,17 +733,19 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
             f"the lookup draft proposed token ids outside [0, {ports.target.vocab_size}) or a parent that does "
             "not precede its node: a draft must share the target's vocabulary and list parents first"
         )
-    verify_slots = verify_slots[:, : n + 1]
     tokens = torch.cat([rec.root_tokens[:, None], tokens.to(device)], dim=1)
+    parents = torch.cat([torch.full_like(rec.root_tokens[:, None], -1), parents.to(device)], dim=1)
+    masks = None
+    if grammar.constrained(rec.requests):  # proposals the grammar refuses are dead rows: never accepted, so the
+        masks, live = grammar.row_masks(rec.requests, tokens, parents, None, _words(ports), live=True)
+        n = max(i for i in range(n + 1) if any(row[i] for row in live))  # rows past the last live one go
+        tokens, parents, masks = tokens[:, : n + 1], parents[:, : n + 1], masks[:, : n + 1]
+    verify_slots = verify_slots[:, : n + 1]
     chain = shapes.chain_parents(bs, n + 1, device)
-    parents = torch.cat([chain[:, :1], parents.to(device)], dim=1)
     if torch.equal(parents, chain):  # the shared chain: the verify takes the chain walk
         parents, depths = chain, shapes.chain_depths(bs, n + 1, device)
     else:
         depths = tree_depths(parents)
-    masks = None
-    if grammar.constrained(rec.requests):  # proposals the grammar refuses are dead rows: never accepted
-        masks = grammar.row_masks(rec.requests, tokens, parents, None, _words(ports))
     return Drafted(
         config=cfg,
         requests=rec.requests,
