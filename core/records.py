@@ -33,7 +33,7 @@ class GrammarState:
 
     The matcher is the grammar engine's own object (`core.ports.GrammarMatcher`), owned by this request: the
     draft and the verify advance it along a branch and roll it back; only the compact row moves it for good,
-    and then evolves ``consumed`` to the new output length (invariant 15: ``consumed == len(output)`` at every
+    and then evolves ``consumed`` to the new output length (invariant 16: ``consumed == len(output)`` at every
     `Compacted` and `Ready` record, and the matcher stands exactly after the committed tokens).
     """
 

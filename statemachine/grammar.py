@@ -235,7 +235,7 @@ def advance(request: Request, tokens: Sequence[int]) -> Request:
 
 
 def check_matchers(requests: Sequence[Request], ports) -> list[str]:
-    """What is wrong with the constrained requests' matchers (invariant 15): each stands after exactly its
+    """What is wrong with the constrained requests' matchers (invariant 16): each stands after exactly its
     request's committed tokens, which a freshly compiled matcher accepts and leaves in the same state (equal
     masks). An empty list: nothing."""
     problems = []

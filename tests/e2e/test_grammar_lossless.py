@@ -1,7 +1,7 @@
 """Constrained greedy speculative output equals constrained autoregressive output, on SmolLM2 in float32 on a CPU.
 
 Two prompts, one under a JSON schema and one under a regex, 16 new tokens, in one batch beside each other: the
-shipped EAGLE head, tree and chain, in checked mode (invariant 15 at every boundary). The n-gram draft and the
+shipped EAGLE head, tree and chain, in checked mode (invariant 16 at every boundary). The n-gram draft and the
 other draft families are held to constrained greedy decoding on the small models (`tests/unit/test_grammar.py`);
 the run over Spec-Bench prompts is a benchmark (``bench/constrained.py --check``), not a test.
 """

@@ -2,7 +2,7 @@
 
 Greedy constrained output equals constrained autoregressive decoding (each token the argmax of the target's
 logits masked by the grammar after the tokens so far), chain and tree, forward and lookup drafts, in checked
-mode (invariant 15 at every boundary). A grammar that does not compile fails its request alone; one that
+mode (invariant 16 at every boundary). A grammar that does not compile fails its request alone; one that
 allows only the end token ends its request at once. The rows call the mask op they declare.
 """
 
@@ -199,13 +199,13 @@ def test_constrained_rows_call_the_mask_op_they_declare(family):
     assert masked >= ({"prefill", "verify", "extend", "draft"} if family == "shifted" else {"prefill", "verify"})
 
 
-def test_invariant_15_checked_mode_catches_a_matcher_off_the_committed_tokens():
+def test_invariant_16_checked_mode_catches_a_matcher_off_the_committed_tokens():
     config = SpecConfig(num_steps=2, topk=1)
     ports = _ports(config, "shifted")
     record = step(Admitted(config=config, requests=(Request(0, (1, 2), SamplingParams(regex="[a-c]+")),)), ports)
     check_record(record, ports)
     record.requests[0].grammar.matcher.try_consume([0])  # one token past the committed ones
-    with pytest.raises(InvariantViolation, match="invariant 15"):
+    with pytest.raises(InvariantViolation, match="invariant 16"):
         check_record(record, ports)
 
 
