@@ -176,7 +176,7 @@ def check(engine, prompts_path: str | None, tokens: int) -> dict:
     from ..engine.bench import load_prompts
 
     items = load_prompts(prompts_path)
-    prompts = [engine.chat_prompt(item["turns"][0]) for item in items]
+    prompts = [engine.chat_prompt(item["text"]) for item in items]
     params = [
         SamplingParams(json_schema=ANSWER) if i % 2 == 0 else SamplingParams(regex=SENTENCE) for i in range(len(items))
     ]
@@ -235,11 +235,11 @@ def main(argv=None) -> None:
             "measured_commit": commit(),
         }
     }
-    if not args.check_only:
-        payload["speed"] = speed(engine, args.max_new_tokens)
     if args.check or args.check_only:
         payload["check"] = check(engine, args.prompts, args.check_tokens)
         print(json.dumps(payload["check"]), flush=True)
+    if not args.check_only:
+        payload["speed"] = speed(engine, args.max_new_tokens)
     print(write_result("constrained", payload, args.device))
 
 
