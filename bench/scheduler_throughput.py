@@ -211,7 +211,11 @@ def main() -> None:
         "max_prefill_tokens": args.max_prefill_tokens,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "num_prompts": len(prompts),
-        "adaptive_policy": {"ema_weight": policy.ema_weight, "probe_every": policy.probe_every},
+        "adaptive_policy": {
+            "ema_weight": policy.ema_weight,
+            "probe_every": policy.probe_every,
+            "margin": policy.margin,
+        },
         "adaptive_shapes": [f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}" for c in controller.shapes],
         "rows": rows,
     }

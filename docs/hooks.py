@@ -50,7 +50,8 @@ PROPERTY = "tests/property"
 KERNELS = "tests/kernels"
 INVARIANT_DOCS: dict[int, dict] = {
     1: {
-        "statement": "`K == 1` implies `N == S + 1`; `N - 1 <= K + (S - 1) K^2`; invalid configs raise a clear error.",
+        "statement": "`K == 1` implies `N == S + 1`; `N - 1 <= K + (S - 1) K^2`; `S == 0` (no draft) implies `N == 1`; "
+        "invalid configs raise a clear error.",
         "tests": [],
         "checked": "at construction: `SpecConfig` refuses an invalid config",
     },

@@ -75,11 +75,15 @@ def select_ready(ready: Ready, indices: list[int]) -> Ready:
     )
 
 
-def reshape(ready: Ready, config: SpecConfig) -> Ready:
+def reshape(ready: Ready, config: SpecConfig, pool=None, pairing: str = "shifted") -> Ready:
     """The batch in another draft shape of its family for the next cycle: another ``S`` and ``N`` (``S == 0``: no
     draft), the same ``K`` and page size. What the batch carries between cycles (lengths, roots, the draft's
     depth-1 top-K and hidden state, a sampled request's ``q``) does not depend on ``S`` or ``N``, so only the
-    config changes; a different ``K`` would need another top-K width from the draft extend, and is refused."""
+    config changes; a different ``K`` would need another top-K width from the draft extend, and is refused.
+
+    A shallower shape reserves fewer positions past ``L``: given the KV ``pool`` (and the draft's ``pairing``),
+    the pages a deeper shape reserved past them go back to it, so each request holds its next cycle's reservation
+    (invariant 8); without a pool the caller gives them back."""
     if not isinstance(config, SpecConfig):
         raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
     old = ready.config
@@ -88,4 +92,11 @@ def reshape(ready: Ready, config: SpecConfig) -> Ready:
             f"cannot reshape a batch of topk (K)={old.topk}, page_size (P)={old.page_size} into K={config.topk}, "
             f"P={config.page_size}: a shape keeps the family's K (the draft state's width) and the pool's P"
         )
-    return ready if config == old else attrs.evolve(ready, config=config)
+    if config == old:
+        return ready
+    extra = config.reserve_len(pairing)
+    if pool is not None and extra < old.reserve_len(pairing):
+        for request, length in zip(ready.requests, ready.seq_lens.tolist()):
+            if pool.pages_held(request.request_id):
+                pool.release(request.request_id, length + extra)
+    return attrs.evolve(ready, config=config)

@@ -98,6 +98,7 @@ class FusedCycles:
         self.graph_pool: GraphPool = options.graph_pool
         self._batches: dict[int, _Batch] = {}
         self.replays = 0
+        self.captured = False  # whether the last `step` captured its graph (its time is not a cycle's)
         # the bookkeeping between the forwards as the kernels of `backends.cuda.cycle` where they run (False: their
         # torch twins; benchmarks compare the two)
         self.kernels = True
@@ -278,6 +279,7 @@ class FusedCycles:
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + cfg.reserve_len() + 1
         with torch.no_grad():
+            self.captured = self.use_graphs and 0 not in bt.graphs  # this step captures its graph (timed apart)
             if self.use_graphs:
                 if 0 not in bt.graphs:
                     bt.graphs[0] = self._capture(bt, 0, bound, requests)

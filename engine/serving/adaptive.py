@@ -8,14 +8,15 @@ batch size ``B``. Throughput is ``B * tau_c / t_c(B)``, so the cycle runs
 
 ``t_c(B)`` grows with ``B`` faster for deep shapes: a verify of ``B * N`` rows stays as cheap as ``B`` rows only
 while the forward is bound by reading the weights, and the draft's levels add their own forwards. Both are
-measured on the running machine: `ShapeController` keeps an exponential moving average of each shape's
-committed tokens per request and cycle (over every batch size; a greedy chain's cycle also tells what every
-shallower chain would have committed) and each shape's cycle time per batch bucket (powers of two, the
-graphed executor's buckets: the least of its last cycles there, since noise only adds to a wall clock).
-A pair not measured yet runs first (twice: the first
-run of a shape at a bucket captures its graph, and is not timed); every ``probe_every`` cycles at a bucket the
-shape measured longest ago runs once, so the averages follow the load. A fixed cost model (``cost``) replaces
-the timings, for tests and for engines that know theirs.
+measured on the running machine: `ShapeController` keeps a moving average of each shape's committed tokens
+per request (over every batch size, forgetting per request-verify; a greedy chain's cycle also tells what
+every shallower chain would have committed), each shape's cycle time per batch bucket (powers of two, the
+graphed executor's buckets: the least of its recent cycles there, since noise only adds to a wall clock),
+and a step's other work per bucket (retiring, the loop; not the prefills, which a request pays once). A pair
+not measured yet runs first (twice: the first run of a shape at a bucket captures its graph, and is not
+timed); every ``probe_every`` cycles at a bucket the shape measured longest ago runs once, so the estimates
+follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
+higher. A fixed cost model (``cost``) replaces the timings, for tests and for engines that know theirs.
 
 Every shape is the table's cycle: ``S == 0`` verifies the root alone (a plain decode step) and a forward draft
 still extends over the committed token, so a later cycle of a deeper shape finds its state current
@@ -131,6 +132,7 @@ def batch_bucket(batch_size: int) -> int:
 
 
 TIMING_WINDOW = 8  # a shape's cycle time at a bucket: the least of its last 8 cycles there
+TIMING_AGE = 256  # ... taken within the controller's last 256 cycles (contexts grow: old minima go stale)
 # a shape's tau forgets with every TAU_REQUESTS request-verifies as an EMA does with every cycle: a cycle of one
 # request (committed counts from 1 to S + 1) moves it as little as 1/TAU_REQUESTS of a cycle of that many
 TAU_REQUESTS = 32
@@ -153,7 +155,8 @@ class ShapeController:
         self.since_probe: dict[int, int] = {}
         self.cycles = 0
         self.switches = 0
-        self.current: SpecConfig | None = None
+        self.current: SpecConfig | None = None  # the shape of the last cycle (explored, probed or chosen)
+        self.incumbent: dict[int, SpecConfig] = {}  # bucket -> the shape the last choice by score ran
         self.chosen: dict[SpecConfig, int] = {c: 0 for c in self.shapes}
 
     @property
@@ -162,7 +165,7 @@ class ShapeController:
         return max(self.shapes, key=lambda c: c.reserve_len())
 
     def _timed(self, key) -> bool:
-        return self.policy.cost is not None or self.runs.get(key, 0) >= 2
+        return self.policy.cost is not None or key in self.seconds
 
     def _seconds(self, bucket: int, shape: SpecConfig) -> float:
         if self.policy.cost is not None:
@@ -171,25 +174,27 @@ class ShapeController:
 
     def score(self, shape: SpecConfig, bucket: int) -> float:
         """Committed tokens per request and second of ``shape`` at a bucket: ``tau / (t + the step's other work)``
-        (admission, streaming, retiring: the same whatever the shape, so a deeper shape's longer cycle costs less
-        in relative terms than its cycle time alone says)."""
+        (retiring, the loop: the same whatever the shape, so a deeper shape's longer cycle costs less in relative
+        terms than its cycle time alone says; a cycle's time includes streaming its tokens)."""
         return self.tau[shape] / max(self._seconds(bucket, shape) + self.overhead.get(bucket, 0.0), 1e-12)
 
     def best(self, batch_size: int) -> SpecConfig | None:
         """The shape of the highest measured `score` at this batch size (None: nothing measured there yet); the
-        current shape stays unless another scores ``margin`` higher (switches cost page moves, not just cycles)."""
+        bucket's incumbent (the last shape chosen by score there, never one explored or probed) stays unless
+        another scores ``margin`` higher (switches cost page moves, not just cycles)."""
         bucket = batch_bucket(batch_size)
         scored = [c for c in self.shapes if c in self.tau and self._timed((bucket, c))]
         if not scored:
             return None
         top = max(scored, key=lambda c: self.score(c, bucket))
-        current = self.current if self.current in scored else None
-        if current is not None and self.score(top, bucket) < (1 + self.policy.margin) * self.score(current, bucket):
-            return current
+        held = self.incumbent.get(bucket)
+        if held in scored and self.score(top, bucket) < (1 + self.policy.margin) * self.score(held, bucket):
+            top = held
+        self.incumbent[bucket] = top
         return top
 
     def record_overhead(self, batch_size: int, seconds: float) -> None:
-        """Fold in a step's work besides its cycle (admission, streaming, retiring) at this batch size."""
+        """Fold in a step's work besides its cycle and its prefill (retiring, the loop) at this batch size."""
         bucket, w = batch_bucket(batch_size), self.policy.ema_weight
         old = self.overhead.get(bucket)
         self.overhead[bucket] = seconds if old is None else (1 - w) * old + w * seconds
@@ -210,22 +215,27 @@ class ShapeController:
             self.current = pick
         return pick
 
-    def record(self, shape: SpecConfig, batch_size: int, seconds: float, committed: Sequence[int]) -> None:
-        """Fold in one cycle: its shape, batch size, wall time and each request's committed tokens.
+    def record(
+        self, shape: SpecConfig, batch_size: int, seconds: float, committed: Sequence[int], timed: bool = True
+    ) -> None:
+        """Fold in one cycle: its shape, batch size, wall time and each request's committed tokens. ``timed``:
+        False for a cycle whose time is not its shape's cost (it captured a graph).
 
-        A cycle's time is the least of the bucket's last `TIMING_WINDOW` cycles of the shape: the GPU work of a
-        shape at a bucket is fixed, and what a wall clock adds (the tail of a prefill launched before it, a
-        host pause) only adds. A greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth
-        ``S'`` would, so its committed counts give every shallower chain's too: ``min(count, S' + 1)``."""
+        A cycle's time is the least of the bucket's last `TIMING_WINDOW` cycles of the shape taken within the
+        last `TIMING_AGE` cycles: what a wall clock adds to a shape's work at a bucket (the tail of a prefill
+        launched before it, a host pause) only adds, while the work itself grows slowly with the contexts. A
+        greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth ``S'`` would, so its
+        committed counts give every shallower chain's too: ``min(count, S' + 1)``."""
         key = (batch_bucket(batch_size), shape)
         runs = self.runs.get(key, 0) + 1
         self.runs[key], self.last[key] = runs, self.cycles
         self.cycles += 1
         self.chosen[shape] = self.chosen.get(shape, 0) + 1
-        if runs >= 2:  # the first run of a shape at a bucket captures its graph: not its cost
+        if runs >= 2 and timed:  # a shape's first run at a bucket compiles or captures: not its cost
             window = self._window.setdefault(key, deque(maxlen=TIMING_WINDOW))
-            window.append(seconds)
-            self.seconds[key] = min(window)
+            window.append((self.cycles, seconds))
+            fresh = [t for when, t in window if self.cycles - when <= TIMING_AGE]
+            self.seconds[key] = min(fresh) if fresh else seconds
         if not shape.drafts or not committed:
             return
         same = [shape]

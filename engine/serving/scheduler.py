@@ -177,8 +177,6 @@ class Scheduler:
             policy = None
         else:
             raise ValueError(f"speculation={speculation!r}: choose 'on', 'off', 'adaptive' or an AdaptiveSpeculation")
-        if policy is not None and policy.shapes is not None and policy.shapes[0].topk != config.topk:
-            raise ValueError(f"AdaptiveSpeculation.shapes must keep the config's topk (K)={config.topk}")
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
         if prefix_cache and not kv_prefix_caching(ports):
@@ -202,8 +200,8 @@ class Scheduler:
         self.ports = attrs.evolve(ports, draft=ZeroDraft(target_vocab)) if off else ports
         if controller is None and policy is not None:
             controller = ShapeController(policy, config, draft_kind(ports))
-        if controller is not None and controller.shapes[0].topk != config.topk:
-            raise ValueError(f"the adaptive controller's shapes must keep the config's topk (K)={config.topk}")
+        if controller is not None:
+            _check_shapes(controller.shapes, config, draft_kind(ports))
         self.controller = controller
         self.on_tokens, self.on_finish = on_tokens, on_finish
         self._ids = request_ids if request_ids is not None else itertools.count()
@@ -315,7 +313,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Admit, make room, run one cycle, retire. Returns the requests that finished in this step."""
-        start = time.perf_counter()
+        start, prefill_before = time.perf_counter(), self.stats.prefill_seconds
         finished: list[Request] = []
         in_flight: list[Request] = []
         self._stepping = True
@@ -337,8 +335,9 @@ class Scheduler:
             self.stats.steps += 1
             seconds = time.perf_counter() - start
             self.stats.seconds += seconds
-            if self.controller is not None and self._cycle_seconds is not None:
-                self.controller.record_overhead(self._cycle_batch, seconds - self._cycle_seconds)
+            if self.controller is not None and self._cycle_seconds is not None:  # a prefill is a request's, once
+                other = seconds - self._cycle_seconds - (self.stats.prefill_seconds - prefill_before)
+                self.controller.record_overhead(self._cycle_batch, max(other, 0.0))
             self._cycle_seconds = None
         return finished
 
@@ -482,10 +481,11 @@ class Scheduler:
         accepted = run_step(verified, self.ports, self.backend, checked=self.checked)
         compacted = run_step(accepted, self.ports, self.backend, checked=self.checked)
         self._stream(compacted.requests)
+        had = {r.request_id: len(r.output) for r in self.running.requests}
         self.running = self._to_ready(compacted, finished)
-        ok = [i for i, r in enumerate(verified.requests) if r.finish_reason != "error"]
-        lens = verified.accept_len.tolist()
-        self._record(shape, batch_size, time.perf_counter() - start, [lens[i] for i in ok])
+        # what each request committed (the accepted run cut at its stops and budget), as the graphed executor counts
+        counts = [len(r.output) - had[r.request_id] for r in compacted.requests if r.finish_reason != "error"]
+        self._record(shape, batch_size, time.perf_counter() - start, counts)
 
     def _fused_cycle(self, finished: list[Request], batch_size: int, shape: SpecConfig) -> None:
         """One cycle as the graphed executor's captured cycle (`FusedCycles.step`); the requests that finished in it
@@ -503,21 +503,16 @@ class Scheduler:
             ready = attrs.evolve(ready, retired=())
         self.running = ready
         self.stats.fused_cycles += 1
-        self._record(shape, batch_size, time.perf_counter() - start, counts)
+        self._record(shape, batch_size, time.perf_counter() - start, counts, timed=not self.fused_cycles.captured)
 
     def _reshape(self, shape: SpecConfig) -> None:
-        """The running batch in ``shape`` for its next cycle (`batching.reshape`); a shallower shape reserves fewer
-        positions past ``L``, so the pages a deeper one reserved past them go back to the pool (invariant 8: a
-        request holds its cycle's reservation)."""
-        old = self.running.config
-        self.running = reshape(self.running, shape)
-        extra = shape.reserve_len(draft_pairing(self.ports))
-        if extra < old.reserve_len(draft_pairing(self.ports)):
-            for request, L in zip(self.running.requests, self.running.seq_lens.tolist()):
-                if self.ports.kv_pool.pages_held(request.request_id):
-                    self.ports.kv_pool.release(request.request_id, L + extra)
+        """The running batch in ``shape`` for its next cycle; the pages a deeper shape reserved past a shallower
+        one's go back to the pool (`batching.reshape`)."""
+        self.running = reshape(self.running, shape, self.ports.kv_pool, draft_pairing(self.ports))
 
-    def _record(self, shape: SpecConfig, batch_size: int, seconds: float, counts: Sequence[int]) -> None:
+    def _record(
+        self, shape: SpecConfig, batch_size: int, seconds: float, counts: Sequence[int], timed: bool = True
+    ) -> None:
         """A cycle's statistics, and its cost and committed tokens to the adaptive controller."""
         if shape.drafts:
             self.stats.spec_cycles += 1
@@ -529,7 +524,7 @@ class Scheduler:
         self._cycle_seconds, self._cycle_batch = seconds, batch_size
         self.stats.cycle_seconds += seconds
         if self.controller is not None:
-            self.controller.record(shape, batch_size, seconds, counts)
+            self.controller.record(shape, batch_size, seconds, counts, timed)
 
     def _to_ready(self, record, finished: list[Request]) -> Ready:
         """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""
@@ -655,6 +650,19 @@ class Scheduler:
             finished.append(self._error(request, f"the cycle failed: {type(error).__name__}: {error}"))
             done.add(request.request_id)
         self.running = None
+
+
+def _check_shapes(shapes, config: SpecConfig, kind: str) -> None:
+    """Adaptive speculation's shapes must be of ``config``'s family: its ``K`` and page size (the draft state's
+    width, the pool's pages); a block draft proposes its whole block, so its only shape is ``config``."""
+    for shape in shapes:
+        if shape.topk != config.topk or shape.page_size != config.page_size:
+            raise ValueError(
+                f"adaptive speculation's shape {shape} is not of the config's family: keep its topk (K)={config.topk} "
+                f"and page_size (P)={config.page_size}"
+            )
+        if kind == "block" and shape != config:
+            raise ValueError(f"a block draft proposes its whole block: its only shape is the config, got {shape}")
 
 
 def _token_ids(values, what: str) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """The cycle as a Hypothesis state machine, against a small pure-Python model of the KV pool.
 
-Random configs (S 1..8, K 1..4, N within bounds, P in {1, 2, 4, 16}), four draft families (EAGLE-shifted,
+Random configs (S 0..8 (0: no draft), K 1..4, N within bounds, P in {1, 2, 4, 16}), four draft families (EAGLE-shifted,
 aligned, random-tree lookup, n-gram prompt lookup), ragged
 prompts, requests joining between cycles and finishing at different times (stop tokens, length).
 The machine runs in checked mode, so every invariant of docs/invariants.md is validated at every boundary; the

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
-from speccycle.core import Ports, SamplingParams, SpecConfig
+from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from speccycle.engine.serving.adaptive import AdaptiveSpeculation, ShapeController, batch_bucket, shape_family
 from speccycle.engine.serving.scheduler import Scheduler
+from speccycle.statemachine import run_cycle
+from speccycle.statemachine.batching import reshape
+from speccycle.statemachine.checks import InvariantViolation
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
 
 CHAIN = SpecConfig(num_steps=3, topk=1, page_size=1)
@@ -76,3 +80,40 @@ def test_a_fixed_cost_model_moves_the_batch_between_shapes_losslessly():
     for prompt, result in zip(prompts, results):
         assert list(result.output) == target.greedy(prompt, 24)
     assert pool.num_free_pages == pool.num_pages
+
+
+def test_probes_and_exploration_do_not_hold_the_batch_off_the_best_shape():
+    """The margin keeps the bucket's incumbent (the last shape chosen by score), never the shape a probe ran."""
+    controller = ShapeController(AdaptiveSpeculation(probe_every=8), CHAIN)
+    tau = {3: 3, 2: 3, 1: 2, 0: 1}
+    seconds = {3: 1.2, 2: 1.0, 1: 0.69, 0: 0.34}  # scores 2.5, 3.0, 2.90, 2.94: S2 is best by 2%
+    ran = [
+        s.num_steps for s in drive(controller, 1, lambda c: tau[c.num_steps], lambda c, bs: seconds[c.num_steps], 88)
+    ]
+    assert ran[8:].count(2) == 70  # every cycle after the exploration but the ten probes
+
+
+def test_a_reshape_to_a_shallower_shape_gives_the_deeper_reservation_back():
+    pool = FingerprintPool(num_pages=512, page_size=1)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, 0.5), kv_pool=pool)
+    deep = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
+    request = Request(request_id=0, prompt=(1, 2, 3), sampling=SamplingParams(max_new_tokens=30))
+    ready = run_cycle(run_cycle(Admitted(config=deep, requests=(request,)), ports, checked=True), ports, checked=True)
+    shallow = SpecConfig(num_steps=0, topk=2)
+    with pytest.raises(InvariantViolation, match="invariant 8"):  # the caller kept the deeper reservation
+        run_cycle(reshape(ready, shallow), ports, checked=True)
+    ready = run_cycle(Admitted(config=deep, requests=(attrs.evolve(request, request_id=1),)), ports, checked=True)
+    ready = run_cycle(ready, ports, checked=True)
+    ready = reshape(ready, shallow, pool)
+    assert pool.pages_held(1) == int(ready.seq_lens[0]) + shallow.reserve_len()
+    run_cycle(ready, ports, checked=True)
+
+
+def test_the_scheduler_refuses_shapes_of_another_family():
+    pool = FingerprintPool(num_pages=512, page_size=4)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, 0.5), kv_pool=pool)
+    config = SpecConfig(num_steps=3, page_size=4)
+    with pytest.raises(ValueError, match="page_size"):
+        Scheduler(ports, config, speculation=AdaptiveSpeculation(shapes=(SpecConfig(3), SpecConfig(0))))
