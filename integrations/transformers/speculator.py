@@ -120,6 +120,13 @@ class TransformersSpeculator:
         ``max_new_tokens``; equal to the model's own greedy ``generate`` token for token."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("pass at least one prompt, each a non-empty list of token ids")
+        page, margin = self.pool.page_size, 2 * self.config.reserve_len("aligned")
+        need = sum(-(-(len(p) + max_new_tokens + margin) // page) for p in prompts)
+        if need > self.pool.num_pages:
+            raise ValueError(
+                f"{len(prompts)} prompt(s) with max_new_tokens={max_new_tokens} may need {need} KV pages and the pool "
+                f"has {self.pool.num_pages}: build the speculator with a larger kv_tokens or send fewer tokens"
+            )
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
         ids = [next(self._ids) for _ in prompts]
         record = Admitted(

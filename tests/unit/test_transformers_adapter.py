@@ -134,6 +134,14 @@ def test_an_assistant_model_drafts_through_the_aligned_port(tiny, config):
     assert stats.tau > config.num_steps
 
 
+def test_a_batch_past_the_pool_is_refused_before_it_runs(tiny):
+    _, _, model = tiny
+    speculator = TransformersSpeculator(model, "ngram", CHAIN, kv_tokens=64)
+    with pytest.raises(ValueError, match="may need 17 KV pages and the pool has 16: build the speculator"):
+        speculator.generate([PROMPTS[0]], 48)
+    assert speculator.pool.num_free_pages == speculator.pool.num_pages
+
+
 def test_a_sliding_window_model_is_refused():
     config = transformers.MistralConfig(
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
