@@ -42,6 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default=os.environ.get("SPEC_BENCH_DEV") or None)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--start", type=int, default=0, help="skip the first prompts (a run split in parts)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
@@ -49,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts)[args.start :][: args.limit or None]
     folder = export_gguf_to_hf(default_model_path(), tempfile.mkdtemp() + "/SmolLM2-135M-Instruct")
     model, tokenizer = load_transformers_model(folder, torch.float32, "cpu")
     head = shipped_eagle_head(default_model_path())
@@ -83,6 +84,7 @@ def main() -> None:
             "transformers": __import__("transformers").__version__,
             "prompts_file": "$SPEC_BENCH_DEV" if args.prompts == os.environ.get("SPEC_BENCH_DEV") else args.prompts,
             "prompts": len(prompts),
+            "prompt_lines": [prompts[0]["line"], prompts[-1]["line"]],
             "prompts_done": done,
             "max_new_tokens": args.max_new_tokens,
             "batch": args.batch,
