@@ -275,6 +275,7 @@ def _bench_transformers(args: argparse.Namespace, prompts: list[dict]) -> int:
         },
         "prompts_file": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "max_new_tokens": args.max_new_tokens,
+        "commit": git_commit(),  # the code that runs, read before the run (a commit made meanwhile is not it)
     }
     summary = run_transformers_bench(
         model,
@@ -291,7 +292,6 @@ def _bench_transformers(args: argparse.Namespace, prompts: list[dict]) -> int:
     record.update(summary)
     print(format_transformers_report(record))
     if args.json:
-        record["commit"] = git_commit()
         try:
             with open(args.json, "w") as f:
                 json.dump(record, f, indent=2)
