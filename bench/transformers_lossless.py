@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device-name", default="cpu-AMD-EPYC", help="the device's name in the result's file name")
     args = parser.parse_args()
+    os.environ.setdefault("SPECCYCLE_COMMIT", commit())  # every rewrite of the record names the commit that runs
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts)[args.start :][: args.limit or None]
