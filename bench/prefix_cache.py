@@ -14,7 +14,8 @@ Modes, each on a cold prefix cache (`PagedKVPool.drop_cached_pages`):
 
 Reported per mode: the hit rate (prefill tokens served from cached pages over all prefill tokens, the
 prompts and, after a retraction, the output recomputed), prefill tokens computed, new tokens/s (wall time of
-the whole workload), tau, pages published, and ``identical_to_off_nocache``: requests whose output equals the
+the whole workload), tau, pages published and evicted (``--kv-tokens`` small: reservations evict cached
+pages), and ``identical_to_off_nocache``: requests whose output equals the
 reference mode's token for token (greedy: all, and so every mode sees the same prompts). ``hit_rate_gap``:
 ``off``'s hit rate minus ``on``'s, in points.
 
@@ -50,6 +51,7 @@ def run_mode(engine: Engine, mode: str, workload: dict, args) -> dict:
     speculation = "on" if mode.startswith("on") else "off"
     cache = not mode.endswith("nocache")
     engine.pool.drop_cached_pages()
+    evicted = engine.pool.num_evicted_pages
     tokenizer, stops = engine.tokenizer, set(engine.stop_token_ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     conversations = workload["conversations"][: args.conversations or None]
@@ -94,6 +96,7 @@ def run_mode(engine: Engine, mode: str, workload: dict, args) -> dict:
         "computed_tokens": stats.computed_tokens,
         "hit_rate": round(stats.prefix_hit_rate, 4),
         "published_pages": stats.published_pages,
+        "evicted_pages": engine.pool.num_evicted_pages - evicted,
         "new_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2),

@@ -74,6 +74,11 @@ class PagedKVPool:
         return self._tree is not None
 
     @property
+    def num_evicted_pages(self) -> int:
+        """Cached pages evicted (taken back for reservations or dropped) since the pool was made."""
+        return self._tree.evicted if self._tree is not None else 0
+
+    @property
     def num_cached_pages(self) -> int:
         """Pages in the prefix cache, held by requests or not (0 without a prefix cache)."""
         return len(self._tree.nodes) if self._tree is not None else 0

@@ -47,6 +47,7 @@ class PrefixTree:
         self.root = PageNode(page=-1, tokens=(), parent=None)
         self.nodes: dict[int, PageNode] = {}  # page id -> node
         self.evictable = 0  # nodes whose subtree_refs is 0
+        self.evicted = 0  # pages evicted since the tree was made
         self._clock = itertools.count(1)
 
     def key(self, tokens, k: int) -> tuple[int, ...]:
@@ -112,6 +113,7 @@ class PrefixTree:
             parent = node.parent
             del parent.children[node.tokens]
             self.evictable -= 1
+            self.evicted += 1
             freed.append(page)
             if parent is not self.root and not parent.children and parent.subtree_refs == 0:
                 heapq.heappush(heap, (parent.last_used, parent.page))

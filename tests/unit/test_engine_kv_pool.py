@@ -221,7 +221,7 @@ def test_eviction_takes_least_recently_used_unreferenced_leaves_and_never_a_held
     assert pool.attach_prefix(3, [5, 6, 0]) == 2  # request 2's pages used again: request 1's are the least recent
     # requests 0 (the oldest pages, still held) and 3 hold 4 pages; 2 more: request 1's (leaf first, then its parent)
     pool.allocate(9, 2)
-    assert set(pool.pages(9)) == set(pages[1])
+    assert set(pool.pages(9)) == set(pages[1]) and pool.num_evicted_pages == 2
     assert pool.num_free_pages == 0 and pool.num_cached_pages == 4
     with pytest.raises(KVPoolExhausted):
         pool.allocate(9, 3)
