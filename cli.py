@@ -15,6 +15,7 @@ from .engine.cli_options import (
     fraction,
     nonnegative_int,
     positive_int,
+    sampling_from_args,
 )
 from .engine.errors import ModelLoadError, TokenizerError, UsageError
 
@@ -107,16 +108,10 @@ def _eagle_head(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .core import SamplingParams
-
     if not args.prompt.strip():
         raise UsageError("the prompt is empty: pass the message (with --raw, the text to continue)")
     spec = check_engine_args(args)
-    from .engine.cli_options import constraint_from_args
-
-    constraint = constraint_from_args(args)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              **constraint)  # fmt: skip
+    sampling = sampling_from_args(args)
     engine = _load_engine(args, spec)
     if engine.tokenizer is None:
         raise UsageError("this model has no tokenizer in its file: generate needs one")
@@ -134,6 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     if results[0].finish_reason == "error":  # a grammar that does not compile, ...
         raise UsageError(results[0].error)
+    _print_logprobs(engine.tokenizer, results[0])
     tau = f"tau {stats.tau:.2f}" if stats.verifies else "tau -"
     print(
         f"[{len(results[0].output)} tokens in {stats.seconds:.2f} s, "
@@ -142,6 +138,19 @@ def _generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _print_logprobs(tokenizer, request) -> None:
+    """With --logprobs or --top-logprobs, one line per output token: the token, its log p, the alternatives."""
+    if not request.logprobs and not request.top_logprobs:
+        return
+    for i, token in enumerate(request.output):
+        line = f"{token:>7} {tokenizer.decode([token])!r:<16}"
+        if request.logprobs:
+            line += f" {request.logprobs[i]:9.4f}"
+        if request.top_logprobs:
+            line += "  " + "  ".join(f"{tokenizer.decode([t])!r} {v:.4f}" for t, v in request.top_logprobs[i])
+        print(line)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -161,6 +170,15 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(
             "speccycle bench compares speculative with greedy autoregressive output: use --temperature 0 "
             "(bench/sampling_tau.py measures tau under sampling)"
+        )
+    try:
+        plain = sampling_from_args(args).plain_greedy
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if not plain:
+        raise UsageError(
+            "speccycle bench compares speculative with plain greedy autoregressive output: drop the penalties, "
+            "--logit-bias, --bad-words, --logprobs, --top-logprobs and --no-speculate"
         )
     if args.json:
         check_output_path(args.json)

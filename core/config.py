@@ -111,13 +111,45 @@ def _real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _pairs(value) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` as sorted ``(token id, bias)`` pairs (from a dict or pairs), or None when it is not that."""
+    items = value.items() if isinstance(value, dict) else value
+    if not isinstance(items, (tuple, list, type({}.items()))):
+        return None
+    pairs = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            return None
+        token, bias = item
+        if not (_int(token) and token >= 0 and _real(bias) and math.isfinite(bias)):
+            return None
+        pairs.append((int(token), float(bias)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        return None
+    return tuple(sorted(pairs))
+
+
 @attrs.frozen
 class SamplingParams:
     """Per-request decoding parameters. ``temperature == 0`` is greedy.
 
-    ``temperature > 0`` samples from the target's distribution after temperature, ``top_k`` and
+    ``temperature > 0`` samples from the target's distribution after temperature, ``min_p``, ``top_k`` and
     ``top_p`` (`speccycle.backends.torch.sampling.process_logits`), losslessly (docs: sampling).
     ``seed`` makes a sampled request reproducible; None draws a fresh seed at prefill.
+
+    Before that, greedy or sampled, each logits row may be changed by what the request's tokens so far
+    say (`speccycle.statemachine.logits`, in this order): ``repetition_penalty`` (> 1 divides a positive
+    logit and multiplies a negative one of every token in the prompt or the output), ``frequency_penalty``
+    and ``presence_penalty`` (subtract ``count`` times, and once, for each token of the output),
+    ``logit_bias`` (added per token id), ``bad_words`` (token sequences never completed: a one-token
+    word is masked, a longer one masks its last token after its prefix) and ``logits_processor`` (a
+    callable ``(history token ids, logits row [V]) -> logits row``, called per row on the host). A
+    speculative verify row sees the history of its own tree path, so each row is what autoregressive
+    decoding would see there.
+
+    ``speculate=False`` decodes the request one token a cycle beside speculating ones (no draft work
+    for it). ``logprobs`` and ``top_logprobs`` (the ``n`` most likely alternatives) report the
+    distribution each token was committed from (docs: sampling).
     """
 
     temperature: float = 0.0
@@ -133,6 +165,15 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p (0: off)
+    repetition_penalty: float = 1.0  # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token-id sequences the output never contains
+    logits_processor: object = attrs.field(default=None, eq=False)  # (history, logits [V]) -> logits [V]
+    speculate: bool = True  # False: one token a cycle, no draft work
+    top_logprobs: int = 0  # the n most likely tokens and their logprobs at each output token (Request.top_logprobs)
 
     def __attrs_post_init__(self) -> None:
         if not _real(self.temperature) or not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -141,6 +182,40 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r} is out of range: allowed an int >= 0 (0 disables it)")
         if not _real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r} is out of range: allowed (0, 1]")
+        if not _real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p={self.min_p!r} is out of range: allowed [0, 1] (0 disables it)")
+        if not _real(self.repetition_penalty) or not (
+            0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty)
+        ):
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty!r} is out of range: "
+                "allowed a finite value > 0 (1 disables it)"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number (0 disables it)")
+        bias = _pairs(self.logit_bias)
+        if bias is None:
+            raise ValueError(
+                f"logit_bias={self.logit_bias!r} must map distinct token ids (ints >= 0) to finite biases, "
+                "e.g. {42: -5.0}"
+            )
+        words = self.bad_words
+        if not isinstance(words, (tuple, list)) or not all(
+            isinstance(w, (tuple, list)) and w and all(_int(t) and t >= 0 for t in w) for w in words
+        ):
+            raise ValueError(
+                f"bad_words={words!r} must be a tuple of non-empty token-id sequences, e.g. ((13,), (7, 9))"
+            )
+        if self.logits_processor is not None and not callable(self.logits_processor):
+            raise ValueError(
+                f"logits_processor={self.logits_processor!r} must be a callable (history, logits row) -> logits row"
+            )
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate={self.speculate!r} must be True or False")
+        if not _int(self.top_logprobs) or not (0 <= self.top_logprobs <= 20):
+            raise ValueError(f"top_logprobs={self.top_logprobs!r} is out of range: allowed an int in [0, 20]")
         if self.seed is not None and not _int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an int or None")
         if not isinstance(self.logprobs, bool):
@@ -156,10 +231,42 @@ class SamplingParams:
         object.__setattr__(self, "stop_strings", tuple(texts))
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         _check_constraint(self)
+        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "bad_words", tuple(tuple(int(t) for t in w) for w in words))
+        object.__setattr__(self, "top_logprobs", int(self.top_logprobs))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logits row depends on the request's history (penalties, bias, bad words, a processor)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.bad_words
+            or self.logits_processor is not None
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy argmax of the raw logits with nothing else to report: what the static and fast paths serve (no
+        logprobs, no history-dependent logits, no grammar, speculating)."""
+        return (
+            self.greedy
+            and not self.logprobs
+            and not self.top_logprobs
+            and not self.adjusts_logits
+            and self.constraint is None
+            and self.speculate
+        )
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id the parameters name (logit bias, bad words): each must lie in the vocabulary."""
+        return tuple(t for t, _ in self.logit_bias) + tuple(t for w in self.bad_words for t in w)
 
     @property
     def constraint(self) -> tuple[str, str] | None:

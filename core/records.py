@@ -53,6 +53,8 @@ class Request:
     error: str | None = None
     logprobs: tuple[float, ...] = ()  # log p of each output token, when sampling.logprobs (docs: sampling)
     grammar: GrammarState | None = attrs.field(default=None, eq=False)  # set at prefill when sampling.constraint
+    # per output token, its sampling.top_logprobs most likely tokens as (token id, log p), most likely first
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -71,6 +73,8 @@ class RowOutputs:
     predict: torch.Tensor  # [bs * N] int64: the token each row's target output commits next
     hidden: torch.Tensor | None = None  # [bs * N, F]: target features for the draft extend
     logprobs: torch.Tensor | None = None  # [bs * N] float32: log p(predict) under the target
+    top_logprobs: torch.Tensor | None = None  # [bs * N, n] float32: the n largest log p of the row, descending
+    top_ids: torch.Tensor | None = None  # [bs * N, n] int64: their tokens
 
 
 @attrs.frozen(eq=False)
@@ -175,6 +179,9 @@ class DraftTree:
     # [bs, N] bool: rows a sampled draft had no token for (it ran out of mass); their token is a
     # placeholder the verify never accepts. None: no such row.
     padding: torch.Tensor | None = None
+    # [bs] int64: rows ``[0, width)`` of each request are verified; the rest are padding the verify forward
+    # skips (``SamplingParams(speculate=False)``: width 1, the root alone). None: every request verifies N rows.
+    widths: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)

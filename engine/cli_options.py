@@ -50,6 +50,26 @@ def fraction(text: str) -> float:
     return value
 
 
+def token_bias(text: str) -> tuple[int, float]:
+    """An argparse type: ``TOKEN=BIAS``, a token id and the number added to its logit."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOKEN=BIAS (a token id and a number, e.g. 42=-5)") from None
+
+
+def token_ids(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated token ids, e.g. ``13,7``."""
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids (e.g. 13,7)") from None
+    return ids
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, draft, tree shape, sampling and device options of every command that loads an engine."""
     p.add_argument(
@@ -94,6 +114,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     grammar.add_argument("--regex", default=None, help="constrain the output to a regular expression")
     grammar.add_argument("--grammar", default=None, help="constrain the output to a Lark grammar (a file or its text)")
+    p.add_argument("--min-p", type=float, default=0.0, help="sampling: keep tokens with p >= min_p * max p (0: all)")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="divide (> 1) the logits of tokens seen so far (1: off)"
+    )
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from tokens the output holds")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per occurrence in the output")
+    p.add_argument(
+        "--logit-bias", type=token_bias, action="append", default=[], metavar="TOKEN=BIAS",
+        help="add BIAS to token TOKEN's logit (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bad-words", type=token_ids, action="append", default=[], metavar="IDS",
+        help="a token-id sequence the output never contains, e.g. 13,7 (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--speculate", action=argparse.BooleanOptionalAction, default=True,
+        help="--no-speculate: decode one token a cycle, no draft work (for comparison; lossless either way)",
+    )  # fmt: skip
+    p.add_argument("--logprobs", action="store_true", help="print the log probability of each output token")
+    p.add_argument("--top-logprobs", type=int, default=0, help="print the N most likely tokens at each output token")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--device", default="cuda" if cuda_available() else "cpu")
     p.add_argument(
@@ -162,15 +202,17 @@ def check_engine_args(args: argparse.Namespace) -> SpecConfig:
             "published head's folder"
         )
     try:  # the library's own checks of a tree shape and of sampling options, as one-line usage errors
-        sampling = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            **constraint_from_args(args),
-        )  # fmt: skip
+        sampling = sampling_from_args(args)
         spec = spec_from_args(args, args.device)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.draft == "none" and not sampling.greedy:
         raise UsageError("--draft none is the greedy autoregressive baseline: sample (--temperature > 0) with a draft")
+    if args.draft == "none" and not attrs.evolve(sampling, json_schema=None, regex=None, grammar=None).plain_greedy:
+        raise UsageError(
+            "--draft none is the plain greedy autoregressive baseline: penalties, --logit-bias, --bad-words, "
+            "--logprobs, --top-logprobs and --no-speculate need a draft"
+        )
     return spec
 
 
@@ -193,6 +235,27 @@ def constraint_from_args(args: argparse.Namespace) -> dict:
                 raise UsageError(f"--json-schema is neither a file nor JSON text ({err}): pass a schema") from None
         out[field] = value
     return out
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The `SamplingParams` the options name, a grammar's included (a `ValueError` for a bad value, as
+    `SamplingParams` words it; a `UsageError` for a schema that is neither a file nor JSON)."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=tuple(args.logit_bias),
+        bad_words=tuple(args.bad_words),
+        speculate=args.speculate,
+        logprobs=args.logprobs,
+        top_logprobs=args.top_logprobs,
+        **constraint_from_args(args),
+    )
 
 
 def check_device(device: str) -> None:

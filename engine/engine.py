@@ -302,6 +302,11 @@ class Engine:
             return self._constrained_baseline(prompts, max_new_tokens, per_request, on_tokens)
         if self.draft is None and sampling is not None and not sampling.greedy:
             raise ValueError("--draft none is the greedy autoregressive baseline: sample with a draft")
+        if self.draft is None and sampling is not None and not sampling.plain_greedy:  # (a grammar: above)
+            raise ValueError(
+                "--draft none is the plain greedy autoregressive baseline: penalties, logit bias, bad words, logits "
+                "processors, logprobs and speculate=False need a draft"
+            )
         if self.draft is None:
             start = time.perf_counter()
             outputs = self.generate_autoregressive(prompts, max_new_tokens)

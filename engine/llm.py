@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from ..core.config import SamplingParams
@@ -60,8 +61,10 @@ class LLM:
     def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 128, *, raw: bool = False,
                  **sampling: Any) -> str | list[str]:  # fmt: skip
         """The reply to ``prompt`` (a string), or one reply each for a list of strings, decoded in one batch.
-        ``sampling``: `SamplingParams`' temperature, top_k, top_p, seed, and a grammar the reply must follow:
-        ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark) (docs: constrained)."""
+        ``sampling``: `SamplingParams` fields (`sampling_params`), e.g. ``temperature=0.7, min_p=0.05,
+        repetition_penalty=1.2, logit_bias={42: -5.0}, bad_words=[(13, 7)], speculate=False``, and a grammar the
+        reply must follow: ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark) (docs:
+        constrained)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise UsageError("generate takes a string or a list of strings; token ids go to generate_ids")
@@ -114,8 +117,8 @@ class LLM:
         """The new token ids of each prompt (a list of token-id lists)."""
         if isinstance(prompts, str) or any(isinstance(p, (str, bytes)) for p in prompts):
             raise UsageError("generate_ids takes lists of token ids; text goes to generate or chat")
-        params = SamplingParams(**sampling) if sampling else None
-        if params is not None and params.greedy and params.constraint is None:
+        params = sampling_params(sampling)
+        if params is not None and params.plain_greedy:
             params = None  # greedy: the engine's own path (the fast path on a GPU)
         results, _ = self.engine.generate([list(p) for p in prompts], max_new_tokens, on_tokens=on_tokens,
                                           sampling=params)  # fmt: skip
@@ -124,6 +127,16 @@ class LLM:
             raise UsageError(failed[0])
         return [list(r.output) for r in results]
 
+    def generate_requests(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
+                          **sampling: Any) -> list:  # fmt: skip
+        """The finished `Request` of each prompt (token ids): its output and, when asked, ``logprobs`` and
+        ``top_logprobs``."""
+        if isinstance(prompts, str) or any(isinstance(p, (str, bytes)) for p in prompts):
+            raise UsageError("generate_requests takes lists of token ids; text goes to generate or chat")
+        results, _ = self.engine.generate([list(p) for p in prompts], max_new_tokens,
+                                          sampling=sampling_params(sampling))  # fmt: skip
+        return results
+
     def _encode(self, text: str, raw: bool) -> list[int]:
         if not text:
             raise UsageError("the prompt is empty")
@@ -131,3 +144,18 @@ class LLM:
         if not ids:
             raise UsageError("the prompt encodes to no tokens")
         return ids
+
+
+def sampling_params(options: dict[str, Any]) -> SamplingParams | None:
+    """`SamplingParams` from keyword options (None for none); an unknown name or a bad value is a one-line
+    `UsageError` naming it."""
+    if not options:
+        return None
+    known = {field.name for field in attrs.fields(SamplingParams)} - {"max_new_tokens"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UsageError(f"unknown sampling option {unknown[0]!r}: allowed {', '.join(sorted(known))}")
+    try:
+        return SamplingParams(**options)
+    except ValueError as err:
+        raise UsageError(str(err)) from None

@@ -9,12 +9,20 @@ from ..core.config import SpecConfig
 from ..core.records import Ready
 
 
-def _cat(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> torch.Tensor | None:
-    if a is None and b is None:
+def _cat(a: Ready, b: Ready, what: str) -> torch.Tensor | None:
+    """``what`` of ``a`` then ``b``. A batch whose requests all have ``speculate=False`` ran no draft extend
+    (None): it contributes zero rows, which the draft never reads."""
+    x, y = getattr(a, what), getattr(b, what)
+    if x is None and y is None:
         return None
-    if a is None or b is None:
-        raise ValueError(f"cannot merge batches: {what} is set in one and not the other (same draft for both?)")
-    return torch.cat([a, b])
+    parts = []
+    for ready, value, other in ((a, x, y), (b, y, x)):
+        if value is None:
+            if any(r.sampling.speculate for r in ready.requests):
+                raise ValueError(f"cannot merge batches: {what} is set in one and not the other (same draft for both?)")
+            value = other.new_zeros((len(ready.requests), *other.shape[1:]))
+        parts.append(value)
+    return torch.cat(parts)
 
 
 def _cat_draft_probs(a: Ready, b: Ready) -> torch.Tensor | None:
@@ -44,9 +52,9 @@ def merge_ready(a: Ready, b: Ready) -> Ready:
         requests=a.requests + b.requests,
         seq_lens=torch.cat([a.seq_lens, b.seq_lens]),
         root_tokens=torch.cat([a.root_tokens, b.root_tokens]),
-        topk_p=_cat(a.topk_p, b.topk_p, "topk_p"),
-        topk_index=_cat(a.topk_index, b.topk_index, "topk_index"),
-        draft_hidden=_cat(a.draft_hidden, b.draft_hidden, "draft_hidden"),
+        topk_p=_cat(a, b, "topk_p"),
+        topk_index=_cat(a, b, "topk_index"),
+        draft_hidden=_cat(a, b, "draft_hidden"),
         retired=a.retired + b.retired,
         draft_probs=_cat_draft_probs(a, b),
     )

@@ -272,6 +272,18 @@ def _check_drafted(record: Drafted, ports) -> None:
         require(torch.equal(tree.parents, (idx - 1).expand(bs, n)), 4, "K == 1 must draft a chain")
     mask = ancestor_mask(tree.parents)
     require(torch.equal(unpack_mask(pack_mask(mask), n), mask), 4, "the packed tree mask differs from the full mask")
+    if tree.widths is not None:  # per-request draft width (speculate=False: the root alone)
+        widths = tree.widths
+        require(tuple(widths.shape) == (bs,), 4, f"widths shape {tuple(widths.shape)} != ({bs},)")
+        require(bool(((widths >= 1) & (widths <= n)).all()), 4, f"widths {widths.tolist()} outside [1, {n}]")
+        past = idx[None, :] >= widths[:, None]
+        require(
+            tree.padding is not None and bool((tree.padding | ~past).all()),
+            4,
+            "every row past a request's width must be padding",
+        )
+        resting = [b for b, r in enumerate(record.requests) if not r.sampling.speculate]
+        require(all(int(widths[b]) == 1 for b in resting), 4, "a request with speculate=False must have width 1")
     offset = _offset(record, ports)
     steps = record.draft_positions.shape[1]
     if steps:
@@ -329,6 +341,12 @@ def _check_accept(cfg, tree, accept_index: torch.Tensor, accept_len: torch.Tenso
         5,
         f"accept_len {accept_len.tolist()} outside [1, {min(width, n)}]",
     )
+    if tree.widths is not None:
+        require(
+            bool((accept_len <= tree.widths).all()),
+            5,
+            f"accept_len {accept_len.tolist()} exceeds the draft widths {tree.widths.tolist()}",
+        )
     lens, rows, all_parents = accept_len.tolist(), accept_index.tolist(), tree.parents.tolist()
     for b in range(bs):
         m = lens[b]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ..backends.torch.sampling import committed_logprobs, safe_uniform
+from ..backends.torch.sampling import safe_uniform
 from ..core.records import DraftTree, Request
 
 STREAM_FIRST, STREAM_DRAFT, STREAM_COINS, STREAM_FINAL = 0, 1, 2, 3
@@ -81,6 +81,7 @@ class SampledRows:
     temperature: torch.Tensor  # [m] float32
     top_k: torch.Tensor  # [m] int64
     top_p: torch.Tensor  # [m] float32
+    min_p: torch.Tensor  # [m] float32
 
     def flat_rows(self, per_request: int) -> torch.Tensor:
         """Rows ``b * r + i`` (``i < r``) of every sampled request ``b``. Shapes: -> ``[m * r]``."""
@@ -88,12 +89,13 @@ class SampledRows:
         return (self.index[:, None] * per_request + offsets[None, :]).reshape(-1)
 
     def process(self, logits: torch.Tensor, per_request: int, backend) -> torch.Tensor:
-        """Each request's temperature, top-k and top-p on its ``r`` rows. Shapes: ``[m * r, V]`` -> same."""
+        """Each request's temperature, min-p, top-k and top-p on its ``r`` rows. Shapes: ``[m * r, V]`` -> same."""
         return backend.process_logits(
             logits,
             self.temperature.repeat_interleave(per_request),
             self.top_k.repeat_interleave(per_request),
             self.top_p.repeat_interleave(per_request),
+            self.min_p.repeat_interleave(per_request),
         )
 
     def uniforms(self, shape: tuple[int, ...], stream: int, level: int = 0) -> torch.Tensor:
@@ -116,16 +118,17 @@ def sampled_rows(requests: Sequence[Request], device: torch.device | str) -> Sam
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
     )
 
 
 # ---- prefill -----------------------------------------------------------------------------------
 def sample_first(
     requests: Sequence[Request], logits: torch.Tensor, greedy_first: torch.Tensor, backend
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, RowLogprobs]:
     """The first token: greedy requests keep ``argmax``, sampled requests draw from their processed ``p``.
 
-    Shapes: ``logits [bs, V]``, ``greedy_first [bs]`` -> ``first [bs]``, ``logprobs [bs]`` (None unless asked).
+    Shapes: ``logits [bs, V]``, ``greedy_first [bs]`` -> ``first [bs]``, its `RowLogprobs` (one row a request).
     """
     rows = sampled_rows(requests, logits.device)
     first, probs = greedy_first, None
@@ -268,6 +271,19 @@ def verify_sampled(
 
 
 # ---- logprobs ----------------------------------------------------------------------------------
+@attrs.frozen(eq=False)
+class RowLogprobs:
+    """What a verify (or the prefill) reports per row: ``log p(token)`` and the ``n`` most likely alternatives.
+
+    ``n`` is the batch's largest ``top_logprobs``; a request keeps its own first ``top_logprobs`` columns and
+    drops entries of probability 0 (``-inf``). Each is None when no request asks for it.
+    """
+
+    logprobs: torch.Tensor | None = None  # [R] float32
+    top_logprobs: torch.Tensor | None = None  # [R, n] float32, descending (ties: lower id first)
+    top_ids: torch.Tensor | None = None  # [R, n] int64
+
+
 def row_logprobs(
     requests: Sequence[Request],
     logits: torch.Tensor,
@@ -275,21 +291,31 @@ def row_logprobs(
     rows: SampledRows | None,
     sampled_probs: torch.Tensor | None,
     per_request: int,
-) -> torch.Tensor | None:
-    """``log p(token)`` of every row, or None when no request asks for logprobs.
+) -> RowLogprobs:
+    """``log p(token)`` of every row and, where asked, the top ``n`` of ``log p``.
 
-    A sampled request's ``p`` is the distribution its tokens are committed from (after temperature,
-    top-k, top-p); a greedy request's is the model's own softmax (its processed distribution is a
-    point mass, whose log is 0). Rows with ``token < 0`` get 0.
+    A sampled request's ``p`` is the distribution its tokens are committed from (after temperature, min-p,
+    top-k, top-p); a greedy request's is the softmax of its logits (its processed distribution is a point
+    mass, whose log is 0). ``logits`` are the rows after `statemachine.logits.adjust` (penalties, bias, bad
+    words, the processor), as the tokens were chosen from them. Rows with ``token < 0`` get 0.
 
-    Shapes: ``logits [bs * r, V]``, ``tokens [bs * r]``, ``sampled_probs [m * r, V]`` -> ``[bs * r]`` float32.
+    Shapes: ``logits [bs * r, V]``, ``tokens [bs * r]``, ``sampled_probs [m * r, V]`` -> `RowLogprobs`
+    of ``bs * r`` rows.
     """
-    if not any(r.sampling.logprobs for r in requests):
-        return None
-    safe = tokens.clamp(min=0)[:, None]
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, safe).squeeze(1)
-    logprobs = torch.where(tokens >= 0, logprobs, 0.0)
+    want = any(r.sampling.logprobs for r in requests)
+    top_n = max((r.sampling.top_logprobs for r in requests), default=0)
+    if not want and not top_n:
+        return RowLogprobs()
+    log_p = torch.log_softmax(logits.float(), dim=-1)  # [bs * r, V]
     if rows is not None:
         flat = rows.flat_rows(per_request)
-        logprobs[flat] = committed_logprobs(sampled_probs, tokens[flat])
-    return logprobs
+        log_p[flat] = torch.log(sampled_probs.float())
+    logprobs = top_values = top_ids = None
+    if want:
+        safe = tokens.clamp(min=0)[:, None]
+        logprobs = torch.where(tokens >= 0, log_p.gather(1, safe).squeeze(1), 0.0)
+    if top_n:
+        top_n = min(top_n, log_p.shape[-1])
+        top_values, top_ids = log_p.sort(dim=-1, descending=True, stable=True)
+        top_values, top_ids = top_values[:, :top_n].contiguous(), top_ids[:, :top_n].contiguous()
+    return RowLogprobs(logprobs, top_values, top_ids)

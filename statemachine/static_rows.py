@@ -197,10 +197,11 @@ def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) ->
 
 # ---- coverage ----------------------------------------------------------------------------------------
 def static_covers(rec, ports) -> bool:
-    """Whether the static forms serve ``rec`` and ``ports``: greedy requests without stop strings, logprobs or a
-    grammar (constrained batches run eagerly: their masks come from the host), all with the same stop ids (at most
-    `MAX_STOPS`: the log holds one list), no recurrent state, ports that declare static forwards, and a forward
-    draft paired shifted, or a lookup draft in a cycle of ``S == 0`` (it proposes nothing: a plain decode step)."""
+    """Whether the static forms serve ``rec`` and ``ports``: plain greedy requests (`SamplingParams.plain_greedy`: no
+    logprobs, no history-dependent logits, no grammar (constrained batches run eagerly: their masks come from the
+    host), all speculating) without stop strings, all with the same stop ids (at most `MAX_STOPS`: the log holds
+    one list), no recurrent state, ports that declare static forwards, and a forward draft paired shifted, or a
+    lookup draft in a cycle of ``S == 0`` (it proposes nothing: a plain decode step)."""
     if static_forwards(ports) is None:
         return False
     if draft_kind(ports) == "lookup":
@@ -213,10 +214,7 @@ def static_covers(rec, ports) -> bool:
     stops = {frozenset(r.sampling.stop_token_ids) for r in rec.requests}
     if len(stops) > 1 or any(len(s) > MAX_STOPS for s in stops):
         return False
-    return all(
-        r.sampling.greedy and not r.sampling.logprobs and not r.sampling.stop_strings and r.sampling.constraint is None
-        for r in rec.requests
-    )
+    return all(r.sampling.plain_greedy and not r.sampling.stop_strings for r in rec.requests)
 
 
 # ---- draft -------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ TABLE: tuple[Transition, ...] = (
         ),
         grammar=("FrontierMasks", "row_masks"),
         doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "
-        "(sampled: children drawn from q, level order, no rerank).",
+        "(sampled: children drawn from q, level order, no rerank; speculate=False: no draft rows, width 1).",
         static=sr.draft_tree_static,
     ),
     Transition(
@@ -165,7 +165,8 @@ TABLE: tuple[Transition, ...] = (
             "verify_tree_sampling",
         ),
         grammar=("Drafted.token_masks",),
-        doc="One target forward over [root, drafts] at L + depth with the tree mask; greedy walk "
+        doc="One target forward over [root, drafts] at L + depth with the tree mask (the rows within each "
+        "request's width); each row's logits changed by its own path (penalties, bias, bad words); greedy walk "
         "(sampled: lossless rejection sampling, chain or tree).",
     ),
     Transition(
@@ -236,7 +237,8 @@ FUSIONS: tuple[Fusion, ...] = (
         doc="After the verify forward: the greedy walk, the cut at stop tokens and max_new_tokens, the bonus, "
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
         "and the done flags (the requests finish from them when the log is read back). Greedy requests with one "
-        "stop list and no stop strings, logprobs or grammar, no recurrent state, a forward draft paired shifted.",
+        "stop list and no stop strings, logprobs, grammar or history-dependent logits, every request speculating, "
+        "no recurrent state, a forward draft paired shifted.",
         static=sr.accept_commit_static,
         covers=sr.static_covers,
     ),

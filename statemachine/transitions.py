@@ -43,6 +43,7 @@ from ..core.records import (
 )
 from ..core.tree import draft_position, draft_scratch_offsets, tree_depths
 from . import grammar, sampling
+from . import logits as row_logits
 from .stops import cut_at_stops
 
 
@@ -158,6 +159,12 @@ def validate_request(request: Request, vocab_size: int, detokenizer=None) -> Non
         raise CycleError(
             f"request {request.request_id}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
         )
+    named = [t for t in request.sampling.token_ids() if t >= vocab_size]
+    if named:
+        raise CycleError(
+            f"request {request.request_id}: logit_bias / bad_words name token ids {named[:5]} outside the "
+            f"vocabulary [0, {vocab_size})"
+        )
 
 
 def refuse_duplicate_ids(requests: Sequence[Request]) -> None:
@@ -202,6 +209,12 @@ def prefill(rec: Admitted, ports: Ports, backend) -> Compacted:
                 )
             if request.sampling.constraint is not None:
                 request = grammar.compile_request(request, ports)
+            p = request.sampling
+            if draft_kind(ports) == "block" and (p.adjusts_logits or not p.speculate or p.top_logprobs):
+                raise CycleError(
+                    f"request {request.request_id}: block drafts verify the raw greedy logits; penalties, logit "
+                    "bias, bad words, a logits processor, speculate=False and top_logprobs need another draft"
+                )
             valid.append(sampling.with_seed(request))
         except (CycleError, grammar.GrammarRefused) as err:
             refused.append(attrs.evolve(request, finish_reason="error", error=str(err)))
@@ -265,16 +278,18 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     last_rows = starts + row_counts - 1
     batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
     out = target.forward(batch)
-    logits, first = out.logits, _greedy(out, backend)  # [bs]
+    request_rows = torch.arange(len(lens), device=device)
+    logits = row_logits.adjust(rec.requests, out.logits, request_rows)  # each prompt is its row's history
+    first = _greedy(out, backend) if logits is out.logits else backend.greedy_predict(logits)  # [bs]
     if grammar.constrained(rec.requests):  # the first token under each request's grammar
         logits = backend.apply_token_mask(logits, grammar.next_masks(rec.requests, _words(ports), device))
         first = backend.greedy_predict(logits)
     first, logprobs = sampling.sample_first(rec.requests, logits, first, backend)  # sampled requests draw
-    bad = _check_logits(out, torch.arange(len(lens), device=device), len(lens))
+    bad = _check_logits(out, request_rows, len(lens))
 
     requests = []
-    logprob_list = [None] * len(lens) if logprobs is None else logprobs.tolist()
-    for request, token, is_bad, logprob in zip(rec.requests, first.tolist(), bad, logprob_list):
+    reported = _reported(logprobs, len(lens), 1)
+    for request, token, is_bad, lps in zip(rec.requests, first.tolist(), bad, reported):
         if is_bad:
             requests.append(_errored(request, "the target returned non-finite logits for the prompt"))
             continue
@@ -283,7 +298,7 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
         if error is not None:
             requests.append(_errored(request, error))
             continue
-        request = grammar.advance(_with_logprobs(request, [logprob], 1), [token])
+        request = grammar.advance(_with_logprobs(request, lps, 1), [token])
         requests.append(attrs.evolve(request, output=request.output + (token,), finish_reason=reason or stop))
 
     # Draft extend rows: shifted drafts see t[p + 1] at p, aligned drafts t[p] (root included).
@@ -314,11 +329,35 @@ def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, devic
     return ExtendRows(input_ids=flat, positions=positions, row_request=row_request, hidden=None)
 
 
-def _with_logprobs(request: Request, logprobs: Sequence[float | None], count: int) -> Request:
-    """Append the logprobs of ``count`` newly committed tokens, when the request asked for them."""
-    if not request.sampling.logprobs:
-        return request
-    return attrs.evolve(request, logprobs=request.logprobs + tuple(float(x) for x in logprobs[:count]))
+def _reported(rows: sampling.RowLogprobs, bs: int, width: int) -> list[tuple[list, list, list]]:
+    """Per request, its ``width`` rows' logprobs, top logprobs and top ids as lists (empty where not reported)."""
+
+    def per_request(value, shape):
+        return [[]] * bs if value is None else value.reshape(bs, *shape).tolist()
+
+    n = 0 if rows.top_ids is None else rows.top_ids.shape[-1]
+    return list(
+        zip(
+            per_request(rows.logprobs, (width,)),
+            per_request(rows.top_logprobs, (width, n)),
+            per_request(rows.top_ids, (width, n)),
+        )
+    )
+
+
+def _with_logprobs(request: Request, reported: tuple[list, list, list], count: int) -> Request:
+    """Append what ``count`` newly committed tokens report (`_reported`), as far as the request asked for it."""
+    logprobs, top_values, top_ids = reported
+    p = request.sampling
+    if p.logprobs:
+        request = attrs.evolve(request, logprobs=request.logprobs + tuple(float(x) for x in logprobs[:count]))
+    if p.top_logprobs:
+        top = tuple(
+            tuple((int(t), float(v)) for t, v in zip(ids[: p.top_logprobs], values[: p.top_logprobs]) if v > -math.inf)
+            for ids, values in zip(top_ids[:count], top_values[:count])
+        )
+        request = attrs.evolve(request, top_logprobs=request.top_logprobs + top)
+    return request
 
 
 def _words(ports: Ports) -> int:
@@ -434,12 +473,66 @@ def block_draft_live(rec: Ready, ports: Ports) -> bool:
     return none_finished(rec, ports) and block_draft(rec, ports)
 
 
+def speculating(requests: Sequence[Request]) -> list[int] | None:
+    """The batch indices of the requests that speculate, or None when all do (`SamplingParams.speculate`)."""
+    if all(r.sampling.speculate for r in requests):
+        return None
+    return [b for b, r in enumerate(requests) if r.sampling.speculate]
+
+
+def _scatter_rows(value: torch.Tensor | None, index: torch.Tensor, bs: int) -> torch.Tensor | None:
+    """``value [m, ...]`` at rows ``index`` of a zero ``[bs, ...]`` tensor (None stays None)."""
+    if value is None:
+        return None
+    full = value.new_zeros((bs, *value.shape[1:]))
+    full[index] = value
+    return full
+
+
 def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
-    """The draft runs over the newly committed tokens; its last row per request gives depth 1."""
+    """The draft runs over the newly committed tokens; its last row per request gives depth 1.
+
+    Requests with ``speculate=False`` take no part: the draft runs over the others' rows alone, and their
+    `Ready` rows are zeros the draft never reads.
+    """
+    bs = len(rec.requests)
+    spec = speculating(rec.requests)
+    if bs == 0 or spec == []:
+        return _ready(rec, None, None, None)
+    if spec is None:
+        return _draft_extend(rec, ports, backend)
+    device = rec.seq_lens.device
+    index = torch.tensor(spec, dtype=torch.long, device=device)
+    where = torch.full((bs,), -1, dtype=torch.long, device=device)
+    where[index] = torch.arange(len(spec), device=device)
+    ext = rec.extend
+    keep = (where[ext.row_request] >= 0).nonzero()[:, 0]
+    sub_extend = ExtendRows(
+        input_ids=ext.input_ids[keep],
+        positions=ext.positions[keep],
+        row_request=where[ext.row_request[keep]],
+        hidden=None if ext.hidden is None else ext.hidden[keep],
+    )
+    sub = attrs.evolve(
+        rec,
+        requests=tuple(rec.requests[b] for b in spec),
+        seq_lens=rec.seq_lens[index],
+        root_tokens=rec.root_tokens[index],
+        extend=sub_extend,
+    )
+    ready = _draft_extend(sub, ports, backend)
+    return _ready(
+        rec,
+        _scatter_rows(ready.topk_p, index, bs),
+        _scatter_rows(ready.topk_index, index, bs),
+        _scatter_rows(ready.draft_hidden, index, bs),
+        _scatter_rows(ready.draft_probs, index, bs),
+    )
+
+
+def _draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     cfg, bs = rec.config, len(rec.requests)
     ids = tuple(r.request_id for r in rec.requests)
-    if bs == 0:
-        return _ready(rec, None, None, None)
     ext = rec.extend
     page_table = ports.kv_pool.page_table(ids)
     out_slots = _row_slots(backend, page_table, ext.row_request, ext.positions, ports.kv_pool.page_size)
@@ -460,11 +553,11 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     out = ports.draft.extend(batch, ext.hidden)
     rows = sampling.sampled_rows(rec.requests, out.logits.device)
     _refuse_draft_vocabulary_when_sampled(out, rows)
-    logits, masked = out.logits, grammar.constrained(rec.requests)
-    if masked:  # depth-1 candidates the grammar allows after the committed tokens
+    logits = _draft_adjust(rec.requests, out, torch.arange(bs, device=out.logits.device), None)
+    if grammar.constrained(rec.requests):  # depth-1 candidates the grammar allows after the committed tokens
         masks = grammar.draft_masks(rec.requests, _words(ports), logits.device)
         logits = backend.apply_token_mask(logits, masks, out.vocab_map)
-    if rows is None and not masked and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
+    if rows is None and logits is out.logits and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
         topk_p, topk_index = out.topk  # taken inside the port's forward (`ModelOutput.topk`)
     else:
         topk_p, topk_index = backend.select_topk(logits, cfg.topk, out.vocab_map)
@@ -473,6 +566,15 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, logits, 1, topk_p, topk_index, 0, backend)
     hidden = None if out.hidden is None else out.hidden.index_select(0, last_rows)
     return _ready(rec, topk_p, topk_index, hidden, draft_probs)
+
+
+def _draft_adjust(requests, out: ModelOutput, row_request: torch.Tensor, paths) -> torch.Tensor:
+    """The draft's logits after the requests' history-dependent changes (`statemachine.logits`), so that it
+    proposes what the target will see; not for a draft over its own vocabulary (``vocab_map``: left as is,
+    which costs acceptance, never exactness)."""
+    if out.vocab_map is not None:
+        return out.logits
+    return row_logits.adjust(requests, out.logits, row_request, paths)
 
 
 def skip_extend(rec: Compacted, ports: Ports, backend) -> Ready:
@@ -542,15 +644,19 @@ def draft_levels(
     rows=None,
     draft_probs: torch.Tensor | None = None,
     frontier_masks: grammar.FrontierMasks | None = None,
+    requests: Sequence[Request] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``S - 1`` draft forwards of `draft_tree`: every candidate level, EAGLE-2 rescored.
 
     Returns ``cand_tokens, cand_scores, cand_parents [bs, C]`` (level order, ``C = K + (S - 1) K^2``;
     a chain: ``C = S``) and ``draft_positions [bs, S - 1]``. Greedy (``rows`` None), it has no host
     sync and no data-dependent shape, so an engine may capture it whole in a CUDA graph; sampled
-    ``rows`` draw children and fill ``draft_probs`` in place. (It builds its index tensors itself, none
-    from `core.shapes`: a tensor first made inside a graph capture must not outlive it in a cache.)
+    ``rows`` draw children and fill ``draft_probs`` in place. ``requests`` whose logits depend on their
+    history (`statemachine.logits`) have each node's logits changed by its path first, as the verify will.
+    (It builds its index tensors itself, none from `core.shapes`: a tensor first made inside a graph
+    capture must not outlive it in a cache.)
     """
+    adjusting = requests is not None and row_logits.any_adjusts(requests)
     S, K = cfg.num_steps, cfg.topk
     bs, device = L.shape[0], L.device
     offset = draft_offset(ports, cfg)
@@ -571,6 +677,7 @@ def draft_levels(
         [torch.full_like(frontier_tokens, -1)],
     )
     frontier_cand = torch.arange(K, device=device).expand(bs, K)
+    frontier_paths = frontier_tokens[:, :, None] if adjusting else None  # [bs, K, depth]: each node's draft path
     positions_per_step = []
     if K > 1 and S > 1:
         # every frontier node's draft KV slots, root side first, its own last (`advance_frontier` extends them)
@@ -603,6 +710,8 @@ def draft_levels(
         out = ports.draft.step(batch, None if parent_hidden is None else parent_hidden.reshape(bs * K, -1))
         _refuse_draft_vocabulary_when_sampled(out, rows)
         logits = out.logits
+        if adjusting:
+            logits = _draft_adjust(requests, out, row_request, frontier_paths.reshape(bs * K, -1))
         if frontier_masks is not None:  # each frontier node's children: what the grammar allows after its branch
             masks = frontier_masks.level(cand_tokens, cand_parents, frontier_cand)
             logits = backend.apply_token_mask(logits, masks, out.vocab_map)
@@ -615,6 +724,8 @@ def draft_levels(
             sampling.store_rows(draft_probs, q.view(bs, K, -1), frontier_cand + 1 if K > 1 else frontier_cand + 1 + j)
         if K == 1:  # a chain: the child is the next frontier, nothing to rescore
             frontier_tokens = child_ids
+            if adjusting:
+                frontier_paths = torch.cat([frontier_paths, child_ids[:, :, None]], 2)
             cand_tokens.append(child_ids)
             if out.hidden is not None:
                 parent_hidden = out.hidden.view(bs, 1, -1)
@@ -625,6 +736,11 @@ def draft_levels(
             frontier_scores, child_p, child_ids, frontier_cand, K + j * K * K, path_slots, out.hidden,
             draft_slots[:, j + 1, :] if j + 2 < S else None, K,
         )  # fmt: skip
+        if adjusting:  # the kept children's paths: their parent's, then their own token
+            depth = frontier_paths.shape[2]
+            children = torch.cat([frontier_paths[:, :, None, :].expand(bs, K, K, depth), child_ids[..., None]], 3)
+            keep = (level.cand - (K + j * K * K))[:, :, None].expand(bs, K, depth + 1)
+            frontier_paths = children.reshape(bs, K * K, depth + 1).gather(1, keep)
         cand_tokens.append(child_ids.reshape(bs, K * K))
         cand_scores.append(level.cum)
         cand_parents.append(level.parents)
@@ -647,22 +763,65 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
 
     Sampled requests draw each node's children without replacement from ``q`` and keep their tree in
     level order, never reranked (`statemachine.sampling`); their ``q`` per row goes to the verify.
+    Requests with ``speculate=False`` get no draft forward: their tree is the root and ``N - 1`` padding
+    rows (`DraftTree.widths` 1), which the verify forward skips.
     """
-    cfg, bs = rec.config, len(rec.requests)
-    K, N = cfg.topk, cfg.num_draft_tokens
+    cfg = rec.config
+    S = cfg.num_steps
     L, device = rec.seq_lens, rec.seq_lens.device
     offset = draft_offset(ports, cfg)
     # draft_slots [bs, S-1, K]: the slots of draft_scratch_positions(L, S, K, offset)
     ids, page_table, verify_slots, draft_slots = _reserve_cycle(rec, ports, backend, offset)
-
-    rows = sampling.sampled_rows(rec.requests, device)
     if not cfg.drafts:  # S == 0: the root alone (a plain decode step); the draft's state waits for the next shape
+        bs, rows = len(rec.requests), sampling.sampled_rows(rec.requests, device)
         root = DraftTree(tokens=rec.root_tokens[:, None], parents=shapes.chain_parents(bs, 1, device),
                          depths=shapes.chain_depths(bs, 1, device))  # fmt: skip
         probs = None if rows is None or rec.draft_probs is None else rec.draft_probs[:, None]
         return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=root, verify_slots=verify_slots,
                        draft_slots=draft_slots, draft_positions=shapes.no_extra_slots(bs, device),
                        draft_probs=probs)  # fmt: skip
+    spec = speculating(rec.requests)
+    if spec is None:
+        tree, draft_probs, draft_positions = _draft_rows(rec, ports, backend, ids, page_table, draft_slots)
+    else:
+        index = torch.tensor(spec, dtype=torch.long, device=device)
+        sub = attrs.evolve(
+            rec,
+            requests=tuple(rec.requests[b] for b in spec),
+            seq_lens=L[index],
+            root_tokens=rec.root_tokens[index],
+            topk_p=None if rec.topk_p is None else rec.topk_p[index],
+            topk_index=None if rec.topk_index is None else rec.topk_index[index],
+            draft_hidden=None if rec.draft_hidden is None else rec.draft_hidden[index],
+            draft_probs=None if rec.draft_probs is None else rec.draft_probs[index],
+        )
+        sub_ids = tuple(ids[b] for b in spec)
+        part = _draft_rows(sub, ports, backend, sub_ids, page_table[index], draft_slots[index]) if spec else None
+        tree, draft_probs = _with_resting(rec, cfg, index, part)
+        draft_positions = L[:, None] + offset + torch.arange(S - 1, device=device)[None, :]
+    masks = None
+    if grammar.constrained(rec.requests):  # each verify row's mask: the grammar after the path to its node
+        masks = grammar.row_masks(rec.requests, tree.tokens, tree.parents, tree.padding, _words(ports))
+    return Drafted(
+        config=cfg,
+        requests=rec.requests,
+        seq_lens=L,
+        tree=tree,
+        verify_slots=verify_slots,
+        draft_slots=draft_slots,
+        draft_positions=draft_positions.contiguous(),
+        draft_probs=draft_probs,
+        token_masks=masks,
+    )
+
+
+def _draft_rows(rec: Ready, ports: Ports, backend, ids, page_table, draft_slots):
+    """The draft forwards and the tree of every request of ``rec`` (all speculate): ``(DraftTree, draft_probs,
+    draft_positions)``."""
+    cfg, bs = rec.config, len(rec.requests)
+    K, N = cfg.topk, cfg.num_draft_tokens
+    L, device = rec.seq_lens, rec.seq_lens.device
+    rows = sampling.sampled_rows(rec.requests, device)
     draft_probs = None  # [bs, N, V]: q of each verify row, for the sampled requests
     if rows is not None:
         if rec.draft_probs is None:
@@ -673,11 +832,16 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     masked = grammar.constrained(rec.requests)
     frontier = grammar.FrontierMasks(rec.requests, _words(ports), K) if masked else None
     # A draft may run the greedy loop as one captured CUDA graph (engine.fast.path), calling draft_levels itself.
-    graphed = graphed_draft_levels(ports) if rows is None and not masked else None
+    adjusting = row_logits.any_adjusts(rec.requests)
+    masked = grammar.constrained(rec.requests)
+    frontier = grammar.FrontierMasks(rec.requests, _words(ports), K) if masked else None
+    graphed = graphed_draft_levels(ports) if rows is None and not adjusting and not masked else None
     if graphed is not None:
         cand_tokens, cand_scores, cand_parents, draft_positions = graphed(draft_levels, *levels)
     else:
-        cand_tokens, cand_scores, cand_parents, draft_positions = draft_levels(*levels, rows, draft_probs, frontier)
+        cand_tokens, cand_scores, cand_parents, draft_positions = draft_levels(
+            *levels, rows, draft_probs, frontier, rec.requests if adjusting else None
+        )
 
     if K == 1:
         tokens = torch.cat([rec.root_tokens[:, None], cand_tokens], dim=1)  # `chain_tree`, parents shared
@@ -695,17 +859,42 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     padding = None
     if rows is not None and bool((tokens < 0).any()):
         padding, tokens = tokens < 0, tokens.clamp(min=0)
-    return Drafted(
-        config=cfg,
-        requests=rec.requests,
-        seq_lens=L,
-        tree=DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding),
-        verify_slots=verify_slots,
-        draft_slots=draft_slots,
-        draft_positions=draft_positions.contiguous(),
-        draft_probs=draft_probs,
-        token_masks=grammar.row_masks(rec.requests, tokens, parents, padding, _words(ports)) if masked else None,
-    )
+    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding)
+    return tree, draft_probs, draft_positions
+
+
+def _with_resting(rec, cfg: SpecConfig, index: torch.Tensor, part) -> tuple[DraftTree, torch.Tensor | None]:
+    """The batch's tree when only the requests at ``index`` speculated (``part``: their `_draft_rows`, None
+    when none did): the others keep the root and ``N - 1`` padding rows (width 1), under the root in a tree
+    and as the chain in a chain; their ``draft_probs`` rows are zero."""
+    bs, N = len(rec.requests), cfg.num_draft_tokens
+    device = rec.seq_lens.device
+    tokens = torch.zeros((bs, N), dtype=torch.long, device=device)
+    tokens[:, 0] = rec.root_tokens
+    widths = torch.ones(bs, dtype=torch.long, device=device)
+    widths[index] = N
+    padding = (torch.arange(N, device=device)[None, :] >= widths[:, None]).clone()
+    if cfg.is_chain:
+        parents, depths, scores = shapes.chain_parents(bs, N, device), shapes.chain_depths(bs, N, device), None
+    else:
+        parents = torch.zeros((bs, N), dtype=torch.long, device=device)
+        parents[:, 0] = -1
+        scores = torch.zeros((bs, N), dtype=torch.float32, device=device)
+        scores[:, 0] = 1.0
+    draft_probs = None
+    if part is not None:
+        sub_tree, sub_probs, _ = part
+        tokens[index] = sub_tree.tokens
+        if not cfg.is_chain:
+            parents[index] = sub_tree.parents
+            scores[index] = sub_tree.scores.to(scores.dtype)
+        if sub_tree.padding is not None:
+            padding[index] = sub_tree.padding
+        draft_probs = _scatter_rows(sub_probs, index, bs)
+    if not cfg.is_chain:
+        depths = tree_depths(parents)
+    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding, widths=widths)
+    return tree, draft_probs
 
 
 def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
@@ -717,14 +906,33 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     cfg, bs = rec.config, len(rec.requests)
     ids, _, verify_slots, _ = _reserve_cycle(rec, ports, backend)
     device = rec.seq_lens.device
-    histories = [r.tokens for r in rec.requests]
-    tokens, parents = ports.draft.propose(ids, histories, cfg.num_steps, cfg.num_draft_tokens - 1, cfg.topk)
-    if tokens.shape != parents.shape or tokens.shape[0] != bs or tokens.shape[1] > cfg.num_draft_tokens - 1:
+    spec = speculating(rec.requests)
+    asked = list(range(bs)) if spec is None else spec  # requests with speculate=False are not asked
+    histories = [rec.requests[b].tokens for b in asked]
+    if asked:
+        tokens, parents = ports.draft.propose(
+            tuple(ids[b] for b in asked), histories, cfg.num_steps, cfg.num_draft_tokens - 1, cfg.topk
+        )
+    else:
+        tokens = parents = torch.empty((0, 0), dtype=torch.long, device=device)
+    m = len(asked)
+    if tokens.shape != parents.shape or tokens.shape[0] != m or tokens.shape[1] > cfg.num_draft_tokens - 1:
         raise CycleError(
             f"the lookup draft proposed tokens {tuple(tokens.shape)} / parents {tuple(parents.shape)}; "
-            f"expected the same shape [bs={bs}, n <= N - 1 = {cfg.num_draft_tokens - 1}]"
+            f"expected the same shape [bs={m}, n <= N - 1 = {cfg.num_draft_tokens - 1}]"
         )
     n = tokens.shape[1]
+    widths = padding = None
+    if spec is not None:  # the others: n padding rows (width 1), a chain in a chain, under the root in a tree
+        index = torch.tensor(spec, dtype=torch.long, device=tokens.device)
+        rest_parents = torch.arange(n, device=tokens.device).expand(bs, n) if cfg.is_chain else None
+        full_tokens = torch.zeros((bs, n), dtype=tokens.dtype, device=tokens.device)
+        full_parents = rest_parents.clone() if rest_parents is not None else full_tokens.clone()
+        full_tokens[index], full_parents[index] = tokens, parents
+        tokens, parents = full_tokens, full_parents
+        widths = torch.ones(bs, dtype=torch.long, device=device)
+        widths[index.to(device)] = n + 1
+        padding = shapes.arange(n + 1, device)[None, :] >= widths[:, None]
     if tokens.numel():  # one copy back: the least and largest token, the least parent, row - parent
         gaps = shapes.arange(n, parents.device) - parents  # >= 0: each parent precedes its node (row i + 1)
         lo, hi, parent_lo, gap = torch.stack([tokens.min(), tokens.max(), parents.min(), gaps.min()]).tolist()
@@ -737,9 +945,11 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
     parents = torch.cat([torch.full_like(rec.root_tokens[:, None], -1), parents.to(device)], dim=1)
     masks = None
     if grammar.constrained(rec.requests):  # proposals the grammar refuses are dead rows: never accepted, so the
-        masks, live = grammar.row_masks(rec.requests, tokens, parents, None, _words(ports), live=True)
+        masks, live = grammar.row_masks(rec.requests, tokens, parents, padding, _words(ports), live=True)
         n = max(i for i in range(n + 1) if any(row[i] for row in live))  # rows past the last live one go
         tokens, parents, masks = tokens[:, : n + 1], parents[:, : n + 1], masks[:, : n + 1]
+        if widths is not None:
+            padding, widths = padding[:, : n + 1], widths.clamp(max=n + 1)
     verify_slots = verify_slots[:, : n + 1]
     chain = shapes.chain_parents(bs, n + 1, device)
     if torch.equal(parents, chain):  # the shared chain: the verify takes the chain walk
@@ -750,7 +960,7 @@ def lookup_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         config=cfg,
         requests=rec.requests,
         seq_lens=rec.seq_lens,
-        tree=DraftTree(tokens=tokens, parents=parents, depths=depths),
+        tree=DraftTree(tokens=tokens, parents=parents, depths=depths, padding=padding, widths=widths),
         verify_slots=verify_slots,
         draft_slots=shapes.no_extra_slots(bs, device).view(bs, 0, 1).expand(bs, 0, cfg.topk),
         draft_positions=shapes.no_extra_slots(bs, device),
@@ -778,7 +988,24 @@ def target_verify_forward(rec: Drafted, ports: Ports, mask: torch.Tensor) -> tup
         extra,
         ports.kv_pool.page_table(ids),
     )
-    return ports.target.forward(batch), row_request
+    widths = rec.tree.widths
+    if widths is None:
+        return ports.target.forward(batch), row_request
+    # Rows past a request's width (speculate=False: all but the root) are not run: a ragged forward, its
+    # outputs put back at their flat rows (zeros at the skipped ones, which no walk accepts).
+    kept = (shapes.arange(N, device)[None, :] < widths[:, None]).reshape(-1).nonzero()[:, 0]
+    ragged = attrs.evolve(
+        batch,
+        input_ids=batch.input_ids[kept],
+        positions=batch.positions[kept],
+        row_request=row_request[kept],
+        out_slots=batch.out_slots[kept],
+        prefix_lens=batch.prefix_lens[kept],
+        extra_slots=batch.extra_slots[kept],
+    )
+    out = ports.target.forward(ragged)
+    full = ModelOutput(logits=_scatter_rows(out.logits, kept, bs * N), hidden=_scatter_rows(out.hidden, kept, bs * N))
+    return full, row_request
 
 
 def verify(rec: Drafted, ports: Ports, backend) -> Verified:
@@ -795,17 +1022,21 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
     else:
         mask = backend.tree_mask(rec.tree.parents)  # [bs, N, N]
     out, row_request = target_verify_forward(rec, ports, mask)
+    # each row's logits as autoregressive decoding would see them after its path (`statemachine.logits`), then
+    # the grammar's mask: row d's mask is the grammar after the path to node d
     logits = out.logits
-    if rec.token_masks is None:
-        predict = _greedy(out, backend)  # [bs * N]
-    else:  # the target's distribution is the masked one: row d's mask is the grammar after the path to node d
+    if row_logits.any_adjusts(rec.requests):
+        logits = row_logits.adjust(rec.requests, logits, row_request, row_logits.tree_paths(rec.tree.tokens, mask))
+    if rec.token_masks is not None:
         logits = backend.apply_token_mask(logits, rec.token_masks.flatten(0, 1))
-        predict = backend.greedy_predict(logits)
+    predict = _greedy(out, backend) if logits is out.logits else backend.greedy_predict(logits)  # [bs * N]
+    tokens = rec.tree.tokens  # the greedy walk never accepts a padding row
+    walk_tokens = tokens if rec.tree.widths is None else torch.where(rec.tree.padding, -1, tokens)
     if rec.tree.parents is shapes.chain_parents(bs, N, device):  # a chain (draft_tree, lookup_tree): its walk
-        accept_index, accept_len = backend.verify_greedy_chain(rec.tree.tokens, predict.view(bs, N), cfg.accept_width)
+        accept_index, accept_len = backend.verify_greedy_chain(walk_tokens, predict.view(bs, N), cfg.accept_width)
     else:
         accept_index, accept_len = backend.verify_greedy(
-            rec.tree.tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
+            walk_tokens, rec.tree.parents, predict.view(bs, N), cfg.accept_width
         )
     rows, target_probs = sampling.sampled_rows(rec.requests, device), None
     if rows is not None:
@@ -813,7 +1044,7 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
             rows, rec.tree, rec.draft_probs, logits, cfg.accept_width, cfg.is_chain,
             accept_index, accept_len, predict, backend,
         )  # fmt: skip
-    logprobs = sampling.row_logprobs(rec.requests, logits, predict, rows, target_probs, N)
+    reported = sampling.row_logprobs(rec.requests, logits, predict, rows, target_probs, N)
     bad = _check_logits(out, row_request, bs)
     requests = tuple(
         _errored(r, "the target returned non-finite logits during verify") if b else r
@@ -825,7 +1056,13 @@ def verify(rec: Drafted, ports: Ports, backend) -> Verified:
         seq_lens=L,
         tree=rec.tree,
         verify_slots=rec.verify_slots,
-        rows=RowOutputs(predict=predict, hidden=out.hidden, logprobs=logprobs),
+        rows=RowOutputs(
+            predict=predict,
+            hidden=out.hidden,
+            logprobs=reported.logprobs,
+            top_logprobs=reported.top_logprobs,
+            top_ids=reported.top_ids,
+        ),
         accept_index=accept_index,
         accept_len=accept_len,
     )
@@ -896,10 +1133,10 @@ def compact(rec: Accepted, ports: Ports, backend) -> Compacted:
 
     committed = rec.accepted_rows.predict.tolist()
     lens = rec.accept_len.tolist()
-    logprobs = rec.accepted_rows.logprobs
-    logprob_rows = [[]] * bs if logprobs is None else logprobs.tolist()
+    rows = rec.accepted_rows
+    reported = _reported(sampling.RowLogprobs(rows.logprobs, rows.top_logprobs, rows.top_ids), bs, cfg.accept_width)
     requests = []
-    for request, tokens, n, reason, lps in zip(rec.requests, committed, lens, rec.finish_reasons, logprob_rows):
+    for request, tokens, n, reason, lps in zip(rec.requests, committed, lens, rec.finish_reasons, reported):
         if request.finish_reason == "error":
             requests.append(request)
             continue

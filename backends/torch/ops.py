@@ -162,9 +162,9 @@ class TorchBackend:
         return block.verify_block(candidates, target)
 
     # ---- sampling (docs: sampling) -----------------------------------------------------------
-    def process_logits(self, logits, temperature, top_k, top_p) -> torch.Tensor:
-        """Temperature, top-k, top-p per row. See `sampling.process_logits`. Shapes: ``[R, V]`` -> ``[R, V]``."""
-        return sampling.process_logits(logits, temperature, top_k, top_p)
+    def process_logits(self, logits, temperature, top_k, top_p, min_p=0.0) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p per row. See `sampling.process_logits`. Shapes: ``[R, V]`` -> ``[R, V]``."""
+        return sampling.process_logits(logits, temperature, top_k, top_p, min_p)
 
     def sample_without_replacement(self, probs: torch.Tensor, k: int, uniforms: torch.Tensor) -> torch.Tensor:
         """``k`` distinct tokens per row in draw order, -1 padded. See `sampling.sample_without_replacement`."""

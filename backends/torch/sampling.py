@@ -33,15 +33,17 @@ def process_logits(
     temperature: torch.Tensor | float,
     top_k: torch.Tensor | int = 0,
     top_p: torch.Tensor | float = 1.0,
+    min_p: torch.Tensor | float = 0.0,
 ) -> torch.Tensor:
-    """Sampling distribution of each row: temperature, then top-k, then top-p, renormalized.
+    """Sampling distribution of each row: temperature, then min-p, then top-k, then top-p, renormalized.
 
     Parameters are per row, since one batch mixes requests. ``temperature <= 0`` makes the row one-hot
     at ``argmax(logits)`` (the first maximum): greedy decoding as a special case of sampling, so the
     sampling verify reproduces greedy verify. ``top_k == 0`` and ``top_p >= 1`` turn those filters off.
     Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (measured after
-    top-k, on the renormalized distribution) and always keeps the most likely token. Ties at a cut keep
-    the lower token id (stable sort).
+    top-k, on the renormalized distribution) and always keeps the most likely token. Min-p keeps the
+    tokens whose probability (after temperature) is at least ``min_p`` times the largest. Ties at a
+    rank cut keep the lower token id (stable sort).
 
     Apply it to the target and to the draft with the same parameters. The processed target defines
     the output (it must be exactly what non-speculative sampling would use). The verify is lossless
@@ -50,17 +52,21 @@ def process_logits(
     token outside the target's top-k or top-p is a certain rejection), while verifying against a
     distribution other than the one sampled from (say, the draft before its top-k) is lossy.
 
-    Shapes: ``logits [R, V]``, ``temperature [R]``, ``top_k [R]`` int, ``top_p [R]`` -> ``probs [R, V]`` float32.
+    Shapes: ``logits [R, V]``, ``temperature [R]``, ``top_k [R]`` int, ``top_p [R]``, ``min_p [R]`` ->
+    ``probs [R, V]`` float32.
     """
     rows, vocab = logits.shape
     device = logits.device
     temperature = _per_row(temperature, rows, device, torch.float32)
     top_k = _per_row(top_k, rows, device, torch.long)
     top_p = _per_row(top_p, rows, device, torch.float32)
+    min_p = _per_row(min_p, rows, device, torch.float32)
 
     greedy = temperature <= 0  # [R]
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    # min-p: a cut relative to the most likely token, before the rank cuts (0 keeps every token)
+    probs = torch.where(probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True), probs, 0.0)
 
     # Both filters are rank cuts, so work in descending order and map the kept set back.
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [R, V]

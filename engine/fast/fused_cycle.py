@@ -116,9 +116,7 @@ class FusedCycles:
         """Whether a `generate` call can run as these fused cycles: greedy without logprobs or stop strings, at
         most `MAX_STOPS` stop token ids, and the engine's draft is the fast EAGLE draft they were built over
         (`fast.path.accelerate` builds them for one). What the table's `accept_commit` fusion covers."""
-        plain = sampling is None or (
-            sampling.greedy and not sampling.logprobs and not sampling.stop_strings and sampling.constraint is None
-        )
+        plain = sampling is None or (sampling.plain_greedy and not sampling.stop_strings)
         return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
 
     def covers(self, ready: Ready, ports: Ports | None = None) -> bool:

@@ -265,7 +265,7 @@ def _required(hidden: torch.Tensor | None, where: str) -> torch.Tensor:
 def serves(draft, sampling) -> bool:
     """Whether a `generate` call may run on the host control plane (module docstring): greedy without
     logprobs, with a lookup draft or a fast forward draft."""
-    plain = sampling is None or (sampling.greedy and not sampling.logprobs and sampling.constraint is None)
+    plain = sampling is None or sampling.plain_greedy
     if draft is None:
         return False
     return plain and (kind_of(draft) == "lookup" or host_draft_levels(draft) is not None)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ...core import Compacted, Request, SpecConfig
-from ..cli_options import add_engine_args, resolve_draft, spec_from_args
+from ..cli_options import add_engine_args, resolve_draft, sampling_from_args, spec_from_args
 from ..drafters.eagle import EagleHead
 from ..drafters.eagle_tp import ShardedEagleDraft, TPEagleDraft
 from ..drafters.layerskip import LlamaDraft
@@ -275,6 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.temperature != 0.0:
         raise ValueError("--temperature > 0 needs sampling verification, which is not in this release; use 0")
+    if not sampling_from_args(args).plain_greedy:
+        raise ValueError(
+            "tensor-parallel decoding is plain greedy in this release: drop the penalties, --logit-bias, --bad-words, "
+            "--logprobs, --top-logprobs and --no-speculate"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     tp = init_tp(args.backend, args.device)

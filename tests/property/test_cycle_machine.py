@@ -2,7 +2,8 @@
 
 Random configs (S 0..8 (0: no draft), K 1..4, N within bounds, P in {1, 2, 4, 16}), four draft families (EAGLE-shifted,
 aligned, random-tree lookup, n-gram prompt lookup), ragged
-prompts, requests joining between cycles and finishing at different times (stop tokens, length).
+prompts, requests joining between cycles and finishing at different times (stop tokens, length), about one in
+four with speculation off (``speculate=False``: one token a cycle, no draft rows, merged with the others).
 The machine runs in checked mode, so every invariant of docs/invariants.md is validated at every boundary; the
 rules below add what needs the whole run: losslessness (10), KV conservation (8) against the model,
 and every request finishing exactly once.
@@ -77,11 +78,12 @@ class CycleMachine(RuleBasedStateMachine):
         prompts=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=1, max_size=3),
         max_new=st.lists(st.integers(1, 20), min_size=3, max_size=3),
         stop=st.lists(st.integers(0, VOCAB - 1), max_size=2),
+        speculate=st.lists(st.sampled_from([True, True, True, False]), min_size=3, max_size=3),
     )
-    def admit(self, prompts, max_new, stop) -> None:
+    def admit(self, prompts, max_new, stop, speculate) -> None:
         requests = []
-        for prompt, budget in zip(prompts, max_new):
-            params = SamplingParams(max_new_tokens=budget, stop_token_ids=tuple(stop))
+        for prompt, budget, spec in zip(prompts, max_new, speculate):
+            params = SamplingParams(max_new_tokens=budget, stop_token_ids=tuple(stop), speculate=spec)
             requests.append(Request(self.next_id, tuple(prompt), params))
             self.submitted[self.next_id] = requests[-1]
             self.expected_pages[self.next_id] = self._pages(len(prompt) + self.offset)

@@ -55,14 +55,53 @@ class Case:
     top_p: float = 1.0
     mix: float = 0.5  # the draft's share of salted logits (0: q == p)
     vocab: int = 8
+    extra: tuple = ()  # further SamplingParams fields, (name, value) pairs: min_p, penalties, bias, bad words, ...
+    resting: bool = False  # requests of odd seed run with speculate=False beside the others
 
     def config(self) -> SpecConfig:
         return SpecConfig(num_steps=self.steps, topk=self.topk, num_draft_tokens=self.draft_tokens, page_size=4)
 
     def params(self, seed: int) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed, max_new_tokens=4
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=seed,
+            max_new_tokens=4,
+            speculate=not (self.resting and seed % 2),
+            **dict(self.extra),
         )
+
+
+def history_bonus(history, row):
+    """A logits processor that reads the whole history: +1.5 on token ``sum(history) % V``."""
+    row = row.clone()
+    row[sum(history) % row.shape[0]] += 1.5
+    return row
+
+
+def reference_logits(params: SamplingParams, prompt, output, logits: torch.Tensor) -> torch.Tensor:
+    """What autoregressive decoding does to the logits after ``prompt + output``, written out token by token."""
+    x = logits.double().clone()
+    history = tuple(prompt) + tuple(output)
+    r = params.repetition_penalty
+    for t in set(history):
+        x[t] = x[t] / r if x[t] > 0 else x[t] * r
+    for t in set(output):
+        x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    for t, bias in params.logit_bias:
+        x[t] += bias
+    for word in params.bad_words:
+        if len(word) == 1 or history[len(history) - len(word) + 1 :] == word[:-1]:
+            x[word[-1]] = -math.inf
+    if params.logits_processor is not None:
+        x = params.logits_processor(history, x.float()).double()
+    return x.float()
+
+
+def reference_probs(params: SamplingParams, prompt, output, logits: torch.Tensor) -> torch.Tensor:
+    x = reference_logits(params, prompt, output, logits)[None]
+    return process_logits(x, params.temperature, params.top_k, params.top_p, params.min_p)[0]
 
 
 CASES = {
@@ -73,7 +112,19 @@ CASES = {
     "tree-shifted-deep": Case("shifted", 3, 2, 10, mix=0.2),  # depth 3: nodes under the frontier EAGLE-2 picks
     "tree-lookup-point-mass": Case("lookup", 3, 2, 6, temperature=1.3),
     "chain-lookup-point-mass": Case("lookup", 3, 1, 4, temperature=0.8, top_p=0.9),
-}
+    # history-dependent logits: each verify row sees its own tree path (statemachine/logits.py)
+    "chain-penalties-min-p": Case(
+        "shifted", 3, 1, 4, temperature=0.9, mix=0.3,
+        extra=(("min_p", 0.08), ("repetition_penalty", 1.6), ("frequency_penalty", 0.7), ("presence_penalty", 0.4)),
+    ),
+    "tree-bias-bad-words-resting": Case(
+        "aligned", 3, 2, 6, mix=0.3, resting=True,
+        extra=(
+            ("logit_bias", ((2, 1.5), (5, -1.0))), ("bad_words", ((3,), (1, 4), (4, 4))), ("frequency_penalty", 0.8)
+        ),
+    ),
+    "tree-processor": Case("shifted", 2, 2, 5, temperature=1.2, mix=0.3, extra=(("logits_processor", history_bonus),)),
+}  # fmt: skip
 
 
 def _ports(case: Case, trials: int):
@@ -108,13 +159,14 @@ def run_trials(case: Case, trials: int, seed: int) -> tuple[torch.Tensor, float]
 
 def exact_distributions(target: HashedNgramTarget, case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``P(t0)`` ``[V]``, ``P(t1, t2)`` and ``P(t2, t3)`` ``[V, V]``, exactly (earlier tokens summed out)."""
-    vocab = case.vocab
+    vocab, params = case.vocab, case.params(0)
 
     def dist(depth: int) -> torch.Tensor:
         """``P(t_depth | t_0 .. t_depth-1)`` over every prefix: ``[V] * depth + [V]``."""
         prefixes = list(itertools.product(range(vocab), repeat=depth))
-        logits = torch.stack([target.next_logits(list(PROMPT + prefix)) for prefix in prefixes])
-        probs = process_logits(logits, case.temperature, case.top_k, case.top_p).double()
+        probs = torch.stack(
+            [reference_probs(params, PROMPT, prefix, target.next_logits(list(PROMPT + prefix))) for prefix in prefixes]
+        ).double()
         return probs.view(*([vocab] * depth), vocab)
 
     p0, p1, p2, p3 = (dist(d) for d in range(4))
@@ -293,3 +345,123 @@ def test_sampled_transitions_call_only_the_ops_their_rows_name():
         assert set(calls) <= set(row.ops), f"{row.event} called {set(calls) - set(row.ops)}"
         seen.update(calls)
     assert {"process_logits", "sample_without_replacement", "verify_tree_sampling"} <= seen
+
+
+# ---- every sampling parameter: greedy token for token, logprobs, speculation off ---------------
+
+
+def test_a_verify_that_forgets_the_tree_path_is_caught(monkeypatch):
+    """Penalties seen from the committed history alone (each verify row blind to the draft path above it) are
+    lossy: rows of depth >= 1 miss the tokens between the root and them. The chi-square test rejects that."""
+    from speccycle.statemachine import logits as row_logits
+
+    case = CASES["chain-penalties-min-p"]
+    _, target = _ports(case, 1)
+    _, joint, _ = exact_distributions(target, case)
+    monkeypatch.setattr(row_logits, "tree_paths", lambda tokens, mask: torch.full_like(tokens, -1).view(-1, 1))
+    tokens, _ = run_trials(case, CI_TRIALS, seed=12)
+    samples = tokens[:, 1] * case.vocab + tokens[:, 2]
+    pvalue = chi_square_pvalue(torch.bincount(samples, minlength=joint.numel()), joint.flatten())
+    assert pvalue < ALPHA, f"a verify blind to its tree path passed the test (p-value {pvalue:.2e})"
+
+
+def ban_after_three(history, row):
+    """A processor that reads the history: token 7 is banned right after a 3, and the last token is favored."""
+    row = row.clone()
+    if history[-1] == 3:
+        row[7] = -math.inf
+    row[history[-1]] += 0.5
+    return row
+
+
+every_param = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.0, 0.8, 1.3]),
+    top_k=st.sampled_from([0, 4]),
+    top_p=st.sampled_from([1.0, 0.85]),
+    min_p=st.sampled_from([0.0, 0.0, 0.1]),
+    seed=st.integers(0, 2**40),
+    max_new_tokens=st.integers(1, 12),
+    repetition_penalty=st.sampled_from([1.0, 1.0, 1.5, 0.8]),
+    presence_penalty=st.sampled_from([0.0, 0.6]),
+    frequency_penalty=st.sampled_from([0.0, 0.9, -0.3]),
+    logit_bias=st.dictionaries(st.integers(0, 23), st.sampled_from([-2.0, 3.0]), max_size=2),
+    bad_words=st.lists(st.lists(st.integers(0, 23), min_size=1, max_size=3).map(tuple), max_size=3).map(tuple),
+    logits_processor=st.sampled_from([None, None, ban_after_three]),
+    speculate=st.sampled_from([True, True, False]),
+    logprobs=st.booleans(),
+    top_logprobs=st.sampled_from([0, 0, 3]),
+)
+
+
+class Recording:
+    """A port that runs the real one and records, per call, how many rows each request id had."""
+
+    def __init__(self, port, calls: list):
+        self._port, self._calls = port, calls
+
+    def __getattr__(self, name):
+        attr = getattr(self._port, name)
+        if name not in ("forward", "extend", "step", "propose"):
+            return attr
+
+        def call(*args, **kwargs):
+            batch = args[0]
+            if name == "propose":
+                self._calls.append((name, {rid: 1 for rid in batch}))
+            else:
+                rows = torch.bincount(batch.row_request, minlength=len(batch.request_ids)).tolist()
+                self._calls.append((name, dict(zip(batch.request_ids, rows))))
+            return attr(*args, **kwargs)
+
+        return call
+
+
+@settings(max_examples=30 if THOROUGH else 10)
+@given(
+    config=st.one_of(configs(), st.just(SpecConfig(num_steps=0, page_size=4))),
+    family=st.sampled_from(["shifted", "aligned", "lookup"]),
+    params=st.lists(every_param, min_size=1, max_size=4),
+)
+def test_every_parameter_keeps_greedy_exact_and_reports_autoregressive_logprobs(config, family, params):
+    """Mixed batches of every parameter in checked mode: greedy outputs equal greedy decoding of the processed
+    logits after each output's own history; sampled tokens have positive processed probability; logprobs and
+    top logprobs equal those of the processed distribution after the same history; a request with
+    speculate=False gets no draft rows and one verify row a cycle."""
+    ports, target = _hashed_ports(config, family)
+    calls: list = []
+    ports = attrs.evolve(ports, target=Recording(ports.target, calls), draft=Recording(ports.draft, calls))
+    requests = [Request(i, (1 + i, 2, 3), p) for i, p in enumerate(params)]
+    done = generate(requests, config, ports, checked=True)
+    resting = {r.request_id for r in requests if not r.sampling.speculate}
+    for name, rows in calls:
+        if name in ("extend", "step", "propose"):
+            assert not resting & {rid for rid, n in rows.items() if n}, f"the draft's {name} ran rows of {resting}"
+    verify_rows = [rows for name, rows in calls if name == "forward"][1:]  # after the prefill
+    for rows in verify_rows:
+        assert all(rows.get(rid, 1) == 1 for rid in resting), f"a request without speculation verified {rows}"
+    for request in done:
+        p = request.sampling
+        assert request.finish_reason in ("stop", "length"), request.error
+        output = list(request.output)
+        for i, token in enumerate(output):
+            logits = target.next_logits(list(request.prompt) + output[:i])
+            adjusted = reference_logits(p, request.prompt, tuple(output[:i]), logits)
+            if p.greedy:
+                assert token == int(adjusted.argmax()), f"request {request.request_id} token {i} is not greedy"
+                log_p = torch.log_softmax(adjusted, -1)
+            else:
+                probs = process_logits(adjusted[None], p.temperature, p.top_k, p.top_p, p.min_p)[0]
+                assert float(probs[token]) > 0, "a token of processed probability 0 was committed"
+                log_p = torch.log(probs)
+            if p.logprobs:
+                assert math.isclose(request.logprobs[i], float(log_p[token]), rel_tol=1e-4, abs_tol=1e-5)
+            if p.top_logprobs:
+                values, ids = log_p.sort(descending=True, stable=True)
+                expected = [(int(t), float(v)) for t, v in zip(ids[: p.top_logprobs], values[: p.top_logprobs])]
+                expected = [(t, v) for t, v in expected if v > -math.inf]
+                got = request.top_logprobs[i]
+                assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-4, abs=1e-5)
+                assert all(math.isclose(float(log_p[t]), v, rel_tol=1e-4, abs_tol=1e-5) for t, v in got)
+        assert len(request.logprobs) == (len(output) if p.logprobs else 0)
+        assert len(request.top_logprobs) == (len(output) if p.top_logprobs else 0)

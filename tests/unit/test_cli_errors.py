@@ -184,6 +184,23 @@ def test_bad_sampling_and_draft_options_are_refused_before_loading(tmp_path, cap
     one_line_error(code, err, "nosuchcommand")
 
 
+def test_bad_sampling_parameters_are_refused_before_loading(capsys, no_model):
+    code, _, err = run(["generate", "hi", "--min-p", "1.5"], capsys)
+    one_line_error(code, err, "min_p=1.5")
+    code, _, err = run(["generate", "hi", "--repetition-penalty", "0"], capsys)
+    one_line_error(code, err, "repetition_penalty=0.0")
+    code, _, err = run(["generate", "hi", "--logit-bias", "42"], capsys)
+    one_line_error(code, err, "--logit-bias", "TOKEN=BIAS")
+    code, _, err = run(["generate", "hi", "--bad-words", "1,x"], capsys)
+    one_line_error(code, err, "--bad-words", "token ids")
+    code, _, err = run(["generate", "hi", "--top-logprobs", "99"], capsys)
+    one_line_error(code, err, "top_logprobs=99")
+    code, _, err = run(["generate", "hi", "--draft", "none", "--no-speculate"], capsys)
+    one_line_error(code, err, "--draft none", "--no-speculate")
+    code, _, err = run(["bench", "--frequency-penalty", "0.5"], capsys)
+    one_line_error(code, err, "plain greedy")
+
+
 def test_an_empty_prompt_is_refused(capsys, no_model):
     for argv in (["generate", "--raw", ""], ["generate", ""], ["generate", "  ", "--raw"]):
         code, out, err = run(argv, capsys)

@@ -97,6 +97,15 @@ def test_spec_config_rejects_garbage_with_value_errors(num_steps, topk, n, page)
             "max_new_tokens": anything | st.integers(-2, 5),
             "stop_token_ids": anything | st.lists(token_like, max_size=3),
             "stop_strings": anything | st.lists(st.text(max_size=3), max_size=3),
+            "min_p": anything,
+            "repetition_penalty": anything,
+            "presence_penalty": anything,
+            "frequency_penalty": anything,
+            "logit_bias": anything | st.dictionaries(token_like, anything, max_size=2),
+            "bad_words": anything | st.lists(st.lists(token_like, max_size=2), max_size=2),
+            "logits_processor": anything,
+            "speculate": anything,
+            "top_logprobs": anything | st.integers(-1, 25),
         },
     )
 )
@@ -104,9 +113,12 @@ def test_sampling_params_reject_garbage_with_value_errors(kwargs):
     try:
         params = SamplingParams(**kwargs)
     except ValueError as error:
-        assert str(error)
+        assert str(error) and "\n" not in str(error)
         return
     assert params.max_new_tokens >= 1 and all(isinstance(s, str) and s for s in params.stop_strings)
+    assert all(isinstance(t, int) and isinstance(b, float) for t, b in params.logit_bias)
+    assert all(w and all(isinstance(t, int) and t >= 0 for t in w) for w in params.bad_words)
+    assert 0 <= params.top_logprobs <= 20 and isinstance(params.speculate, bool)
 
 
 @settings(max_examples=40)
