@@ -424,6 +424,11 @@ class Engine:
         per_prompt = [_sampling_for(sp, params, 0) for sp in per_request]
         if any(not sp.greedy for sp in per_prompt):
             raise ValueError("--draft none is the greedy autoregressive baseline: sample with a draft")
+        if any(not attrs.evolve(sp, json_schema=None, regex=None, grammar=None).plain_greedy for sp in per_prompt):
+            raise ValueError(
+                "--draft none decodes a grammar alone: penalties, logit bias, bad words, logits processors, logprobs "
+                "and speculate=False need a draft"
+            )
         outputs = self.generate_autoregressive(prompts, max_new_tokens, sampling=per_prompt)
         reqs = [Request(i, tuple(p), sp, tuple(o)) for i, (p, sp, o) in enumerate(zip(prompts, per_prompt, outputs))]
         for i, out in enumerate(outputs):
@@ -479,7 +484,7 @@ def _shared_sampling(sampling, count: int) -> tuple[SamplingParams | None, list[
     per_request = list(sampling)
     if len(per_request) != count or not all(isinstance(sp, SamplingParams) for sp in per_request):
         raise ValueError(f"sampling is one SamplingParams or a list of {count} (one per prompt)")
-    plain = [sp for sp in per_request if not (sp.greedy and sp.constraint is None and not sp.logprobs)]
+    plain = [sp for sp in per_request if not sp.plain_greedy]
     return (plain[0] if plain else None), per_request
 
 

@@ -145,6 +145,22 @@ def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engine
     assert results[0].finish_reason == "stop" and len(results[0].output) < len(ar)
 
 
+def test_history_dependent_logits_and_speculation_off_take_the_table(engines):
+    """A call with one SamplingParams per prompt where one request has a penalty or speculation off: the fused
+    cycles, which take the raw argmax of every request, do not run; the table does, and the plain request stays
+    the autoregressive output."""
+    from speccycle.core.config import SamplingParams
+
+    engine = engines["chain"]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES[:2]]
+    ar = engine.generate_autoregressive(prompts[:1], NEW_TOKENS)[0]
+    for other in (SamplingParams(frequency_penalty=0.5), SamplingParams(speculate=False)):
+        before = engine.fused_cycles.run_s
+        results, _ = engine.generate(prompts, NEW_TOKENS, sampling=[SamplingParams(), other])
+        assert engine.fused_cycles.run_s == before, f"the fused cycles ran a batch with {other}"
+        assert list(results[0].output) == ar
+
+
 @pytest.mark.parametrize("name,speculation", [("chain", "on"), ("tree", "on"), ("chain", "off"), ("tree", "adaptive")])
 def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, speculation):
     """Continuous batching on the graphed executor (`FusedCycles.step`, eagerly on a CPU): requests of different
