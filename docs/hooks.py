@@ -163,7 +163,13 @@ INVARIANT_DOCS: dict[int, dict] = {
     16: {
         "statement": "A constrained request's committed tokens are always accepted by its grammar, and after "
         "every compaction its matcher stands exactly after them (docs: constrained).",
-        "tests": [],
+        "tests": [
+            "tests/unit/test_grammar.py::test_constrained_greedy_equals_constrained_autoregressive",
+            "tests/unit/test_grammar.py::test_the_scheduler_keeps_constrained_requests_lossless_through_retraction_and_"
+            "staggered_arrival",
+            f"{PROPERTY}/test_grammar_sampling.py::test_constrained_samples_follow_the_masked_target_through_the_cycle",
+            "tests/e2e/test_grammar_lossless.py::test_constrained_speculative_equals_constrained_autoregressive",
+        ],
         "checked": "every `Compacted` and `Ready` record: each constrained request's matcher has consumed exactly "
         "its output, a freshly compiled matcher accepts that output and ends in the same state (equal masks)",
     },
