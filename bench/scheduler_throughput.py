@@ -56,12 +56,9 @@ def run_mode(
     prefill: int | None,
     per_client: int = 1,
     controller: ShapeController | None = None,
-    prefill_batch: int | None = None,
 ) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
-    scheduler = Scheduler.from_engine(
-        engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill, prefill_batch=prefill_batch
-    )
+    scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
     params = SamplingParams(max_new_tokens=new_tokens)
     total = max(bs * per_client, MIN_REQUESTS if per_client > 1 else 0)
     _sync(device)
@@ -109,7 +106,6 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-client", type=int, default=1, help="closed loop: requests each client runs")
-    parser.add_argument("--prefill-batch", type=int, default=None, help="Scheduler(prefill_batch=...); default auto")
     parser.add_argument("--warm-each", action="store_true", help="run each load once untimed before the timed run")
     parser.add_argument("--prompts", default=None, help="Spec-Bench JSONL; default: the 13-prompt sample shipped")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -164,7 +160,7 @@ def main() -> None:
             for mode in modes:
                 run_mode(
                     engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens,
-                    args.requests_per_client, controller, args.prefill_batch,
+                    args.requests_per_client, controller,
                 )  # fmt: skip
         results = {
             mode: run_mode(
@@ -177,7 +173,6 @@ def main() -> None:
                 args.max_prefill_tokens,
                 args.requests_per_client,
                 controller,
-                args.prefill_batch,
             )  # fmt: skip
             for mode in modes
         }
@@ -202,7 +197,6 @@ def main() -> None:
     payload = {
         "requests_per_client": args.requests_per_client,
         "warm_each": args.warm_each,
-        "prefill_batch": args.prefill_batch,
         "model": f"{default_model_path().name} ({args.dtype})",
         "draft": args.draft,
         "fast": args.fast,

@@ -67,7 +67,6 @@ from ...statemachine.batching import merge_ready, reshape, select_ready
 from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, no_draft_shape
 
 Speculation = Literal["on", "off", "adaptive"]
-PREFILL_WAIT = 8  # the most steps a waiting request waits for the queue to gather a prefill batch
 
 
 @attrs.define
@@ -113,10 +112,6 @@ class Scheduler:
     """Continuous batching of speculative decoding (greedy and sampled requests) over one set of ports.
 
     ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
-    ``prefill_batch``: the waiting requests a step gathers before it prefills while others run (None: one for
-    every 16 running, at least one); a request never waits more than `PREFILL_WAIT` steps for it. A prefill
-    costs about as much for a few requests as for one (its launches, not its rows), and the running batch
-    waits for it: under load, prefilling in groups keeps the cycles running.
     ``speculation``: ``"on"`` (every cycle in ``config``'s shape), ``"off"`` (never draft: the drafter is not run
     at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"``, an
     `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size) or a
@@ -134,7 +129,6 @@ class Scheduler:
         backend=None,
         max_batch_size: int = 64,
         max_prefill_tokens: int | None = None,
-        prefill_batch: int | None = None,
         speculation: Speculation | AdaptiveSpeculation = "on",
         eos_token_ids: Sequence[int] = (),
         checked: bool = False,
@@ -154,10 +148,6 @@ class Scheduler:
             not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1
         ):
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be None or an int >= 1")
-        if prefill_batch is not None and (
-            not isinstance(prefill_batch, int) or isinstance(prefill_batch, bool) or prefill_batch < 1
-        ):
-            raise ValueError(f"prefill_batch={prefill_batch!r} must be None or an int >= 1")
         target_vocab, draft_vocab = target_vocab_size(ports), draft_vocab_size(ports)
         if not isinstance(target_vocab, int) or target_vocab < 1:
             raise ValueError(f"the target's vocab_size={target_vocab!r} must be an int >= 1")
@@ -191,8 +181,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
         self.checked, self.max_batch_size = checked, max_batch_size
-        self.max_prefill_tokens, self.prefill_batch = max_prefill_tokens, prefill_batch
-        self._held = 0  # steps the waiting queue has waited for a prefill while requests ran
+        self.max_prefill_tokens = max_prefill_tokens
         self.backend = backend if backend is not None else get_backend(target_device(ports))
         off = speculation == "off"
         # with speculation off the draft is `ZeroDraft` (no draft forward at all) and every cycle has shape S == 0
@@ -341,26 +330,7 @@ class Scheduler:
             self._cycle_seconds = None
         return finished
 
-    def _prefill_now(self) -> bool:
-        """Whether this step prefills: nothing running, ``prefill_batch`` requests waiting (or as many as fit), or
-        the queue has waited `PREFILL_WAIT` steps."""
-        if not self.waiting:
-            self._held = 0
-            return False
-        running = self.num_running
-        want = self.prefill_batch if self.prefill_batch is not None else max(1, running // 16)
-        if running == 0 or len(self.waiting) >= min(want, max(1, self.max_batch_size - running)):
-            self._held = 0
-            return True
-        self._held += 1
-        if self._held >= PREFILL_WAIT:
-            self._held = 0
-            return True
-        return False
-
     def _admit(self, finished: list[Request], in_flight: list[Request]) -> None:
-        if not self._prefill_now():
-            return
         reserve = self._reserve_len()
         budget = self.ports.kv_pool.num_free_pages - self._growth(self.running, reserve)
         batch: list[Request] = []
