@@ -777,9 +777,12 @@ def draft_tree(rec: Ready, ports: Ports, backend) -> Drafted:
         root = DraftTree(tokens=rec.root_tokens[:, None], parents=shapes.chain_parents(bs, 1, device),
                          depths=shapes.chain_depths(bs, 1, device))  # fmt: skip
         probs = None if rows is None or rec.draft_probs is None else rec.draft_probs[:, None]
+        masks = None  # a grammar masks the root row too (the grammar after the committed tokens)
+        if grammar.constrained(rec.requests):
+            masks = grammar.row_masks(rec.requests, root.tokens, root.parents, None, _words(ports))
         return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=root, verify_slots=verify_slots,
                        draft_slots=draft_slots, draft_positions=shapes.no_extra_slots(bs, device),
-                       draft_probs=probs)  # fmt: skip
+                       draft_probs=probs, token_masks=masks)  # fmt: skip
     spec = speculating(rec.requests)
     if spec is None:
         tree, draft_probs, draft_positions = _draft_rows(rec, ports, backend, ids, page_table, draft_slots)

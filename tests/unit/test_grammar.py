@@ -74,6 +74,7 @@ CONFIGS = [
     ("aligned", SpecConfig(num_steps=4, topk=2, num_draft_tokens=7, page_size=4)),
     ("lookup", SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=2)),
     ("lookup", SpecConfig(num_steps=4, topk=1, page_size=1)),
+    ("shifted", SpecConfig(num_steps=0, page_size=2)),  # S == 0 (adaptive shapes): the root row is masked too
 ]
 
 
