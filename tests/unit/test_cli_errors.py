@@ -152,7 +152,7 @@ def test_cuda_on_a_torch_without_cuda_is_one_line(capsys, monkeypatch, no_model)
         (["--topk", "2", "--draft-tokens", "50"], dict(num_steps=4, topk=2, num_draft_tokens=50)),
         (["--steps", "2", "--topk", "2", "--draft-tokens", "1"], dict(num_steps=2, topk=2, num_draft_tokens=1)),
         (["--steps", "4", "--topk", "1", "--draft-tokens", "8"], dict(num_steps=4, topk=1, num_draft_tokens=8)),
-        (["--steps", "0"], dict(num_steps=0, topk=1)),
+        (["--steps", "-1"], dict(num_steps=-1, topk=1)),
         (["--topk", "17"], dict(num_steps=4, topk=17)),
         (["--page-size", "0", "--steps", "3"], dict(num_steps=3, page_size=0)),
     ],
