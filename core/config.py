@@ -52,8 +52,8 @@ class SpecConfig:
         if self.num_steps == 0:
             if n != 1:
                 raise ValueError(
-                    f"num_draft_tokens (N)={n} is invalid for num_steps (S)=0: a cycle that drafts nothing "
-                    "verifies the root alone, N=1"
+                    f"num_draft_tokens (N)={n} is invalid for num_steps (S)=0 (a cycle that drafts nothing "
+                    "verifies the root alone): it must equal 1"
                 )
         elif self.topk == 1:
             if n != self.num_steps + 1:

@@ -502,6 +502,11 @@ def recurrent_pending_rows(ports, request_id: int) -> int:
     return 0 if pending_rows is None else pending_rows(request_id=request_id)
 
 
+def grammar_engine(ports):
+    """The ports' grammar engine (`GrammarCompiler`), or None where they have none."""
+    return getattr(ports, "grammar", None)
+
+
 def kv_capacity(ports) -> int:
     """Pages in the whole KV pool: its ``num_pages``, else the pages free now."""
     pool = ports.kv_pool

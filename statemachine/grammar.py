@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ..core.ports import draft_kind
+from ..core.ports import draft_kind, grammar_engine
 from ..core.records import GrammarState, Request
 
 INSTALL = "pip install 'speccycle[grammar]'"
@@ -60,7 +60,7 @@ def compile_request(request: Request, ports) -> Request:
     """
     kind, source = request.sampling.constraint
     rid = request.request_id
-    if getattr(ports, "grammar", None) is None:
+    if grammar_engine(ports) is None:
         raise GrammarRefused(
             f"request {rid}: {kind} needs a grammar engine: give the engine a tokenizer and install llguidance "
             f"({INSTALL})"

@@ -47,7 +47,11 @@ def _ancestors(parents: list[int], i: int) -> set[int]:
 # ---- invariant 1: config ------------------------------------------------------------------------
 @given(st.integers(-2, 10), st.integers(-1, 6), st.integers(-1, 200))
 def test_invariant_1_config_validation(steps, topk, n):
-    valid = steps >= 1 and topk >= 1 and (n == steps + 1 if topk == 1 else 2 <= n <= 1 + max_tree_nodes(steps, topk))
+    if steps == 0:  # no draft: the root alone
+        valid = topk >= 1 and n == 1
+    else:
+        tree = 2 <= n <= 1 + max_tree_nodes(steps, topk)
+        valid = steps >= 1 and topk >= 1 and (n == steps + 1 if topk == 1 else tree)
     if valid:
         config = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n)
         assert config.accept_width == steps + 1
