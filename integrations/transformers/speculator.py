@@ -20,32 +20,18 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-import attrs
 import torch
 
 from ...backends.registry import get_backend
 from ...core import Accepted, Admitted, Compacted, Ports, Request, SamplingParams, SpecConfig
 from ...engine.drafters.eagle import EagleDraft, EagleHead
 from ...engine.drafters.ngram import NgramDraft
+from ...engine.engine import GenerationStats
 from ...engine.memory.kv_pool import PagedKVPool
 from ...statemachine import step
 from .ports import EagleTargetParts, TransformersDraft, TransformersTarget, text_config
 
 DRAFTS = ("ngram", "model", "eagle")
-
-
-@attrs.define
-class SpeculativeStats:
-    """Counts of one `TransformersSpeculator.generate` call: ``tau``, the mean tokens committed per verify."""
-
-    verifies: int = 0
-    committed: int = 0
-    accept_len_histogram: dict[int, int] = attrs.field(factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.committed / self.verifies if self.verifies else 0.0
 
 
 def stop_ids_of(model) -> tuple[int, ...]:
@@ -115,7 +101,7 @@ class TransformersSpeculator:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, checked: bool = False
-    ) -> tuple[list[list[int]], SpeculativeStats]:
+    ) -> tuple[list[list[int]], GenerationStats]:
         """Greedy speculative decoding of a batch of token-id prompts: each output stops at an EOS id (kept) or
         ``max_new_tokens``; equal to the model's own greedy ``generate`` token for token."""
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -154,7 +140,7 @@ class TransformersSpeculator:
             for rid in ids:  # a failure mid-batch leaks no page
                 if rid not in done and self.pool.pages_held(rid):
                     self.pool.free(rid)
-        stats = SpeculativeStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
+        stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
         return [list(done[rid].output) for rid in ids], stats
 
 
