@@ -103,6 +103,40 @@ class StaticExecutor:
                 checks.check_transition(b.source, b.result, self.ports)
 
 
+@attrs.frozen(eq=False)
+class LogCopy:
+    """A static record's log on its way to the host (`copy_log`): each request's log length, done flag and first
+    ``width`` log tokens packed in one int64 tensor, the copy enqueued on the device's stream (``event`` fires when
+    it has landed; None: a CPU record, already there)."""
+
+    packed: torch.Tensor  # [2n + n * width] int64 on the host
+    event: object | None
+    n: int
+    width: int
+
+    def lists(self) -> tuple[list[int], list[bool], list[list[int]]]:
+        """The lengths, done flags and token rows as lists (waits for the copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        n, width, packed = self.n, self.width, self.packed.tolist()
+        rows = [packed[2 * n + b * width : 2 * n + (b + 1) * width] for b in range(n)]
+        return packed[:n], [bool(d) for d in packed[n : 2 * n]], rows
+
+
+def copy_log(record, width: int) -> LogCopy:
+    """Start copying the first ``width`` columns of a static record's log to the host (one copy, not waited for:
+    work enqueued after it does not delay it)."""
+    log, n = record.log, len(record.requests)
+    packed = torch.cat([log.lengths[:n], log.done[:n].long(), log.tokens[:n, :width].reshape(-1)])
+    if packed.device.type != "cuda":
+        return LogCopy(packed, None, n, width)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return LogCopy(host, event, n, width)
+
+
 def _log_on_host(record, width: int | None) -> tuple[list[int], list[bool], list[list[int]]]:
     """Each request's log length, done flag and log tokens, on the host. ``width``: the log columns a run may have
     written (one cycle's, ``S + 1``: then one copy brings all three back); None: its whole log, in two copies."""
@@ -113,17 +147,16 @@ def _log_on_host(record, width: int | None) -> tuple[list[int], list[bool], list
         lengths, done = log.lengths[:n].tolist(), log.done[:n].tolist()
         width = max(lengths, default=0)
         return lengths, done, log.tokens[:n, :width].cpu().tolist()
-    packed = torch.cat([log.lengths[:n], log.done[:n].long(), log.tokens[:n, :width].reshape(-1)]).tolist()
-    rows = [packed[2 * n + b * width : 2 * n + (b + 1) * width] for b in range(n)]
-    return packed[:n], [bool(d) for d in packed[n : 2 * n]], rows
+    return copy_log(record, width).lists()
 
 
-def materialize(record, stop_ids: Sequence[int], width: int | None = None) -> Compacted:
+def materialize(record, stop_ids: Sequence[int], width: int | None = None, copy: LogCopy | None = None) -> Compacted:
     """The eager `Compacted` record of a static one (`Ready` or `Compacted` with a log): each request's output with
     the log's tokens appended, a finished request's reason (``stop``: its last token is a stop id, else
-    ``length``), no log. ``width``: the log columns the run may have written (None: all)."""
+    ``length``), no log. ``width``: the log columns the run may have written (None: all); ``copy``: the log's
+    copy to the host already started (`copy_log`)."""
     requests = []
-    lengths, done, rows = _log_on_host(record, width)
+    lengths, done, rows = copy.lists() if copy is not None else _log_on_host(record, width)
     stops = set(stop_ids)
     for b, request in enumerate(record.requests):
         output = request.output + tuple(rows[b][: lengths[b]])
@@ -142,10 +175,12 @@ def materialize(record, stop_ids: Sequence[int], width: int | None = None) -> Co
     )
 
 
-def materialize_ready(record: Ready, stop_ids: Sequence[int], width: int | None = None) -> Ready:
+def materialize_ready(
+    record: Ready, stop_ids: Sequence[int], width: int | None = None, copy: LogCopy | None = None
+) -> Ready:
     """The eager `Ready` record of a static one: the requests as `materialize` gives them, the state cloned off the
     buffers (a later cycle overwrites them). Requests that finished retire through the table's Ready ``retire``."""
-    done = materialize(record, stop_ids, width)
+    done = materialize(record, stop_ids, width, copy)
     n = len(record.requests)  # rows past n: a padded batch's padding
 
     def rows(t):

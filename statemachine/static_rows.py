@@ -28,6 +28,7 @@ from ..core.ports import (
     static_forwards,
 )
 from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog, Ready, RowOutputs
+from ..core.transfer import to_device
 from ..core.tree import draft_scratch_offsets
 from .transitions import draft_levels
 
@@ -154,10 +155,10 @@ class CycleBuffers:
         self.hist[: 1 if columns else None].zero_()
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         budgets = [m - len(r.output) for m, r in zip(limits, ready.requests)] + [0] * (self.batch - n)
-        self.max_new.copy_(torch.tensor(budgets))
+        self.max_new.copy_(to_device(budgets, self.max_new.device))
         self.stops.fill_(-1)
         if stop_ids:
-            self.stops[: len(stop_ids)] = torch.tensor(list(stop_ids))
+            self.stops[: len(stop_ids)] = to_device(list(stop_ids), self.stops.device)
         return self.ready(0, ready.requests)
 
 

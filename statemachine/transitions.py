@@ -41,6 +41,7 @@ from ..core.records import (
     RowOutputs,
     Verified,
 )
+from ..core.transfer import to_device
 from ..core.tree import draft_position, draft_scratch_offsets, tree_depths
 from . import grammar, sampling
 from . import logits as row_logits
@@ -262,17 +263,19 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     cached = list(rec.cached) if rec.cached else [0] * len(lens)
     reserve(ports.kv_pool, ids, [n + offset for n in lens])
     device = _device(ports)
-    prompt_lens = torch.tensor(lens, dtype=torch.long, device=device)
     counts = [n - c for n, c in zip(lens, cached)]  # rows computed: the tokens past the cached prefix
-    row_counts = torch.tensor(counts, dtype=torch.long, device=device)
-    input_ids = torch.tensor(
-        [t for r, c in zip(rec.requests, cached) for t in r.tokens[c:]], dtype=torch.long, device=device
-    )
-    row_request = torch.repeat_interleave(torch.arange(len(lens), device=device), row_counts)
+    rows = sum(counts)
+    # one copy to the device, not waited for (`core.transfer`): the host goes on while a cycle runs
+    tokens = [t for r, c in zip(rec.requests, cached) for t in r.tokens[c:]]
+    sent = to_device(lens + counts + cached + tokens, device)
+    bs = len(lens)
+    prompt_lens, row_counts = sent[:bs], sent[bs : 2 * bs]
+    cached_lens, input_ids = sent[2 * bs : 3 * bs], sent[3 * bs :]
+    row_request = torch.repeat_interleave(torch.arange(bs, device=device), row_counts, output_size=rows)
     starts = torch.cumsum(row_counts, 0) - row_counts
-    positions = torch.arange(input_ids.shape[0], device=device) - starts[row_request]
+    positions = torch.arange(rows, device=device) - starts[row_request]
     if any(cached):
-        positions = positions + torch.tensor(cached, dtype=torch.long, device=device)[row_request]
+        positions = positions + cached_lens[row_request]
     page_table = ports.kv_pool.page_table(ids)
     out_slots = _row_slots(backend, page_table, row_request, positions, ports.kv_pool.page_size)
     last_rows = starts + row_counts - 1

@@ -43,7 +43,15 @@ from ...backends.registry import get_backend
 from ...core.config import SpecConfig
 from ...core.ports import Ports
 from ...core.records import Compacted, Ready
-from ...statemachine.static import Boundary, StaticExecutor, accepted_counts, materialize, materialize_ready
+from ...statemachine.static import (
+    Boundary,
+    LogCopy,
+    StaticExecutor,
+    accepted_counts,
+    copy_log,
+    materialize,
+    materialize_ready,
+)
 from ...statemachine.static_rows import MAX_STOPS, CycleBuffers
 from ...statemachine.transitions import reserve
 from .graphs import GraphPool, bucket
@@ -81,6 +89,23 @@ class _Batch:
         self.host_done_np = self.host_done.numpy()
         # written by a kernel where the GPU reaches the pinned flag (`backends.cuda.cycle.flag_to_host`), else copied
         self.flag_kernel = cuda and flag_to_host(buffers.sets[0]["all_done"], self.host_done)
+
+
+@attrs.frozen(eq=False)
+class Launched:
+    """A cycle `FusedCycles.launch` put on the device: its source record, ports, batch buffers, stop ids and the
+    boundaries of the cycle it replayed (`FusedCycles.collect` reads it back)."""
+
+    ready: Ready
+    ports: Ports
+    batch: _Batch
+    stops: list[int]
+    boundaries: tuple[Boundary, ...]
+    copy: LogCopy | None  # the commits on their way to the host (None: read when collected)
+
+    @property
+    def buffers(self) -> CycleBuffers:
+        return self.batch.buffers
 
 
 class FusedCycles:
@@ -248,29 +273,33 @@ class FusedCycles:
 
     def step(self, ready: Ready, checked: bool = False, ports: Ports | None = None) -> tuple[Ready, list[int]]:
         """One cycle of an eager `Ready` batch whose composition changes between cycles (the scheduler's), in the
-        record's shape (``ready.config``), over ``ports`` (None: these cycles' own; `covers` says which serve).
+        record's shape (``ready.config``), over ``ports`` (None: these cycles' own; `covers` says which serve):
+        `launch` then `collect`. Returns the next eager `Ready` record, its finished requests still in it (the
+        table's Ready ``retire`` row takes them), and each request's committed count. ``checked``: every boundary
+        of the cycle is validated after it ran."""
+        return self.collect(self.launch(ready, ports), checked)
 
-        The pages grow by one cycle's reservation (`transitions.reserve`: all or nothing, `KVPoolExhausted` leaves
-        the pool as it was); the batch is loaded into the buffers of its size; one replay of the captured cycle
-        (eagerly on a CPU); the commits are read back. Returns the next eager `Ready` record, its finished requests
-        still in it (the table's Ready ``retire`` row takes them), and each request's committed count.
-        ``checked``: every boundary of the cycle is validated after it ran.
-        """
+    def launch(self, ready: Ready, ports: Ports | None = None) -> Launched:
+        """The cycle of ``ready`` put on the GPU, not waited for: the pages grow by one cycle's reservation
+        (`transitions.reserve`: all or nothing, `KVPoolExhausted` leaves the pool as it was); the batch is loaded
+        into the buffers of its bucket; one replay of the captured cycle (eagerly on a CPU: it has run when this
+        returns). Until `collect`, the host is free for other work (the scheduler admits the next requests); work
+        it puts on the device runs after the cycle (one stream)."""
         start = time.perf_counter()
         try:
-            return self._step(ready, checked, ports or self.ports)
+            return self._launch(ready, ports or self.ports)
         finally:
             self.run_s += time.perf_counter() - start
 
-    def _step(self, ready: Ready, checked: bool, ports: Ports) -> tuple[Ready, list[int]]:
+    def _launch(self, ready: Ready, ports: Ports) -> Launched:
         requests, cfg = ready.requests, ready.config
         ids = [r.request_id for r in requests]
         lens = [len(r.tokens) - 1 for r in requests]  # L: prompt + output - the root (invariant 8), no copy back
-        reserve(self.pool, ids, [length + cfg.reserve_len() for length in lens])
         stops = sorted(set(requests[0].sampling.stop_token_ids))
-        limits = [r.sampling.max_new_tokens for r in requests]
         if len(stops) > MAX_STOPS:
             raise ValueError(f"a fused cycle takes up to {MAX_STOPS} stop token ids, got {len(stops)}")
+        reserve(self.pool, ids, [length + cfg.reserve_len() for length in lens])
+        limits = [r.sampling.max_new_tokens for r in requests]
         bt = self._batch(1 << (len(requests) - 1).bit_length(), cfg, ports)  # a power of two: one graph a bucket
         bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=cfg.accept_width)
         bound = self.table_width * self.page_size
@@ -286,11 +315,24 @@ class FusedCycles:
                 boundaries = bt.captured[0]
             else:
                 boundaries = self._cycle(bt, 0, bound, requests)
+            # the commits start home now: the host's work queued after the cycle does not delay them
+            copy = copy_log(bt.buffers.ready(1, requests), cfg.accept_width) if self.use_graphs else None
         self.steps = tuple(b.step for b in boundaries)
-        if checked:
-            self.executor(ports).check([_with_requests(b, requests) for b in boundaries])
-        ready = materialize_ready(bt.buffers.ready(1, requests), stops, width=cfg.accept_width)  # one copy back
-        return ready, [len(new.output) - len(old.output) for new, old in zip(ready.requests, requests)]
+        return Launched(ready, ports, bt, stops, boundaries, copy)
+
+    def collect(self, launched: Launched, checked: bool = False) -> tuple[Ready, list[int]]:
+        """A launched cycle's result: its commits read back in one copy (waits for the GPU), as `step` returns
+        them. ``checked``: every boundary of the cycle is validated after it ran."""
+        start = time.perf_counter()
+        try:
+            requests, cfg = launched.ready.requests, launched.ready.config
+            if checked:
+                self.executor(launched.ports).check([_with_requests(b, requests) for b in launched.boundaries])
+            ready = launched.buffers.ready(1, requests)
+            ready = materialize_ready(ready, launched.stops, width=cfg.accept_width, copy=launched.copy)  # one copy
+            return ready, [len(new.output) - len(old.output) for new, old in zip(ready.requests, requests)]
+        finally:
+            self.run_s += time.perf_counter() - start
 
     def _loop(self, bt: _Batch, bound: int, max_cycles: int, requests, executor: StaticExecutor | None) -> int:
         """Replay until every request is done; returns the number of cycles run. ``executor``: check every

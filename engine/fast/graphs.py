@@ -26,7 +26,9 @@ advanced positions inside a captured graph). Inside the captured region there is
 data-dependent shape and no branch on a tensor value: the attention kernel reads each row's key
 count from ``prefix_lens`` and ``extra_slots`` (see `attention_triton`).
 
-Batches too big for the buffers (a prefill of a long prompt) run eagerly on the batch's own tensors.
+A batch of more rows than the buffers hold (a long prefill) runs as consecutive replays of at most ``max_rows``
+rows (`ForwardGraphs._chunked`): each chunk writes its KV before the next attends it. Batches that do not fit
+otherwise (more requests, extra slots or pages than the buffers hold) run eagerly on the batch's own tensors.
 
 Graphs are captured into a `GraphPool` that keeps them alive and dies with its owner (an engine), never
 into a process-wide pool handle: see `GraphPool` for why (a retired pool asserts in the allocator).
@@ -288,11 +290,12 @@ class ForwardGraphs:
             logits_rows=p[end : end + logit_rows] if logit_rows else None,
         )
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        """Whether the batch fits the static buffers (else it runs eagerly on its own tensors)."""
+    def fits(self, batch: ForwardBatch, rows: bool = True) -> bool:
+        """Whether the batch fits the static buffers (else it runs eagerly on its own tensors); ``rows=False``:
+        whether it would but for its number of rows (`run` then replays it in chunks of ``max_rows`` rows)."""
         bs, width = batch.page_table.shape
         return (
-            batch.num_rows <= self.max_rows
+            (batch.num_rows <= self.max_rows or not rows)
             and bs <= self.max_requests
             and width <= self.table_width
             and batch.extra_slots.shape[1] <= self.max_extra
@@ -361,6 +364,8 @@ class ForwardGraphs:
         """The forward, and ``reduce(logits)`` computed with it (inside the graph; None without ``reduce``)."""
         t = batch.num_rows
         rows = bucket(max(t, self.min_rows))
+        if t > self.max_rows and self.fits(batch, rows=False):
+            return self._chunked(batch, hidden_in, reduce)
         if t == 0 or rows is None or rows > self.max_rows or not self.fits(batch):
             return self._eager(batch, hidden_in, reduce)
         m = batch.extra_slots.shape[1]
@@ -391,6 +396,51 @@ class ForwardGraphs:
             finite=None if summary is None else summary[1, :r].bool(),
         )
         return out, None if reduced is None else reduced[:r].clone()
+
+    def _chunked(self, batch: ForwardBatch, hidden_in, reduce: Reduction | None):
+        """A batch of more than ``max_rows`` rows as consecutive graph replays of ``max_rows`` rows at most (a long
+        prefill, chunked): chunk ``c`` runs every layer over its rows and writes their KV before chunk ``c + 1``
+        runs, so a row attends its request's earlier rows from the pool whichever chunk wrote them (each row reads
+        positions ``[0, prefix_len)`` through the page table). Hidden states come back by row. With ``logits_rows``
+        (``R`` rows, a prefill's last row per request) every chunk computes ``R`` logits rows, each clamped into
+        the chunk, and a row's logits come from the chunk that holds it: no host sync, one graph shape a chunk."""
+        t, step = batch.num_rows, self.max_rows
+        wanted = None if batch.logits_rows is None else batch.logits_rows.to(batch.input_ids.device)
+        outs = []
+        for lo in range(0, t, step):
+            hi = min(lo + step, t)
+            part = {f: getattr(batch, f)[lo:hi] for f in ("input_ids", "positions", "row_request", "out_slots",
+                                                          "prefix_lens", "extra_slots")}  # fmt: skip
+            held = None  # which of the batch's logits rows this chunk holds
+            if wanted is not None:
+                held = (wanted >= lo) & (wanted < hi)
+                part["logits_rows"] = (wanted - lo).clamp(0, hi - lo - 1)
+            hidden = hidden_in
+            if isinstance(hidden_in, HiddenRows):
+                hidden = HiddenRows(source=hidden_in.source, rows=hidden_in.rows[lo:hi])
+            elif hidden_in is not None:
+                hidden = hidden_in[lo:hi]
+            outs.append((held, *self.run(attrs.evolve(batch, **part), hidden, reduce)))
+        models = [o[1] for o in outs]
+
+        def join(parts):
+            if parts[0] is None:
+                return None
+            if wanted is None:  # every row's logits, chunk by chunk: in order
+                return torch.cat(parts)
+            out = parts[0]
+            for (held, *_), part in zip(outs[1:], parts[1:]):
+                held = held.to(part.device).view(-1, *([1] * (part.dim() - 1)))
+                out = torch.where(held, part, out)
+            return out
+
+        out = ModelOutput(
+            logits=join([m.logits for m in models]),
+            hidden=None if models[0].hidden is None else torch.cat([m.hidden for m in models]),
+            greedy=join([m.greedy for m in models]),
+            finite=join([m.finite for m in models]),
+        )
+        return out, join([o[2] for o in outs])
 
     def _run(self, inputs: RowInputs, hidden: torch.Tensor | None, reduce: Reduction | None = None):
         """``compute``; with ``summarize`` its logits' ``[argmax; all finite]`` per row (``[2, R]`` int64);

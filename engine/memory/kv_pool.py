@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from ...core.ports import KVPoolExhausted
+from ...core.transfer import to_device
 from ..errors import KVPoolError
 from .prefix_cache import PageNode, PrefixTree
 
@@ -315,7 +316,7 @@ class PagedKVPool:
         rows = [self._pages.get(r, ()) for r in ids]
         width = max([1] + [len(pages) for pages in rows])
         table = torch.tensor([list(pages) + [-1] * (width - len(pages)) for pages in rows], dtype=torch.long)
-        table = table.reshape(len(ids), width).to(device)
+        table = to_device(table.reshape(len(ids), width), device)  # no wait for the GPU's queued work
         self._table = (self._version, ids, device, table)
         return table
 

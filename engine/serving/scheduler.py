@@ -204,6 +204,8 @@ class Scheduler:
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._admit_one = False
+        self._admitted: Ready | None = None  # this step's admitted requests until they join the running batch
+        self._shape: SpecConfig | None = None  # this step's cycle's shape, once chosen
         self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
         self._cancels: dict[int, None] = {}  # ids cancelled during a step, in call order
         self._published: dict[int, int] = {}  # request id -> pages below its L when it last published
@@ -301,16 +303,28 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit, make room, run one cycle, retire. Returns the requests that finished in this step."""
+        """Make room, run one cycle, admit, retire. Returns the requests that finished in this step.
+
+        Overlap: when the graphed executor covers the running batch, its cycle is launched first and the host
+        admits the waiting requests (validation, records, the prefill's launches) while the GPU runs it; the
+        cycle's commits are collected after, and the admitted requests join the batch for the next cycle. A cycle
+        the table runs eagerly comes after the admission, over the joined batch."""
         start, prefill_before = time.perf_counter(), self.stats.prefill_seconds
         finished: list[Request] = []
         in_flight: list[Request] = []
         self._stepping = True
         try:
+            self._shape = None
             self._apply_cancels(finished)
-            self._admit(finished, in_flight)
+            launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
+            try:
+                self._admit(finished, in_flight)
+            finally:
+                if launched:
+                    self._collect(launched, finished)
+            self._join()
             self._publish()
-            if self.num_running:
+            if launched is None and self.num_running:
                 self._cycle(finished)
                 self._publish()
             self._apply_cancels(finished)  # those called from this step's callbacks
@@ -397,12 +411,20 @@ class Scheduler:
         self.stats.prefill_tokens += sum(len(r.tokens) for r in batch)
         self.stats.cached_tokens += sum(cached)
         self._stream(record.requests)
-        ready = self._to_ready(record, finished)
+        self._admitted = self._to_ready(record, finished)  # joins the running batch after its cycle (`_join`)
         in_flight.clear()
-        if self.running is not None:  # the running batch may be in another shape of the family this cycle
-            ready = reshape(ready, self.running.config)
-        self.running = ready if self.running is None else merge_ready(self.running, ready)
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _join(self) -> None:
+        """The requests this step admitted join the running batch (in its shape: it may be another of the family)."""
+        ready, self._admitted = self._admitted, None
+        if ready is None:
+            return
+        if self.running is not None and self.running.requests:
+            ready = reshape(ready, self.running.config)
+            self.running = merge_ready(self.running, ready)
+        else:
+            self.running = ready
 
     def _shares_uncached_pages(self, request: Request, batch: Sequence[Request]) -> bool:
         """Whether ``request`` starts with full pages that a request of this step's prefill will compute and the
@@ -424,22 +446,73 @@ class Scheduler:
         if not self.prefix_cache or not self.num_running:
             return
         pool = self.ports.kv_pool
-        for request, L in zip(self.running.requests, self.running.seq_lens.tolist()):
+        for request in self.running.requests:
+            L = len(request.tokens) - 1  # invariant 8, on the host: no wait for a cycle in flight
             if L // pool.page_size > self._published.get(request.request_id, 0):
                 self.stats.published_pages += pool.publish(request.request_id, request.tokens, L)
                 self._published[request.request_id] = L // pool.page_size
 
-    def _cycle(self, finished: list[Request]) -> None:
-        shape = self.controller.choose(self.num_running) if self.controller else self.config
+    def _prepare(self, finished: list[Request]) -> SpecConfig:
+        """The running batch in the shape of its next cycle, with room for the cycle's reservation (retracting the
+        newest requests if the pool is short)."""
+        if self._shape is None:  # once a step: `_launch` may have chosen it before the admission
+            self._shape = self.controller.choose(self.num_running) if self.controller else self.config
+        shape = self._shape
         self._reshape(shape)
         self._make_room(self._reserve_len(), finished)
+        return shape
+
+    def _launch(self, finished: list[Request]):
+        """Put the running batch's next cycle on the GPU when the graphed executor covers it (`FusedCycles.launch`),
+        before this step's admission: the host prepares the next requests while the GPU runs the cycle, and they
+        join the batch after it (`_join`). None: nothing runs, or the cycle runs after the admission (eagerly); an
+        empty tuple: the pool refused the cycle's pages, the newest request was retracted and no cycle runs."""
+        fused = self.fused_cycles
+        if fused is None or not self.num_running:
+            return None
+        shape = self._prepare(finished)
+        if not self.num_running or not fused.covers(self.running, self.ports):
+            return None
+        return self._launch_fused(shape, finished)
+
+    def _launch_fused(self, shape: SpecConfig, finished: list[Request]):
+        start = time.perf_counter()
+        try:
+            launched = self.fused_cycles.launch(self.running, ports=self.ports)
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
+            self._retract_newest(self._reserve_len(), finished)
+            return ()  # no cycle this step
+        return launched, shape, self.num_running, time.perf_counter() - start
+
+    def _collect(self, launched, finished: list[Request]) -> None:
+        """A launched cycle's commits: stream them; the requests that finished leave through the table's Ready
+        ``retire`` row."""
+        launched, shape, batch_size, seconds = launched
+        start = time.perf_counter()
+        ready, counts = self.fused_cycles.collect(launched, checked=self.checked)
+        self._stream(ready.requests)
+        if any(r.finish_reason is not None for r in ready.requests):
+            ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
+            finished += ready.retired
+            ready = attrs.evolve(ready, retired=())
+        self.running = ready
+        self.stats.fused_cycles += 1
+        seconds += time.perf_counter() - start  # the cycle's own host time and wait, not the admission's between
+        self._record(shape, batch_size, seconds, counts, timed=not self.fused_cycles.captured)
+
+    def _cycle(self, finished: list[Request]) -> None:
+        """The running batch's cycle after the admission: launched and collected at once when the graphed executor
+        covers it (the step's admission came first: the batch had nothing running), else the table eagerly."""
+        shape = self._prepare(finished)
         if not self.num_running:
             return
-        batch_size = self.num_running
         fused = self.fused_cycles
         if fused is not None and fused.covers(self.running, self.ports):
-            self._fused_cycle(finished, batch_size, shape)
+            launched = self._launch_fused(shape, finished)
+            if launched:
+                self._collect(launched, finished)
             return
+        batch_size = self.num_running
         start = time.perf_counter()
         try:
             record = run_step(self.running, self.ports, self.backend, event="draft", checked=self.checked)
@@ -456,24 +529,6 @@ class Scheduler:
         # what each request committed (the accepted run cut at its stops and budget), as the graphed executor counts
         counts = [len(r.output) - had[r.request_id] for r in compacted.requests if r.finish_reason != "error"]
         self._record(shape, batch_size, time.perf_counter() - start, counts)
-
-    def _fused_cycle(self, finished: list[Request], batch_size: int, shape: SpecConfig) -> None:
-        """One cycle as the graphed executor's captured cycle (`FusedCycles.step`); the requests that finished in it
-        leave through the table's Ready ``retire`` row."""
-        start = time.perf_counter()
-        try:
-            ready, counts = self.fused_cycles.step(self.running, checked=self.checked, ports=self.ports)
-        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
-            self._retract_newest(self._reserve_len(), finished)
-            return
-        self._stream(ready.requests)
-        if any(r.finish_reason is not None for r in ready.requests):
-            ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
-            finished += ready.retired
-            ready = attrs.evolve(ready, retired=())
-        self.running = ready
-        self.stats.fused_cycles += 1
-        self._record(shape, batch_size, time.perf_counter() - start, counts, timed=not self.fused_cycles.captured)
 
     def _reshape(self, shape: SpecConfig) -> None:
         """The running batch in ``shape`` for its next cycle; the pages a deeper shape reserved past a shallower
@@ -563,9 +618,8 @@ class Scheduler:
         if ready is None or not ready.requests:
             return 0
         pool = self.ports.kv_pool
-        return sum(
-            max(0, self._pages(L + reserve) - pool.pages_held(r.request_id))
-            for r, L in zip(ready.requests, ready.seq_lens.tolist())
+        return sum(  # L = len(tokens) - 1 (invariant 8), on the host: no wait for a cycle in flight
+            max(0, self._pages(len(r.tokens) - 1 + reserve) - pool.pages_held(r.request_id)) for r in ready.requests
         )
 
     def _reserve_len(self) -> int:
@@ -613,6 +667,9 @@ class Scheduler:
         """A cycle raised: every request in it finishes with the error and its pages are freed."""
         done = {r.request_id for r in finished}
         running = list(self.running.requests) if self.running is not None else []
+        if self._admitted is not None:  # admitted this step, not joined yet
+            running += list(self._admitted.requests)
+            self._admitted = None
         for request in running + in_flight:
             if request.request_id in done:
                 continue

@@ -116,25 +116,28 @@ CASES = [(TorchOps, 1), (TorchOps, 4)] + [(ops, 4) for ops in OPS if ops is not 
 
 @pytest.mark.parametrize("ops,page_size", CASES, ids=lambda v: getattr(v, "name", str(v)))
 def test_fast_target_equals_reference(weights, ops, page_size):
-    (ref, ref_pool), (fast, fast_pool) = pair(weights, page_size, ops, feature_layers=(0, 2, 3))
+    (ref, ref_pool), (fast, fast_pool) = pair(weights, page_size, ops, feature_layers=(0, 2, 3), num_pages=96)
     prompts = [tokens_of(1, 9), tokens_of(2, 13)]
     for pool in (ref_pool, fast_pool):
         pool.allocate(7, 3)  # scattered pages
     outs = {}
     for name, (target, pool) in {"ref": (ref, ref_pool), "fast": (fast, fast_pool)}.items():
-        batch = extend_batch(pool, [0, 1], prompts, [0, 0], last_logits_only=False)  # 22 rows: past 16, eager
+        batch = extend_batch(pool, [0, 1], prompts, [0, 0], last_logits_only=False)  # 22 rows: chunks of 16 and 6
         prefill = target.forward(batch)
+        # 30 rows, logits of each request's last row: rows 8 and 29, one in each chunk, and a chunk with none
+        last = target.forward(extend_batch(pool, [3, 2], [tokens_of(3, 9), tokens_of(4, 21)], [0, 0]))
+        assert last.logits.shape[0] == 2
         batch = extend_batch(pool, [0, 1], [[5, 6], [7]], [9, 13], last_logits_only=True)  # 3 rows, padded to 4
         before = snapshot(batch)
         extend = target.forward(batch)
         assert all(torch.equal(v, getattr(batch, k)) for k, v in before.items())
         tree = tree_batch(pool, 1, 14, [9, 10, 11, 12, 13, 14], [-1, 0, 0, 1, 1, 3])
         verify = target.forward(tree)
-        outs[name] = (prefill, extend, verify)
+        outs[name] = (prefill, last, extend, verify)
     for got, want in zip(outs["fast"], outs["ref"]):
         torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(got.hidden, want.hidden, atol=ATOL, rtol=RTOL)
-    assert fast.graphs.eager_calls == 3  # the prefill (too many rows), the extend and verify via the buffers
+    assert fast.graphs.eager_calls == 6  # every forward through the buffers: 2 + 2 prefill chunks, extend, verify
     ref_kv = torch.stack([torch.stack(kv) for kv in ref.kv])
     fast_kv = torch.stack([torch.stack(kv) for kv in fast.kv])
     torch.testing.assert_close(fast_kv, ref_kv, atol=ATOL, rtol=RTOL)  # padding rows wrote nothing

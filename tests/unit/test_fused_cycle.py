@@ -199,3 +199,32 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
         assert set(stats.shapes) <= set(scheduler.controller.shapes) and len(stats.shapes) >= 2
         assert stats.shapes.get(engine.spec, 0) >= 2
     assert engine.pool.num_free_pages == free
+
+
+def test_the_scheduler_admits_while_a_captured_cycle_runs(engines, monkeypatch):
+    """Overlap: the running batch's cycle is launched before the step's admission and collected after it (the
+    prefill's host work runs while the GPU runs the cycle); the admitted requests join for the next cycle. The
+    order is seen through the real methods, wrapped; every output is still the autoregressive one."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    engine = engines["chain"]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES]
+    ar = [engine.generate_autoregressive([p], 6)[0] for p in prompts]
+    scheduler = Scheduler.from_engine(engine, max_batch_size=4, max_prefill_tokens=1)  # one prefill a step
+    calls = []
+    fused = engine.fused_cycles
+    for name, owner in (("launch", fused), ("collect", fused), ("forward", engine.target)):  # forward: a prefill
+        real = getattr(owner, name)
+
+        def logged(*args, real=real, name=name, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, logged)
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == ar
+    order = "".join({"launch": "L", "forward": "P", "collect": "C"}[c] for c in calls)
+    assert order.startswith("PLC")  # nothing ran yet: the first step prefills, then runs its cycle
+    assert order.count("LPC") == len(prompts) - 1  # later steps prefill between their cycle's launch and collection
