@@ -7,6 +7,7 @@ import torch
 
 from ..core.config import SpecConfig
 from ..core.records import Ready
+from ..core.transfer import to_device
 
 
 def _cat(a: Ready, b: Ready, what: str) -> torch.Tensor | None:
@@ -65,7 +66,7 @@ def select_ready(ready: Ready, indices: list[int]) -> Ready:
 
     An engine drops requests this way when it retracts them; their pages are its to free.
     """
-    index = torch.tensor(indices, dtype=torch.long, device=ready.seq_lens.device)
+    index = to_device(list(indices), ready.seq_lens.device)  # no wait for a cycle in flight
 
     def take(value: torch.Tensor | None) -> torch.Tensor | None:
         return None if value is None else value.index_select(0, index.to(value.device))

@@ -42,7 +42,7 @@ from ...backends.cuda.cycle import flag_to_host
 from ...backends.registry import get_backend
 from ...core.config import SpecConfig
 from ...core.ports import Ports
-from ...core.records import Compacted, Ready
+from ...core.records import Compacted, Ready, Request
 from ...statemachine.static import (
     Boundary,
     LogCopy,
@@ -102,6 +102,8 @@ class Launched:
     stops: list[int]
     boundaries: tuple[Boundary, ...]
     copy: LogCopy | None  # the commits on their way to the host (None: read when collected)
+    parity: int = 0  # the buffer set the cycle read (it wrote ``1 - parity``)
+    cycles: int = 1  # cycles run on the batch since it was loaded, this one included (`FusedCycles.launch_next`)
 
     @property
     def buffers(self) -> CycleBuffers:
@@ -320,16 +322,71 @@ class FusedCycles:
         self.steps = tuple(b.step for b in boundaries)
         return Launched(ready, ports, bt, stops, boundaries, copy)
 
+    def launch_next(self, launched: Launched, live: Sequence[Request]) -> Launched:
+        """The batch's next cycle on the device's own state, launched before the last one is collected: no reload,
+        no wait. It reads the set the cycle in flight writes (graph of the other parity) and appends to the same
+        log, so the host collects cycle ``n`` while the GPU runs ``n + 1``.
+
+        ``live``: the loaded requests the host has not seen finish (as of the last `collect`). Their pages grow to
+        cover the next cycle wherever the one in flight leaves them: ``L`` as the host knows it, plus the commits
+        of the cycle in flight (``accept_width`` at most), plus a cycle's reservation (`transitions.reserve`: all
+        or nothing). The buffers' page table is refreshed behind the cycle in flight; a request the host retired
+        meanwhile reads and writes no KV: it is done on the device (it finished there) and its table row is
+        empty. A request that finishes in the cycle in flight is done in the next one: it commits nothing.
+        """
+        start = time.perf_counter()
+        try:
+            return self._launch_next(launched, live)
+        finally:
+            self.run_s += time.perf_counter() - start
+
+    def can_continue(self, launched: Launched) -> bool:
+        """Whether `launch_next` fits the launched batch's log and history buffers once more."""
+        cfg, buffers = launched.ready.config, launched.buffers
+        width = (launched.cycles + 2) * cfg.accept_width  # the next cycle's, and the slack of the one after
+        return width <= buffers.out.shape[1] and launched.cycles + 2 < buffers.hist.shape[0]
+
+    def _launch_next(self, launched: Launched, live: Sequence[Request]) -> Launched:
+        cfg, bt, requests = launched.ready.config, launched.batch, launched.ready.requests
+        if not self.can_continue(launched):
+            raise ValueError(f"the batch's log holds no further cycle after {launched.cycles}: reload it (`launch`)")
+        parity = 1 - launched.parity  # the set the cycle in flight writes: this one reads it
+        grow = cfg.accept_width + cfg.reserve_len()
+        reserve(self.pool, [r.request_id for r in live], [len(r.tokens) - 1 + grow for r in live])
+        table = self.pool.page_table([r.request_id for r in requests])  # retired requests: empty rows
+        bt.buffers.table[: len(requests)].fill_(-1)
+        bt.buffers.table[: len(requests), : table.shape[1]].copy_(table)
+        bound = self.table_width * self.page_size
+        if not self.use_graphs and self.options.ops.needs_kv_bound:
+            bound = max(len(r.tokens) for r in live) + grow + 1 if live else 1
+        with torch.no_grad():
+            self.captured = self.use_graphs and parity not in bt.graphs
+            if self.use_graphs:
+                if parity not in bt.graphs:
+                    bt.graphs[parity] = self._capture(bt, parity, bound, requests)
+                bt.graphs[parity].replay()
+                self.replays += 1
+                boundaries = bt.captured[parity]
+            else:
+                boundaries = self._cycle(bt, parity, bound, requests)
+            cycles = launched.cycles + 1
+            width = cycles * cfg.accept_width
+            copy = copy_log(bt.buffers.ready(1 - parity, requests), width) if self.use_graphs else None
+        self.steps = tuple(b.step for b in boundaries)
+        return attrs.evolve(launched, boundaries=boundaries, copy=copy, parity=parity, cycles=cycles)
+
     def collect(self, launched: Launched, checked: bool = False) -> tuple[Ready, list[int]]:
         """A launched cycle's result: its commits read back in one copy (waits for the GPU), as `step` returns
-        them. ``checked``: every boundary of the cycle is validated after it ran."""
+        them: the loaded requests with every token committed since the load, and each one's count since the load.
+        ``checked``: every boundary of the cycle is validated after it ran."""
         start = time.perf_counter()
         try:
             requests, cfg = launched.ready.requests, launched.ready.config
             if checked:
                 self.executor(launched.ports).check([_with_requests(b, requests) for b in launched.boundaries])
-            ready = launched.buffers.ready(1, requests)
-            ready = materialize_ready(ready, launched.stops, width=cfg.accept_width, copy=launched.copy)  # one copy
+            ready = launched.buffers.ready(1 - launched.parity, requests)
+            width = launched.cycles * cfg.accept_width
+            ready = materialize_ready(ready, launched.stops, width=width, copy=launched.copy)  # one copy
             return ready, [len(new.output) - len(old.output) for new, old in zip(ready.requests, requests)]
         finally:
             self.run_s += time.perf_counter() - start

@@ -77,6 +77,7 @@ class SchedulerStats:
     spec_cycles: int = 0
     plain_cycles: int = 0  # cycles of shape S == 0 (no draft)
     fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
+    pipelined_cycles: int = 0  # of those, launched from the device's state before the last one was collected
     verifies: int = 0  # request-verifies in speculative cycles
     accepted: int = 0  # tokens those verifies accepted (bonus included)
     committed: int = 0  # output tokens committed, prefill included
@@ -116,6 +117,8 @@ class Scheduler:
     at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"``, an
     `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size) or a
     running `ShapeController` (shared between schedulers: its measurements go on).
+    ``pipeline``: a graphed cycle whose batch nothing joins stays on the GPU past its step, and the next step
+    launches the batch's next cycle from the device's state before collecting it (docs/serving.md, "Overlap").
     ``eos_token_ids`` are added to every request's ``stop_token_ids``. ``on_tokens(request_id,
     tokens)`` streams committed tokens (final: never taken back); ``on_finish(request)`` sees each
     request once, when it finishes or errors.
@@ -137,6 +140,7 @@ class Scheduler:
         request_ids: Iterator[int] | None = None,
         fused_cycles=None,
         prefix_cache: bool = False,
+        pipeline: bool = True,
     ) -> None:
         if not isinstance(ports, Ports):
             raise ValueError(f"ports must be a speccycle.core.Ports, got {type(ports).__name__}")
@@ -167,6 +171,8 @@ class Scheduler:
             policy = None
         else:
             raise ValueError(f"speculation={speculation!r}: choose 'on', 'off', 'adaptive' or an AdaptiveSpeculation")
+        if not isinstance(pipeline, bool):
+            raise ValueError(f"pipeline={pipeline!r} must be True or False")
         if not isinstance(prefix_cache, bool):
             raise ValueError(f"prefix_cache={prefix_cache!r} must be True or False")
         if prefix_cache and not kv_prefix_caching(ports):
@@ -205,6 +211,9 @@ class Scheduler:
         self._sent: dict[int, int] = {}
         self._admit_one = False
         self._admitted: Ready | None = None  # this step's admitted requests until they join the running batch
+        # a graphed cycle left on the GPU by the last step (`_advance`): (Launched, shape, batch size, host seconds)
+        self._inflight = None
+        self.pipeline = pipeline
         self._shape: SpecConfig | None = None  # this step's cycle's shape, once chosen
         self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
         self._cancels: dict[int, None] = {}  # ids cancelled during a step, in call order
@@ -315,18 +324,25 @@ class Scheduler:
         self._stepping = True
         try:
             self._shape = None
-            self._apply_cancels(finished)
-            launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
-            try:
-                self._admit(finished, in_flight)
-            finally:
-                if launched:
-                    self._collect(launched, finished)
-            self._join()
-            self._publish()
-            if launched is None and self.num_running:
-                self._cycle(finished)
+            if self._inflight is not None:  # last step left its cycle on the GPU: go on from the device's state
+                self._advance(finished)
+            if self._inflight is None:
+                self._apply_cancels(finished)
+                launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
+                try:
+                    admitted = self._admit(finished, in_flight)
+                finally:
+                    if launched and not (self._pipelines(launched) and not admitted and not self.waiting):
+                        self._collect(launched, finished)
+                    elif launched:  # nothing to join: leave it running, the next step goes on from it
+                        self._inflight = launched
+                self._join()
                 self._publish()
+                if launched is None and self.num_running:
+                    self._cycle(finished)
+                    self._publish()
+            if self._cancels and self._inflight is not None:  # cancelled from this step's callbacks: settle first
+                self._drain(finished)
             self._apply_cancels(finished)  # those called from this step's callbacks
         except BaseException as error:
             self._abort(error, finished, in_flight)
@@ -344,7 +360,8 @@ class Scheduler:
             self._cycle_seconds = None
         return finished
 
-    def _admit(self, finished: list[Request], in_flight: list[Request]) -> None:
+    def _admit(self, finished: list[Request], in_flight: list[Request]) -> bool:
+        """Prefill the waiting requests that fit (they join the batch at `_join`); whether any was prefilled."""
         reserve = self._reserve_len()
         budget = self.ports.kv_pool.num_free_pages - self._growth(self.running, reserve)
         batch: list[Request] = []
@@ -387,7 +404,7 @@ class Scheduler:
             prefill_tokens += len(request.tokens)
             batch.append(self.waiting.popleft())
         if not batch:
-            return
+            return False
         in_flight += batch
         self.stats.prefills += 1
         start = time.perf_counter()
@@ -406,7 +423,7 @@ class Scheduler:
             else:
                 self.waiting.extendleft(reversed(batch))
                 self._admit_one = True  # retry one request at a time until a prefill fits
-            return
+            return False
         self._admit_one = False
         self.stats.prefill_tokens += sum(len(r.tokens) for r in batch)
         self.stats.cached_tokens += sum(cached)
@@ -414,6 +431,7 @@ class Scheduler:
         self._admitted = self._to_ready(record, finished)  # joins the running batch after its cycle (`_join`)
         in_flight.clear()
         self.stats.prefill_seconds += time.perf_counter() - start
+        return True
 
     def _join(self) -> None:
         """The requests this step admitted join the running batch (in its shape: it may be another of the family)."""
@@ -484,12 +502,53 @@ class Scheduler:
             return ()  # no cycle this step
         return launched, shape, self.num_running, time.perf_counter() - start
 
+    # ---- pipelined cycles -------------------------------------------------------------------------
+    def _pipelines(self, launched) -> bool:
+        """Whether a launched cycle may stay on the GPU past its step, the next step launching the batch's next
+        cycle from the device's state before collecting it (`FusedCycles.launch_next`): not in checked mode (a
+        check reads the records' tensors, which a later cycle overwrites) and while its log has room."""
+        return self.pipeline and not self.checked and self.fused_cycles.can_continue(launched[0])
+
+    def _advance(self, finished: list[Request]) -> None:
+        """The step of a batch whose cycle ``n`` is in flight: when nothing waits to join it, no cancel is pending,
+        the shape stays and the pool grants the pages, cycle ``n + 1`` is launched from the device's state first,
+        then cycle ``n`` is collected while the GPU runs it (the host's records, streaming and retiring overlap the
+        GPU). Otherwise cycle ``n`` is collected and the step goes on as an ordinary one (reload, admission)."""
+        launched, shape, batch_size, _ = self._inflight
+        nxt = None
+        if not self.waiting and not self._cancels and self._pipelines(self._inflight):
+            if (self.controller.choose(self.num_running) if self.controller else self.config) == shape:
+                self._shape = shape
+                start = time.perf_counter()
+                try:
+                    nxt = self.fused_cycles.launch_next(launched, self.running.requests)
+                except KVPoolExhausted:  # short of pages: collect, then the ordinary step makes room
+                    nxt = None
+                else:
+                    nxt = (nxt, shape, self.num_running, time.perf_counter() - start)
+        self._drain(finished)
+        if nxt is not None and self.num_running:
+            self._inflight = nxt
+            self.stats.pipelined_cycles += 1
+        # else: every request finished in cycle n (the one launched behind it commits nothing), or it never ran
+
+    def _drain(self, finished: list[Request]) -> None:
+        """Collect the cycle in flight."""
+        launched, self._inflight = self._inflight, None
+        self._collect(launched, finished)
+        self._publish()
+
     def _collect(self, launched, finished: list[Request]) -> None:
         """A launched cycle's commits: stream them; the requests that finished leave through the table's Ready
-        ``retire`` row."""
+        ``retire`` row. The record the executor reads back holds every request loaded with the batch; those the
+        host retired after an earlier cycle of it (pipelined) are left out."""
         launched, shape, batch_size, seconds = launched
         start = time.perf_counter()
-        ready, counts = self.fused_cycles.collect(launched, checked=self.checked)
+        ready, _ = self.fused_cycles.collect(launched, checked=self.checked)
+        had = {r.request_id: len(r.output) for r in self.running.requests}
+        if len(had) < len(ready.requests):
+            ready = select_ready(ready, [i for i, r in enumerate(ready.requests) if r.request_id in had])
+        counts = [len(r.output) - had[r.request_id] for r in ready.requests]
         self._stream(ready.requests)
         if any(r.finish_reason is not None for r in ready.requests):
             ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
@@ -670,6 +729,7 @@ class Scheduler:
         if self._admitted is not None:  # admitted this step, not joined yet
             running += list(self._admitted.requests)
             self._admitted = None
+        self._inflight = None  # its requests are the running ones: they error below
         for request in running + in_flight:
             if request.request_id in done:
                 continue

@@ -228,3 +228,35 @@ def test_the_scheduler_admits_while_a_captured_cycle_runs(engines, monkeypatch):
     order = "".join({"launch": "L", "forward": "P", "collect": "C"}[c] for c in calls)
     assert order.startswith("PLC")  # nothing ran yet: the first step prefills, then runs its cycle
     assert order.count("LPC") == len(prompts) - 1  # later steps prefill between their cycle's launch and collection
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_pipelined_cycles_go_on_from_the_devices_state(engines, name):
+    """A batch nothing joins keeps its cycle in flight past the step; the next step launches the next cycle from
+    the device's state (`FusedCycles.launch_next`: the other parity's graph, the same log) before collecting the
+    last. Requests finish in different cycles (their rows go on, done, until the batch reloads), one is cancelled
+    and others arrive mid-run (a reload); every output is the autoregressive one and every page goes back."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    engine = engines[name]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.", "Count to five.")]
+    budgets = (NEW_TOKENS, 5, 14, 9)
+    ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
+    free = engine.pool.num_free_pages
+    scheduler = Scheduler.from_engine(engine, max_batch_size=4)
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:2], budgets[:2])]
+    for _ in range(4):
+        scheduler.step()
+    assert scheduler.stats.pipelined_cycles > 0
+    ids += [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[2:], budgets[2:])]
+    doomed = scheduler.submit(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS))
+    for _ in range(3):
+        scheduler.step()
+    scheduler.cancel(doomed)
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == ar
+    assert scheduler.finished[doomed].finish_reason == "cancelled"
+    stats = scheduler.stats
+    assert stats.pipelined_cycles > 2 and stats.fused_cycles == stats.spec_cycles + stats.plain_cycles
+    assert engine.pool.num_free_pages == free
