@@ -620,10 +620,12 @@ def test_two_layer_eagle3_head_on_cuda(weights, spec):
     "spec",
     [SpecConfig(num_steps=4, topk=1, page_size=4), SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)],
 )
-def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, spec):
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "pipelined"])
+def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, spec, checked):
     """`FusedCycles.step` under CUDA graphs: requests of different budgets leave and a waiting one joins, so the
     batch moves between graph buckets (three requests padded to four, then two, then one); checked at every
-    boundary of every replay; each output is the autoregressive one, every page goes back."""
+    boundary of every replay, or unchecked and pipelined (the next cycle launched from the device's state before
+    the last is collected); each output is the autoregressive one, every page goes back."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
@@ -634,10 +636,11 @@ def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, 
     head = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3, device="cuda")
     engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
     ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
-    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3)
+    scheduler = Scheduler.from_engine(engine, checked=checked, max_batch_size=3)
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     scheduler.run()
     assert [list(scheduler.finished[i].output) for i in ids] == ar
+    assert (scheduler.stats.pipelined_cycles > 0) == (not checked)
     fused = engine.fused_cycles
     assert fused.use_graphs and fused.replays > 0 and {4, 2, 1} <= set(fused._batches)
     assert pool.num_free_pages == pool.num_pages
