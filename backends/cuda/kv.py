@@ -54,7 +54,9 @@ def _slots_kernel(
     tl.store(out_ptr + requests * width + cols, slot, mask=inside)
 
 
-def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+def slots_for_positions(
+    page_table: torch.Tensor, positions: torch.Tensor, page_size: int, covered: bool = False
+) -> torch.Tensor:
     """Same contract and shapes as `TorchBackend.slots_for_positions`: ``[bs, X...]`` -> ``[bs, X...]`` int64."""
     bs = positions.shape[0]
     flat = positions.reshape(bs, -1).contiguous()
@@ -77,7 +79,7 @@ def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_
             BLOCK_R=block_r,
             BLOCK=block,
         )
-        if bool((out < 0).any()):
+        if not covered and bool((out < 0).any()):
             raise IndexError("a position lies past the pages its request holds; reserve before assigning slots")
     return out.reshape(positions.shape)
 

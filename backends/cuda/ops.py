@@ -129,11 +129,14 @@ class CudaBackend(SamplingKernels, TorchBackend):
             return super().tree_mask_packed(parents)
         return tree.tree_mask(parents, packed=True)
 
-    def slots_for_positions(self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int):
-        """Slot of each position through the page table. Shapes: ``[bs, max_pages]``, ``[bs, X]`` -> ``[bs, X]``."""
+    def slots_for_positions(
+        self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int, covered: bool = False
+    ):
+        """Slot of each position through the page table. Shapes: ``[bs, max_pages]``, ``[bs, X]`` -> ``[bs, X]``;
+        ``covered``: the host reserved every position (no device-to-host check)."""
         if not runs_triton(page_table, positions):
-            return super().slots_for_positions(page_table, positions, page_size)
-        return kv.slots_for_positions(page_table, positions, page_size)
+            return super().slots_for_positions(page_table, positions, page_size, covered)
+        return kv.slots_for_positions(page_table, positions, page_size, covered)
 
     # ---- verify ------------------------------------------------------------------------------
     def greedy_predict(self, logits: torch.Tensor) -> torch.Tensor:

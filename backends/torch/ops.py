@@ -74,14 +74,17 @@ class TorchBackend:
         """
         return tree.pack_mask(tree.ancestor_mask(parents))
 
-    def slots_for_positions(self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int):
-        """Slot of each position through the page table.
+    def slots_for_positions(
+        self, page_table: torch.Tensor, positions: torch.Tensor, page_size: int, covered: bool = False
+    ):
+        """Slot of each position through the page table; `IndexError` for a position past its request's pages.
 
-        Shapes: ``page_table [bs, max_pages]``, ``positions [bs, X]`` -> ``[bs, X]`` int64.
+        Shapes: ``page_table [bs, max_pages]``, ``positions [bs, X]`` -> ``[bs, X]`` int64. ``covered``: the caller
+        reserved every position on the host, so the check (a wait for the device) is skipped.
         """
         flat = positions.reshape(positions.shape[0], -1)
         pages = page_table.gather(1, flat if page_size == 1 else flat // page_size)
-        if pages.numel() and pages.min().item() < 0:
+        if not covered and pages.numel() and pages.min().item() < 0:
             raise IndexError("a position lies past the pages its request holds; reserve before assigning slots")
         slots = pages if page_size == 1 else torch.add(flat % page_size, pages, alpha=page_size)
         return slots.reshape(positions.shape)

@@ -295,6 +295,8 @@ def test_slots_for_positions(page_size):
     for positions in (verify_positions, scratch):
         got = fast.slots_for_positions(table, positions, page_size)
         assert _equal(got, ref.slots_for_positions(table, positions, page_size))
+        # covered: the host vouches for the reservation, the same slots without the device-to-host check
+        assert _equal(fast.slots_for_positions(table, positions, page_size, covered=True), got)
     past = torch.full((bs, 1), (table.shape[1] - 1) * page_size, dtype=torch.long, device=DEVICE)
     with pytest.raises(IndexError, match="reserve"):
         fast.slots_for_positions(table, past, page_size)
