@@ -72,8 +72,8 @@ class ForcedFusedCycles(FusedCycles):
         self.tau = tau
         self._accepts: dict[int, torch.Tensor] = {}  # batch size -> [cycles + 1] forced accept lengths
 
-    def _batch(self, batch: int):
-        bt = super()._batch(batch)
+    def _batch(self, batch: int, *shape, **kwargs):
+        bt = super()._batch(batch, *shape, **kwargs)
         if batch not in self._accepts:
             lens = beatty(self.tau, bt.buffers.hist.shape[0], self.spec.accept_width)
             self._accepts[batch] = lens.to(self.device)
@@ -81,8 +81,11 @@ class ForcedFusedCycles(FusedCycles):
 
     def _walk(self, drafted, tokens: torch.Tensor, parents: torch.Tensor | None,
               predict: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        width = drafted.config.accept_width  # the cycle's shape (a scheduler's batch moves between shapes)
+        if width == 1:  # no draft: the root's own prediction, a real decode step
+            return predict
         accept = self._accepts[drafted.tree.tokens.shape[0]].index_select(0, drafted.log.cycle)  # [1] (buffer rows)
-        return forced_walk(tokens, parents, accept, self.spec.accept_width - 1)
+        return forced_walk(tokens, parents, accept.clamp(max=width), width - 1)
 
 
 def force_fused_acceptance(engine, tau: float) -> ForcedFusedCycles:

@@ -97,6 +97,29 @@ def run_mode(
     }
 
 
+def scale_engine(spec: SpecConfig, kv_tokens: int, tau: float) -> Engine:
+    """The Llama-3-8B shape on CUDA, random bfloat16 weights, a random EAGLE-3 head, the fast path, its fused cycles'
+    walk forced to accept ``tau`` rows a cycle (shapes that draft; a cycle of ``S == 0`` decodes for real)."""
+    from speccycle.engine.drafters.eagle import EagleDraft
+    from speccycle.engine.memory.kv_pool import PagedKVPool
+    from speccycle.engine.models.llama import LlamaModel
+    from speccycle.engine.weights.weights_gguf import LlamaConfig
+
+    from .forced import force_fused_acceptance
+    from .gpu_bench import LLAMA3_8B, random_eagle3_head, random_weights_on_device
+
+    config = LlamaConfig(**LLAMA3_8B)
+    head = random_eagle3_head(config, "cuda", torch.bfloat16)
+    weights = random_weights_on_device(config, "cuda", torch.bfloat16)
+    model = LlamaModel(config, weights, dtype=torch.bfloat16, device="cuda", feature_layers=head.config.feature_layers)
+    del weights
+    torch.cuda.empty_cache()
+    pool = PagedKVPool(num_pages=-(-kv_tokens // spec.page_size), page_size=spec.page_size, device="cuda")
+    engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
+    force_fused_acceptance(engine, tau)
+    return engine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -116,6 +139,11 @@ def main() -> None:
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
     parser.add_argument("--fast", action="store_true", help="the engine's fast path (CUDA graphs, Triton kernels)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--forced-tau", type=float, default=None,
+        help="the Llama-3-8B shape with random bfloat16 weights and a random EAGLE-3 head on CUDA, the verify's walk "
+        "forced to accept tau rows a cycle (bench.forced); outputs are then not comparable with ar's",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,15 +165,18 @@ def main() -> None:
     # every request in flight fits at once: this measures batching, not retraction
     kv_tokens = max(batch_sizes) * per_request + 4 * per_request
     dtype = getattr(torch, args.dtype)
-    engine = Engine.load(
-        draft=args.draft,
-        spec=spec,
-        device=args.device,
-        dtype=dtype,
-        kv_tokens=kv_tokens,
-        layerskip_layers=args.layerskip_layers,
-        fast=args.fast,
-    )
+    if args.forced_tau is not None:
+        engine = scale_engine(spec, kv_tokens, args.forced_tau)
+    else:
+        engine = Engine.load(
+            draft=args.draft,
+            spec=spec,
+            device=args.device,
+            dtype=dtype,
+            kv_tokens=kv_tokens,
+            layerskip_layers=args.layerskip_layers,
+            fast=args.fast,
+        )
     # warm-up: lazy initialization, allocator, kernels, and the graphs of every batch bucket a run passes through
     # (a batch shrinks as its requests finish; the fused cycles capture one graph a power of two)
     warm = sorted({1 << k for bs in batch_sizes for k in range(bs.bit_length())} | set(batch_sizes))
@@ -197,7 +228,9 @@ def main() -> None:
     payload = {
         "requests_per_client": args.requests_per_client,
         "warm_each": args.warm_each,
-        "model": f"{default_model_path().name} ({args.dtype})",
+        "model": f"{default_model_path().name} ({args.dtype})"
+        if args.forced_tau is None
+        else f"Llama-3-8B shape, random bf16 weights and EAGLE-3 head, acceptance forced to tau {args.forced_tau}",
         "draft": args.draft,
         "fast": args.fast,
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
