@@ -69,6 +69,36 @@ def check_transition(source, result, ports) -> None:
         _check_prefill_writes(source, ports)
     if isinstance(source, Compacted) and isinstance(result, Ready) and source.extend.out_slots is None:
         _check_extend_writes(source, ports)
+    if isinstance(source, Ready) and isinstance(result, Drafted) and result.log is not None:
+        if draft_kind(ports) == "lookup" and result.config.drafts:
+            _check_lookup_proposals(source, result, ports)
+
+
+def _check_lookup_proposals(source: Ready, result: Drafted, ports) -> None:
+    """Invariant 4 for a static lookup draft row: its tree is the root, then what the draft proposes from the
+    host's token histories (asked again here, as `transitions.lookup_tree` asks), then padding rows only (the
+    host step `static_rows.lookup_proposals` wrote them before the cycle)."""
+    cfg, tree, bs = result.config, result.tree, len(source.requests)
+    N = cfg.num_draft_tokens
+    require(tree.tokens.shape[1] == N and tree.padding is not None, 4, "a static lookup tree has N rows and padding")
+    tokens, parents, padding = tree.tokens.cpu(), tree.parents.cpu(), tree.padding.cpu()
+    require(torch.equal(tokens[:, 0], source.root_tokens.cpu()), 4, "row 0 of the lookup tree is not the root")
+    require(not bool(padding[:, 0].any()), 4, "the root of a lookup tree is padding")
+    require(bool(padding[bs:, 1:].all()), 4, "a padding request's rows past the root must be padding")
+    if not bs:
+        return
+    want_tokens, want_parents = ports.draft.propose(
+        tuple(r.request_id for r in source.requests), [r.tokens for r in source.requests], cfg.num_steps, N - 1,
+        cfg.topk,
+    )  # fmt: skip
+    n = want_tokens.shape[1]
+    for b, request in enumerate(source.requests):
+        who = f"request {request.request_id}"
+        got = (tokens[b, 1 : n + 1].tolist(), parents[b, 1 : n + 1].tolist())
+        want = (want_tokens[b].tolist(), want_parents[b].tolist())
+        require(got == want, 4, f"{who}: the tree's rows are {got}, the lookup draft proposes {want}")
+        require(not bool(padding[b, : n + 1].any()), 4, f"{who}: a proposed row is flagged padding")
+        require(bool(padding[b, n + 1 :].all()), 4, f"{who}: a row past the {n} proposals is not padding")
 
 
 def check_record(record, ports) -> None:
@@ -462,6 +492,8 @@ def check_fusion(
     B, N = tree.tokens.shape
     W = cfg.accept_width
     tokens, parents = tree.tokens.cpu(), tree.parents.cpu()
+    if tree.padding is not None:  # placeholder rows (a lookup draft's): no prediction equals their token
+        tokens = torch.where(tree.padding.cpu(), -1, tokens)
     predict, walk = rows.predict.cpu().view(B, N), walk.cpu().view(B, N)
     vslots, L = source.verify_slots.cpu(), source.seq_lens.tolist()
     before, after = source.log, result.log

@@ -23,7 +23,8 @@ def to_mermaid(table: tuple[Transition, ...] = TABLE) -> str:
 
 def to_markdown(table: tuple[Transition, ...] = TABLE) -> str:
     """The table as Markdown: source, event, guard, target, backend ops, the grammar steps, the static form (what
-    the static and graphed executors run: the row's own, or a fusion's), what it does."""
+    the static and graphed executors run: the row's own, with its host step if it has one, or a fusion's), what it
+    does."""
     out = [
         "| source | event | guard | target | backend ops | grammar | static form | what it does |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -33,6 +34,8 @@ def to_markdown(table: tuple[Transition, ...] = TABLE) -> str:
         guard = f"`{row.guard_name}`" if row.guard_name else "-"
         masks = ", ".join(f"`{step}`" for step in row.grammar) or "-"
         static = [f"`{row.static.__name__}`"] if row.static is not None else []
+        if row.host is not None:
+            static = [f"{static[0]} (host step `{row.host.name}`)"]
         static += [f"fusion `{f.op}`" for f in FUSIONS if row in f.rows and f.static is not None]
         out.append(
             f"| `{row.source.__name__}` | `{row.event}` | {guard} | `{row.target.__name__}` | {ops} | {masks} | "

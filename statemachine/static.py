@@ -7,6 +7,10 @@ The forms write into `static_rows.CycleBuffers`, so a cycle from set ``p`` leave
 at the same addresses every time: the graphed executor (`engine.fast.fused_cycle`) captures `StaticExecutor.cycle`
 once per parity and replays it, and on a CPU it runs eagerly (tests).
 
+A row's static form may declare a host step (`Transition.host`: a lookup draft's proposals, read from the
+requests' token histories): `prepare` runs it on the host before the cycle, writing into the buffers what the
+form then reads, so the captured cycle stays static and the host step is a declared part of the row.
+
 Each call returns the boundaries it crossed (the row or fusion that ran, its source and result records): the
 rows a capture recorded are what a test holds equal to the table's rows for the config (`expand`), and in
 checked mode `check` validates every boundary after the cycle ran (after each replay, for a captured one:
@@ -73,14 +77,35 @@ class StaticExecutor:
         """Whether every fusion a static cycle needs covers ``record`` (today: `static_rows.static_covers`)."""
         return all(f.covers(record, self.ports) for f in FUSIONS if f.static is not None)
 
+    def host_steps(self, ready: Ready) -> bool:
+        """Whether a cycle from ``ready`` starts with a row that declares a host step (`Transition.host`: a lookup
+        draft's proposals): then `prepare` must run before each cycle, and a loop of cycles with no host between
+        them (`engine.fast.fused_cycle.FusedCycles.run`'s) cannot serve it."""
+        host = select(ready, self.ports).host
+        return host is not None and host.needed(ready)
+
+    def prepare(self, ready: Ready, buffers: CycleBuffers) -> None:
+        """The host step of the row a cycle from ``ready`` starts with (`Transition.host`), if it declares one: run
+        on the host before the cycle (before a captured cycle's replay), writing into ``buffers`` what the row's
+        static form reads. ``ready``: the record over the set the cycle reads, its requests the host's view."""
+        host = select(ready, self.ports).host
+        if host is not None and host.needed(ready):
+            host.run(ready, self.ports, buffers)
+
     def cycle(
         self, ready: Ready, buffers: CycleBuffers, into: int, kv_bound: int
     ) -> tuple[Ready, tuple[Boundary, ...]]:
-        """One cycle from ``ready`` (a record over set ``1 - into``) to the next `Ready` record (over set ``into``)."""
+        """One cycle from ``ready`` (a record over set ``1 - into``) to the next `Ready` record (over set ``into``).
+        A row with a host step reads what `prepare` wrote for this cycle: the caller runs it first."""
         ctx = StaticContext(buffers, into, kv_bound, self.ops, self.forwards, self.walk)
         record, boundaries = ready, []
         while True:
             row = select(record, self.ports)
+            if row.host is not None and row.host.needed(record) and record is not ready:
+                raise NotStatic(
+                    f"row {row.source.__name__} -{row.event}-> {row.target.__name__} has a host step and does not "
+                    "start the cycle: a host step runs before the cycle only"
+                )
             fusion = next((f for f in FUSIONS if f.rows[0] is row and f.static and f.covers(record, self.ports)), None)
             if fusion is not None:
                 result = fusion.static(record, self.ports, self.backend, ctx)

@@ -26,11 +26,12 @@ from ..core.ports import (
     draft_kind,
     draft_pairing,
     static_forwards,
+    target_vocab_size,
 )
 from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog, Ready, RowOutputs
 from ..core.transfer import to_device
 from ..core.tree import draft_scratch_offsets
-from .transitions import draft_levels
+from .transitions import CycleError, draft_levels
 
 MAX_STOPS = 8  # stop token ids a static cycle compares each committed token with
 
@@ -109,6 +110,10 @@ class CycleBuffers:
         )
         self.extend = {name: torch.zeros(batch * width, **long) for name in cycle_ops.EXTEND_FIELDS}
         self.extend["last"] = torch.zeros(batch, **long)
+        # a lookup draft's proposals, written on the host before each cycle (`lookup_proposals`): each request's
+        # tree tokens (column 0, the root, unused), parents (row numbers, -1 for the root) and padding flags (1: a
+        # placeholder row the walk never accepts), one copy to the device for all three
+        self.lookup = torch.zeros((3, batch, n), **long)
 
     def log(self, parity: int) -> OutputLog:
         s = self.sets[parity]
@@ -201,14 +206,11 @@ def static_covers(rec, ports) -> bool:
     """Whether the static forms serve ``rec`` and ``ports``: plain greedy requests (`SamplingParams.plain_greedy`: no
     logprobs, no history-dependent logits, no grammar (constrained batches run eagerly: their masks come from the
     host), all speculating) without stop strings, all with the same stop ids (at most `MAX_STOPS`: the log holds
-    one list), no recurrent state, ports that declare static forwards, and a forward draft paired shifted, or a
-    lookup draft in a cycle of ``S == 0`` (it proposes nothing: a plain decode step)."""
+    one list), no recurrent state, ports that declare static forwards, and a forward draft paired shifted or a
+    lookup draft (its proposals come from the host's token histories before the cycle: `lookup_proposals`)."""
     if static_forwards(ports) is None:
         return False
-    if draft_kind(ports) == "lookup":
-        if rec.config.drafts:  # proposals read the host's token histories: eager only
-            return False
-    elif draft_pairing(ports) != "shifted":
+    if draft_kind(ports) != "lookup" and draft_pairing(ports) != "shifted":
         return False
     if not isinstance(ports.recurrent, NoRecurrentState):  # recurrent state commits per accepted row: eager only
         return False
@@ -245,17 +247,98 @@ def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted
                    draft_slots=draft_slots, draft_positions=positions, log=rec.log)  # fmt: skip
 
 
+def lookup_proposals(rec: Ready, ports, buffers: CycleBuffers) -> None:
+    """The host step of `lookup_tree_static`, run before the cycle (outside a captured graph): the lookup draft's
+    proposals from each request's token history, as `transitions.lookup_tree` asks for them (``propose(ids,
+    histories, S, N - 1, K)``), written into ``buffers.lookup`` in one copy.
+
+    The draft proposes ``n <= N - 1`` nodes a request (the same ``n`` for the batch; shorter guesses padded by the
+    draft itself, as on the eager path); the static verify always runs ``N`` rows, so rows past ``n`` (and every
+    row of a padding request past the batch) are placeholders flagged as padding: the walk never accepts them, and
+    the cycle commits what the eager row's ``n + 1``-row verify commits. In a cycle of ``S == 0`` there is nothing
+    to propose."""
+    cfg = rec.config
+    if not cfg.drafts:
+        return
+    B, N, bs = buffers.batch, cfg.num_draft_tokens, len(rec.requests)
+    if bs:
+        tokens, parents = ports.draft.propose(
+            tuple(r.request_id for r in rec.requests), [r.tokens for r in rec.requests], cfg.num_steps, N - 1,
+            cfg.topk,
+        )  # fmt: skip
+    else:
+        tokens = parents = torch.zeros((0, 0), dtype=torch.long)
+    n = tokens.shape[1] if tokens.dim() == 2 else -1
+    if tokens.shape != parents.shape or tokens.shape[0] != bs or not 0 <= n <= N - 1:
+        raise CycleError(
+            f"the lookup draft proposed tokens {tuple(tokens.shape)} / parents {tuple(parents.shape)}; "
+            f"expected the same shape [bs={bs}, n <= N - 1 = {N - 1}]"
+        )
+    tokens, parents = tokens.cpu(), parents.cpu()
+    if tokens.numel() and not (
+        int(tokens.min()) >= 0
+        and int(tokens.max()) < target_vocab_size(ports)
+        and int(parents.min()) >= 0
+        and bool((parents <= torch.arange(n)).all())
+    ):
+        raise CycleError(
+            f"the lookup draft proposed token ids outside [0, {target_vocab_size(ports)}) or a parent that does "
+            "not precede its node: a draft must share the target's vocabulary and list parents first"
+        )
+    host = torch.zeros((3, B, N), dtype=torch.long)
+    host[1, :, 0] = -1
+    # placeholders: a chain's continue the chain, a tree's hang under the root (depth 1)
+    host[1, :, 1:] = torch.arange(N - 1) if cfg.is_chain else 0
+    host[2, :, 1:] = 1
+    host[0, :bs, 1 : n + 1] = tokens
+    host[1, :bs, 1 : n + 1] = parents
+    host[2, :bs, 1 : n + 1] = 0
+    buffers.lookup.copy_(host)
+
+
+def _proposes(rec: Ready) -> bool:
+    """Whether a lookup draft proposes in ``rec``'s cycle: in a shape of ``S > 0``."""
+    return bool(rec.config.drafts)
+
+
+@attrs.frozen
+class HostStep:
+    """A static form's host step (`table.Transition.host`): ``run(record, ports, buffers)``, run on the host before
+    the cycle, outside any capture, writes what the form reads into the buffers; ``needed(record)``: whether a
+    cycle from ``record`` reads it (False: skipped, and such cycles may follow one another with no host between
+    them: `FusedCycles.run`'s whole-run loop, a pipelined launch)."""
+
+    run: object
+    needed: object
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
+
+
+LOOKUP_PROPOSALS = HostStep(lookup_proposals, _proposes)
+
+
 def lookup_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted:
-    """`transitions.lookup_tree` in a cycle of ``S == 0`` (`static_covers`), over the buffers: the draft proposes no
-    node, so the tree is the root alone and the cycle a plain decode step (slot -1 for a finished request)."""
+    """`transitions.lookup_tree` over the buffers: the verify rows' slots (-1 for a finished request) and the tree
+    of the proposals the host step wrote (`lookup_proposals`, declared beside this form in the table): the root,
+    then ``N - 1`` rows, those past the draft's proposals padding the walk never accepts. In a cycle of ``S == 0``
+    the tree is the root alone: a plain decode step."""
     cfg, buf = rec.config, ctx.buffers
-    if cfg.drafts:
-        raise ValueError(f"a lookup draft's static form serves cycles of S == 0 only, got S={cfg.num_steps}")
+    N = cfg.num_draft_tokens
     slots = ctx.ops.cycle_slots(buf.table, rec.seq_lens, rec.log.done, buf.slot_offsets, ports.kv_pool.page_size)
-    tree = DraftTree(tokens=rec.root_tokens[:, None], parents=buf.chain_parents, depths=buf.chain_depths)
-    return Drafted(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, tree=tree, verify_slots=slots,
-                   draft_slots=buf.no_positions.view(buf.batch, 0, 1).expand(buf.batch, 0, cfg.topk),
-                   draft_positions=buf.no_positions, log=rec.log)  # fmt: skip
+    empty = buf.no_positions.view(buf.batch, 0, 1).expand(buf.batch, 0, cfg.topk)
+    if not cfg.drafts:
+        tree = DraftTree(tokens=rec.root_tokens[:, None], parents=buf.chain_parents, depths=buf.chain_depths)
+    else:
+        tokens = torch.cat([rec.root_tokens[:, None], buf.lookup[0, :, 1:]], 1)
+        padding = buf.lookup[2].bool()
+        if cfg.is_chain:
+            tree = DraftTree(tokens=tokens, parents=buf.chain_parents, depths=buf.chain_depths, padding=padding)
+        else:  # the depths stay implicit (the verify's row op derives them)
+            tree = DraftTree(tokens=tokens, parents=buf.lookup[1], depths=None, padding=padding)
+    return Drafted(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, tree=tree, verify_slots=slots[:, :N],
+                   draft_slots=empty, draft_positions=buf.no_positions, log=rec.log)  # fmt: skip
 
 
 # ---- verify, accept, compact: the accept_commit fusion ------------------------------------------------
@@ -278,6 +361,8 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
     cur = dict(L=L, done=log.done, out_len=log.lengths, cycle=log.cycle)
     logs = dict(out=log.tokens, hist=log.accepted, max_new=log.max_new, stops=log.stops)
     ext = buf.extend
+    if rec.tree.padding is not None:  # placeholder rows (a lookup draft's): token -1, which no prediction equals
+        tokens = torch.where(rec.tree.padding, -1, tokens)
     ctx.ops.accept_commit(tokens, parents, predict, walk, rec.verify_slots, cur, nxt, logs, ext, backend)
     moves = None
     if parents is not None:  # compact: the accepted rows move to [L, L + keep) (a chain's are there already)

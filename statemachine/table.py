@@ -36,6 +36,11 @@ class Transition:
     # the row's static form (`statemachine.static_rows`): the same work over records at stable addresses, with no
     # host sync and no value-dependent shape, for the static and graphed executors; None: eager only
     static: Callable | None = attrs.field(default=None, repr=False)
+    # the static form's host step (`static_rows.HostStep`): it reads the record's requests (host values a captured
+    # form cannot read) and writes what the form reads into the `static_rows.CycleBuffers`; the static executor runs
+    # it before the cycle, outside any capture (`StaticExecutor.prepare`), so only a row that starts a cycle (source
+    # `Ready`) may have one. None: the form needs nothing from the host
+    host: sr.HostStep | None = attrs.field(default=None, repr=False)
     # where a constrained request's grammar enters the row: the host steps of `statemachine.grammar` that compute
     # its token masks, cut its run or move its matcher, or the record field the row reads its masks from; the
     # masks reach the logits through the backend op ``apply_token_mask``
@@ -136,8 +141,10 @@ TABLE: tuple[Transition, ...] = (
         guard=t.lookup_draft_live,
         ops=("slots_for_positions",),
         grammar=("row_masks",),
-        doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify).",
+        doc="Reserve the cycle's slots; the lookup draft proposes up to N - 1 nodes (fewer: a cheaper verify; "
+        "the static form verifies N rows, those past the proposals padding).",
         static=sr.lookup_tree_static,
+        host=sr.LOOKUP_PROPOSALS,
     ),
     Transition(
         Ready,

@@ -41,8 +41,9 @@ import torch
 from ...backends.cuda.cycle import flag_to_host
 from ...backends.registry import get_backend
 from ...core.config import SpecConfig
-from ...core.ports import Ports
-from ...core.records import Compacted, Ready, Request
+from ...core.ports import Ports, draft_kind
+from ...core.records import Compacted, ExtendRows, Ready, Request
+from ...statemachine.batching import select_ready
 from ...statemachine.static import (
     Boundary,
     LogCopy,
@@ -159,7 +160,8 @@ class FusedCycles:
         cfg = ready.config
         if not ready.requests or cfg.topk != self.spec.topk or cfg.page_size != self.spec.page_size:
             return False
-        if ports.draft is self.draft and (ready.topk_p is None or ready.draft_hidden is None):
+        forward = draft_kind(ports) == "forward"
+        if forward and ports.draft is self.draft and (ready.topk_p is None or ready.draft_hidden is None):
             return False  # extended by another draft (speculation off)
         return self.executor(ports).covers(ready)
 
@@ -190,14 +192,16 @@ class FusedCycles:
         """The buffers and graphs of ``batch`` requests in shape ``cfg`` over ``ports`` (None: the built config and
         these cycles' own ports)."""
         cfg, ports = cfg or self.spec, ports or self.ports
+        # whether the records carry a forward draft's state (top-K, hidden): not a lookup draft's (n-gram, `ZeroDraft`)
+        state = ports.draft is self.draft and draft_kind(ports) == "forward"
         key = (batch, cfg, ports.draft is self.draft)
         if key not in self._batches:
-            head = self.draft.head
+            hidden, dtype = (self.draft.head.config.hidden_size, self.draft.head.dtype) if state else (0, torch.float32)
             rows = batch * cfg.num_draft_tokens
             buffers = CycleBuffers(
-                batch, cfg, self.table_width, head.config.hidden_size, head.dtype,
+                batch, cfg, self.table_width, hidden, dtype,
                 self.options.max_decode_steps + cfg.num_draft_tokens + 1, self.options.max_decode_steps + LOOKAHEAD + 1,
-                bucket(max(rows, self.options.min_target_rows)) or rows, self.device, draft_state=key[2],
+                bucket(max(rows, self.options.min_target_rows)) or rows, self.device, draft_state=state,
             )  # fmt: skip
             self._batches[key] = _Batch(buffers, self.device, ports)
         return self._batches[key]
@@ -232,6 +236,8 @@ class FusedCycles:
         frees them (the caller steps the returned record). ``checked``: every boundary of every cycle is validated
         after it ran (`StaticExecutor.check`; slow).
         """
+        if ready.requests and self.executor().host_steps(ready):  # a lookup draft proposes on the host each cycle
+            return self._run_stepped(ready, checked)  # (`step` adds its time to run_s)
         start = time.perf_counter()
         try:
             return self._run(ready, max_new_tokens, stop_token_ids, checked)
@@ -273,6 +279,39 @@ class FusedCycles:
         final = bt.buffers.ready(cycles % 2, requests)
         return FusedRun(materialize(final, stops), tuple(accepted_counts(final, cycles)), cycles)
 
+    def _run_stepped(self, ready: Ready, checked: bool) -> FusedRun:
+        """`run` for a cycle whose first row has a host step (a lookup draft's proposals, `StaticExecutor.prepare`):
+        one `step` a cycle, the host step and one copy back between them. A request that finished leaves the batch
+        the next cycle loads, keeping its pages: the returned record holds every request, and the caller's
+        ``retire`` row frees them. Each request's budget and stops are its own `SamplingParams`' (as `step` reads
+        them)."""
+        order = [r.request_id for r in ready.requests]
+        rows: dict[int, tuple] = {}  # request id -> (request, L, root) once finished
+        counts: dict[int, list[int]] = {rid: [] for rid in order}
+        cycles = 0
+        while ready.requests:
+            ready, committed = self.step(ready, checked)
+            cycles += 1
+            for r, n in zip(ready.requests, committed):
+                counts[r.request_id].append(n)
+            live = [b for b, r in enumerate(ready.requests) if r.finish_reason is None]
+            L, root = ready.seq_lens.tolist(), ready.root_tokens.tolist()
+            for b, r in enumerate(ready.requests):
+                if r.finish_reason is not None:
+                    rows[r.request_id] = (r, L[b], root[b])
+            ready = select_ready(ready, live)
+        device = ready.seq_lens.device
+        final = [rows[rid] for rid in order]
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        record = Compacted(
+            config=ready.config,
+            requests=tuple(r for r, _, _ in final),
+            seq_lens=torch.tensor([x for _, x, _ in final], dtype=torch.long, device=device),
+            root_tokens=torch.tensor([x for _, _, x in final], dtype=torch.long, device=device),
+            extend=ExtendRows(input_ids=empty, positions=empty, row_request=empty, hidden=None),
+        )
+        return FusedRun(record, tuple(tuple(counts[rid]) for rid in order), cycles)
+
     def step(self, ready: Ready, checked: bool = False, ports: Ports | None = None) -> tuple[Ready, list[int]]:
         """One cycle of an eager `Ready` batch whose composition changes between cycles (the scheduler's), in the
         record's shape (``ready.config``), over ``ports`` (None: these cycles' own; `covers` says which serve):
@@ -304,6 +343,8 @@ class FusedCycles:
         limits = [r.sampling.max_new_tokens for r in requests]
         bt = self._batch(1 << (len(requests) - 1).bit_length(), cfg, ports)  # a power of two: one graph a bucket
         bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=cfg.accept_width)
+        # the first row's host step (a lookup draft's proposals), before the cycle and outside its graph
+        self.executor(ports).prepare(bt.buffers.ready(0, requests), bt.buffers)
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + cfg.reserve_len() + 1
@@ -341,8 +382,11 @@ class FusedCycles:
             self.run_s += time.perf_counter() - start
 
     def can_continue(self, launched: Launched) -> bool:
-        """Whether `launch_next` fits the launched batch's log and history buffers once more."""
+        """Whether `launch_next` fits the launched batch's log and history buffers once more, and the cycle needs
+        nothing from the host before it (no host step: a lookup draft proposes from the commits `collect` reads)."""
         cfg, buffers = launched.ready.config, launched.buffers
+        if self.executor(launched.ports).host_steps(launched.ready):  # the host proposes from the last commits
+            return False
         width = (launched.cycles + 2) * cfg.accept_width  # the next cycle's, and the slack of the one after
         return width <= buffers.out.shape[1] and launched.cycles + 2 < buffers.hist.shape[0]
 

@@ -34,7 +34,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from ...core.ports import DraftCapabilities, ForwardBatch, ModelOutput, StaticForwards
+from ...core.ports import DraftCapabilities, ForwardBatch, ModelOutput, StaticForwards, kind_of
 from ..drafters.eagle import EagleDraft
 from ..drafters.eagle_config import normalize_features
 from ..drafters.layerskip import LlamaDraft
@@ -967,7 +967,8 @@ def accelerate(
 
     ``min_target_rows`` defaults to the engine's ``N``, so decode and verify share GEMM shapes.
     ``host_control``: run the cycles it serves with their records on the host (`engine.fast.host_control`);
-    None: on a GPU. ``fused``: greedy EAGLE cycles (chain or tree) run as one graph each (`engine.fast.fused_cycle`).
+    None: on a GPU. ``fused``: greedy EAGLE and n-gram cycles (chain or tree) run as one graph each
+    (`engine.fast.fused_cycle`; an n-gram draft's proposals are made on the host before each cycle).
     """
     architecture = engine.model.config.architecture
     if architecture != "llama":
@@ -983,7 +984,8 @@ def accelerate(
     elif isinstance(engine.draft, LlamaDraft):
         engine.draft = FastLlamaDraft(engine.draft, engine.pool, opts)
     engine.fast_decoder = FastGreedyDecoder(engine.target, engine.pool, opts)
-    if fused and isinstance(engine.draft, FastEagleDraft):
+    lookup = engine.draft is not None and kind_of(engine.draft) == "lookup"
+    if fused and (isinstance(engine.draft, FastEagleDraft) or lookup):
         engine.fused_cycles = FusedCycles(engine.target, engine.draft, engine.pool, engine.spec, opts)
     engine.fast_options = opts
     engine.host_control = opts.device.type == "cuda" if host_control is None else bool(host_control)

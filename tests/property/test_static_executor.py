@@ -11,6 +11,7 @@ twin (the bonus read one row late, a KV move kept past the committed run) is cau
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import attrs
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from speccycle.backends.cuda import cycle as cycle_ops
 from speccycle.core import Admitted, Ports, Ready, Request, SamplingParams, SpecConfig
 from speccycle.core.config import max_tree_nodes
+from speccycle.engine.drafters.ngram import NgramDraft
 from speccycle.engine.engine import Engine
 from speccycle.engine.fast.fused_cycle import FusedCycles
 from speccycle.engine.models.catalog import default_model_path
@@ -30,6 +32,16 @@ from speccycle.statemachine.static import expand
 from speccycle.statemachine.table import TABLE
 
 MESSAGES = ("Write a haiku about KV caches.", "List three prime numbers.", "Name three colors.")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as tests/unit's conftest gives: on a busy 2-core box OpenMP's spinning threads slowed an
+    example of the n-gram test below from 1.8 s to 36 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +70,10 @@ def _requests(engine, count: int, max_new: int, stops: tuple[int, ...]) -> list[
     return [Request(1000 + i, tuple(engine.chat_prompt(m)), params) for i, m in enumerate(MESSAGES[:count])]
 
 
-def _eager(engine, config, requests):
-    """The table's own run: every request's result and each cycle's committed counts."""
-    ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
+def _eager(engine, config, requests, draft=None):
+    """The table's own run: every request's result and each cycle's committed counts (``draft`` None: the
+    engine's)."""
+    ports = Ports(target=engine.target, draft=draft or engine.draft, kv_pool=engine.pool)
     counts: dict[int, list[int]] = {r.request_id: [] for r in requests}
 
     record = runner.run_cycle(Admitted(config=config, requests=tuple(requests)), ports, engine.backend, checked=True)
@@ -77,7 +90,7 @@ def _eager(engine, config, requests):
 
 def _static(engine, config, requests, fused: FusedCycles):
     """The static executor's run from the table's prefill and first extend, in checked mode, retired by the table."""
-    ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
+    ports = Ports(target=engine.target, draft=fused.draft, kv_pool=engine.pool)
     ready = runner.run_cycle(Admitted(config=config, requests=tuple(requests)), ports, engine.backend, checked=True)
     stops = requests[0].sampling.stop_token_ids
     run = fused.run(ready, requests[0].sampling.max_new_tokens, stops, checked=True)
@@ -89,8 +102,8 @@ def _static(engine, config, requests, fused: FusedCycles):
     return [done[r.request_id] for r in requests], [counts.get(r.request_id, ()) for r in requests], run
 
 
-def _fused(engine, config) -> FusedCycles:
-    return FusedCycles(engine.target, engine.draft, engine.pool, config, engine.fused_cycles.options)
+def _fused(engine, config, draft=None) -> FusedCycles:
+    return FusedCycles(engine.target, draft or engine.draft, engine.pool, config, engine.fused_cycles.options)
 
 
 # each example runs the real model twice (about a second a cycle on two CPU cores, both runs checked): a dozen
@@ -112,9 +125,62 @@ def test_the_static_executor_commits_what_the_table_commits(engine, config, coun
     assert [tuple(c) for c in got_counts] == ref_counts
 
 
-def _one_cycle_rows(engine, config) -> tuple:
+# an n-gram draft over the same target: its proposals come from the host before each cycle (the lookup row's
+# host step, `static_rows.lookup_proposals`). Prompts that repeat themselves give it matches to propose from.
+ECHOES = (
+    "Repeat after me, twice: the cat sat on the mat, the cat sat on the mat.",
+    "Say one two three, one two three, one two three.",
+    "List three prime numbers.",
+)
+
+
+@st.composite
+def lookup_configs(draw) -> SpecConfig:
+    steps, topk = draw(st.integers(1, 6)), draw(st.integers(1, 3))
+    n = steps + 1 if topk == 1 else draw(st.integers(2, min(1 + max_tree_nodes(steps, topk), 12)))
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n, page_size=16)
+
+
+@functools.cache
+def _echo_reply(engine) -> list[int]:
+    """The first echo prompt's autoregressive reply (14 tokens at most: it may end early at EOS)."""
+    return engine.generate_autoregressive([engine.chat_prompt(ECHOES[0])], 14)[0]
+
+
+def _echo_requests(engine, count: int, max_new: int, stops: tuple[int, ...]) -> list[Request]:
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=stops)
+    return [Request(2000 + i, tuple(engine.chat_prompt(m)), params) for i, m in enumerate(ECHOES[:count])]
+
+
+# 1 to 4 s an example on two CPU cores: five examples (tests/unit/test_fused_cycle.py runs a chain and a tree
+# through `Engine.generate` and the scheduler)
+@settings(
+    max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(config=lookup_configs(), count=st.integers(1, 2), max_new=st.integers(1, 8), stop_at=st.integers(-1, 12))
+def test_the_static_executor_commits_what_the_table_commits_for_an_ngram_draft(engine, config, count, max_new, stop_at):
+    """Chains and trees of the n-gram draft: the static cycle (its proposals made on the host before it, the verify
+    over N rows, the rows past the proposals padding) commits what the eager lookup row's verify commits, cycle by
+    cycle, in checked mode (the host step's proposals validated too)."""
+    draft = NgramDraft(engine.target.vocab_size)
+    free = engine.pool.num_free_pages
+    ar = _echo_reply(engine)
+    stops = (ar[min(stop_at, len(ar) - 1)],) if stop_at >= 0 else ()  # the reply may end early (EOS)
+    ref, ref_counts = _eager(engine, config, _echo_requests(engine, count, max_new, stops), draft)
+    assert engine.pool.num_free_pages == free
+    fused = _fused(engine, config, draft)
+    got, got_counts, run = _static(engine, config, _echo_requests(engine, count, max_new, stops), fused)
+    assert engine.pool.num_free_pages == free
+    for g, r in zip(got, ref):
+        assert (g.output, g.finish_reason) == (r.output, r.finish_reason)
+    assert [tuple(c) for c in got_counts] == ref_counts
+    if run.cycles:  # the cycles ran the lookup row's static form, its proposals from the host step
+        assert expand(fused.steps) == _one_cycle_rows(engine, config, draft)
+
+
+def _one_cycle_rows(engine, config, draft=None) -> tuple:
     """The rows the eager runner takes from a `Ready` record to the next one (`runner.select`)."""
-    ports = Ports(target=engine.target, draft=engine.draft, kv_pool=engine.pool)
+    ports = Ports(target=engine.target, draft=draft or engine.draft, kv_pool=engine.pool)
     requests = _requests(engine, 1, 8, ())
     record = runner.run_cycle(Admitted(config=config, requests=tuple(requests)), ports, engine.backend)
     rows = []

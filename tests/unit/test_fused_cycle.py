@@ -14,6 +14,9 @@ import torch
 from speccycle.bench.forced import force_fused_acceptance
 from speccycle.core import SpecConfig
 from speccycle.engine.engine import Engine
+from speccycle.statemachine.static import expand
+from speccycle.statemachine.table import FUSIONS, TABLE
+from speccycle.statemachine.transitions import lookup_tree, skip_extend
 
 MESSAGES = ("Write a haiku about KV caches.", "List three prime numbers and explain why each one is prime.")
 NEW_TOKENS = 24
@@ -259,4 +262,144 @@ def test_pipelined_cycles_go_on_from_the_devices_state(engines, name):
     assert scheduler.finished[doomed].finish_reason == "cancelled"
     stats = scheduler.stats
     assert stats.pipelined_cycles > 2 and stats.fused_cycles == stats.spec_cycles + stats.plain_cycles
+    assert engine.pool.num_free_pages == free
+
+
+# ---- n-gram drafts on the captured cycle: proposals made on the host before each cycle -----------------
+ECHOES = (
+    "Repeat after me, twice: the cat sat on the mat, the cat sat on the mat.",
+    "Say one two three, one two three, one two three.",
+    "List three prime numbers and explain why each one is prime.",
+    "Count to five.",
+)
+NGRAM_TOKENS = 16
+NGRAM_SPECS = {
+    "chain": SpecConfig(num_steps=5, page_size=16),
+    "tree": SpecConfig(num_steps=4, topk=2, num_draft_tokens=8, page_size=16),
+}
+
+
+@pytest.fixture(scope="module")
+def ngram(model_path):
+    """An n-gram engine on the fast path (`fast.path.accelerate` builds its graphed executor too)."""
+    engine = Engine.load(model_path, draft="ngram", spec=NGRAM_SPECS["tree"], dtype=torch.float32, fast=True,
+                         kv_tokens=2048)  # fmt: skip
+    assert engine.fused_cycles is not None and engine.fused_cycles.draft is engine.draft
+    return engine
+
+
+def _row(run):
+    (row,) = (r for r in TABLE if r.run is run)
+    return row
+
+
+def _fusion_rows():
+    (fusion,) = (f for f in FUSIONS if f.op == "accept_commit")
+    return fusion.rows
+
+
+def _with_spec(engine, name):
+    """The engine's graphed executor rebuilt for ``NGRAM_SPECS[name]`` (over the same target, draft and pool)."""
+    from speccycle.engine.fast.fused_cycle import FusedCycles
+
+    spec = NGRAM_SPECS[name]
+    return spec, FusedCycles(engine.target, engine.draft, engine.pool, spec, engine.fused_cycles.options)
+
+
+@pytest.fixture(scope="module")
+def echo_ar(ngram):
+    """The autoregressive output of each of `ECHOES` (a shorter budget's is a prefix of it)."""
+    return [ngram.generate_autoregressive([ngram.chat_prompt(m)], NGRAM_TOKENS)[0] for m in ECHOES]
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_ngram_generate_steps_the_captured_cycle(ngram, echo_ar, monkeypatch, name):
+    """`Engine.generate` with an n-gram draft on the fast path runs every cycle as the static executor's (one
+    `FusedCycles.step` a cycle: the host step proposes, the cycle verifies N rows), checked at every boundary: the
+    output is the autoregressive one, and each cycle commits what the eager table's cycle commits."""
+    spec, fused = _with_spec(ngram, name)
+    monkeypatch.setattr(ngram, "spec", spec)
+    monkeypatch.setattr(ngram, "fused_cycles", fused)
+    prompts = [ngram.chat_prompt(m) for m in ECHOES[:2]]
+    free = ngram.pool.num_free_pages
+    results, stats = ngram.generate(prompts, NGRAM_TOKENS, checked=True)
+    assert fused.run_s > 0 and expand(fused.steps) == (_row(lookup_tree), *_fusion_rows(), _row(skip_extend))
+    monkeypatch.setattr(ngram, "fused_cycles", None)  # the eager table
+    ref_results, ref_stats = ngram.generate(prompts, NGRAM_TOKENS)
+    for result, ref, expected in zip(results, ref_results, echo_ar):
+        assert list(result.output) == list(ref.output) == expected
+        assert result.finish_reason == ref.finish_reason
+    assert stats.accept_len_histogram == ref_stats.accept_len_histogram and stats.tau > 1.0
+    assert ngram.pool.num_free_pages == free
+
+
+def test_the_scheduler_runs_ngram_cycles_as_the_captured_cycle(ngram, echo_ar):
+    """Continuous batching with an n-gram draft on the graphed executor: every speculative cycle is a captured one
+    (`FusedCycles.step`, eagerly on a CPU, its proposals from the lookup row's host step), checked at every
+    boundary; requests of different budgets join and leave between cycles (batches of up to three, padded to the
+    bucket of four); every output is the autoregressive one."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    prompts = [ngram.chat_prompt(m) for m in ECHOES]
+    budgets = (NGRAM_TOKENS, 7, 12, 9)
+    free, before = ngram.pool.num_free_pages, ngram.fused_cycles.run_s
+    scheduler = Scheduler.from_engine(ngram, checked=True, max_batch_size=3)
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == [ar[:n] for ar, n in zip(echo_ar, budgets)]
+    stats = scheduler.stats
+    assert ngram.fused_cycles.run_s > before
+    assert stats.fused_cycles == stats.spec_cycles > 0 and stats.tau > 1.0
+    assert ngram.pool.num_free_pages == free
+
+
+def test_checked_mode_catches_proposals_the_host_step_did_not_make(ngram, monkeypatch):
+    """A static lookup tree that is not what the draft proposes (a proposal one token off, placeholder rows left
+    live for the walk) is caught by checked mode at the draft row's boundary (invariant 4)."""
+    from speccycle.statemachine.checks import InvariantViolation
+    from speccycle.statemachine.static import StaticExecutor
+
+    prepare = StaticExecutor.prepare
+
+    def faulty(self, ready, buffers):
+        prepare(self, ready, buffers)
+        buffers.lookup[0, :, 1:] += 1  # every proposal one token off
+        buffers.lookup[2].zero_()  # no row padding
+
+    monkeypatch.setattr(StaticExecutor, "prepare", faulty)
+    free = ngram.pool.num_free_pages
+    with pytest.raises(InvariantViolation) as caught:
+        ngram.generate([ngram.chat_prompt(ECHOES[0])], 8, checked=True)
+    assert caught.value.number == 4
+    assert ngram.pool.num_free_pages == free
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_ngram_cycles_are_captured_and_lossless_on_cuda(model_path, name):
+    """On a GPU the n-gram cycle is a CUDA graph per batch bucket, replayed after each host step: `Engine.generate`
+    and the scheduler (a batch of three in the bucket of four) give the autoregressive outputs, checked mode
+    passes on the replays, every page goes back."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    spec = NGRAM_SPECS[name]
+    engine = Engine.load(model_path, draft="ngram", spec=spec, device="cuda", dtype=torch.float32, fast=True,
+                         kv_tokens=4096)  # fmt: skip
+    fused = engine.fused_cycles
+    assert fused is not None and fused.use_graphs
+    prompts = [engine.chat_prompt(m) for m in ECHOES]
+    ar = [engine.generate_autoregressive([p], NEW_TOKENS)[0] for p in prompts]
+    free = engine.pool.num_free_pages
+    results, stats = engine.generate(prompts[:2], NEW_TOKENS)
+    assert [list(r.output) for r in results] == ar[:2] and stats.tau > 1.0
+    assert fused.replays > 0 and any(bt.graphs for bt in fused._batches.values())
+    results, _ = engine.generate(prompts[:1], NEW_TOKENS, checked=True)
+    assert list(results[0].output) == ar[0]
+    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3)
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == ar
+    assert scheduler.stats.fused_cycles == scheduler.stats.spec_cycles > 0
     assert engine.pool.num_free_pages == free
