@@ -17,6 +17,7 @@ of every mode at every batch size and power of two below precede the timed ones 
 
     python -m bench.scheduler_throughput --device cuda --dtype bfloat16 --draft eagle --fast \
         --batch-sizes 1,4,16,64,256 --requests-per-client 4 --warm-each --max-new-tokens 128
+    python -m bench.scheduler_throughput --device cuda --dtype bfloat16 --draft ngram --fast [--no-fused]
     .venv/bin/python -m bench.scheduler_throughput --batch-sizes 1,4,8 --max-new-tokens 16   # CPU, small
 """
 
@@ -138,6 +139,11 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
     parser.add_argument("--fast", action="store_true", help="the engine's fast path (CUDA graphs, Triton kernels)")
+    parser.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="with --fast: no graphed executor, every cycle through the eager table (the A/B's other side)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--forced-tau", type=float, default=None,
@@ -177,6 +183,8 @@ def main() -> None:
             layerskip_layers=args.layerskip_layers,
             fast=args.fast,
         )
+    if args.no_fused:
+        engine.fused_cycles = None
     # warm-up: lazy initialization, allocator, kernels, and the graphs of every batch bucket a run passes through
     # (a batch shrinks as its requests finish; the fused cycles capture one graph a power of two)
     warm = sorted({1 << k for bs in batch_sizes for k in range(bs.bit_length())} | set(batch_sizes))
@@ -233,6 +241,7 @@ def main() -> None:
         else f"Llama-3-8B shape, random bf16 weights and EAGLE-3 head, acceptance forced to tau {args.forced_tau}",
         "draft": args.draft,
         "fast": args.fast,
+        "graphed_executor": engine.fused_cycles is not None,
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
         "max_prefill_tokens": args.max_prefill_tokens,

@@ -245,7 +245,8 @@ FUSIONS: tuple[Fusion, ...] = (
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
         "and the done flags (the requests finish from them when the log is read back). Greedy requests with one "
         "stop list and no stop strings, logprobs, grammar or history-dependent logits, every request speculating, "
-        "no recurrent state, a forward draft paired shifted.",
+        "no recurrent state, a forward draft paired shifted or a lookup draft (its proposals from the draft row's host "
+        "step).",
         static=sr.accept_commit_static,
         covers=sr.static_covers,
     ),

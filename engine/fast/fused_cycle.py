@@ -17,15 +17,18 @@ holds them equal to the table's rows), and in checked mode every boundary is val
 (`StaticExecutor.check`; the records' tensors then hold that replay's values).
 
 Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs or stop strings on the
-fast path with a fast EAGLE draft, chain or tree (`FusedCycles.serves`: what the table's `accept_commit`
-fusion covers), checked or not; the prefill and the first draft extend run through `statemachine.step`, the
-loop (`FusedCycles.run`) starts from their `Ready` record, and the requests retire through the table's
-``retire`` row from the record `statemachine.static.materialize` makes of the log. The scheduler runs one
-cycle at a time (`FusedCycles.step`): its batch changes between cycles, so each step loads the batch into the
-buffers of its power-of-two bucket (padding rows finished from the start) and reads the commits back; the
-requests that finished leave through the table's ``Ready --retire--> Ready`` row. On a CPU (tests) the same
-executor runs eagerly. A request whose logits turn non-finite inside a captured cycle is not errored there
-(the eager verify errors it): the cycle commits the argmax of its rows.
+fast path with a fast EAGLE draft or an n-gram draft, chain or tree (`FusedCycles.serves`: what the table's
+`accept_commit` fusion covers), checked or not; the prefill and the first draft extend run through
+`statemachine.step`, the loop (`FusedCycles.run`) starts from their `Ready` record, and the requests retire
+through the table's ``retire`` row from the record `statemachine.static.materialize` makes of the log. The
+scheduler runs one cycle at a time (`FusedCycles.step`): its batch changes between cycles, so each step loads
+the batch into the buffers of its power-of-two bucket (padding rows finished from the start) and reads the
+commits back; the requests that finished leave through the table's ``Ready --retire--> Ready`` row. A lookup
+draft's proposals come from the draft row's host step (`statemachine.static.StaticExecutor.prepare`: the
+requests' token histories are on the host), run before each cycle outside its graph, so its cycles run one
+`step` at a time, in `run` too. On a CPU (tests) the same executor runs eagerly. A request whose logits turn
+non-finite inside a captured cycle is not errored there (the eager verify errors it): the cycle commits the
+argmax of its rows.
 Tested: tests/unit/test_fused_cycle.py (the engine's autoregressive output, the table's accept lengths),
 tests/property/test_static_executor.py (random configs in checked mode against the eager table).
 """
@@ -112,8 +115,8 @@ class Launched:
 
 
 class FusedCycles:
-    """The graphed executor of greedy EAGLE cycles, chain or tree, over a `fast.path.FastTarget` and a
-    `fast.path.FastEagleDraft` (module docstring)."""
+    """The graphed executor of greedy EAGLE or n-gram cycles, chain or tree, over a `fast.path.FastTarget` and a
+    `fast.path.FastEagleDraft` or a lookup draft (module docstring)."""
 
     def __init__(self, target, draft, pool, spec: SpecConfig, options) -> None:
         self.backend = get_backend(options.device)
@@ -151,9 +154,9 @@ class FusedCycles:
         """Whether `step` serves a `Ready` batch over ``ports`` (None: these cycles' own, the fast EAGLE draft): a
         shape of the built config's family (any ``S`` and ``N``, the same ``K`` and page size: the draft state's
         width; `batching.reshape` moves a batch between shapes), and what the table's fusion covers
-        (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs; a lookup draft, such as
-        the scheduler's no-draft `ZeroDraft`, in shapes of ``S == 0``). A step's log holds one cycle, so any
-        ``max_new_tokens`` fits."""
+        (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs; a forward draft paired
+        shifted or a lookup draft: n-gram, or the scheduler's no-draft `ZeroDraft`). A step's log holds one cycle,
+        so any ``max_new_tokens`` fits."""
         ports = self.ports if ports is None else ports
         if ports.target is not self.target or ports.kv_pool is not self.pool:
             return False
