@@ -333,24 +333,26 @@ def test_ngram_generate_steps_the_captured_cycle(ngram, echo_ar, monkeypatch, na
     assert ngram.pool.num_free_pages == free
 
 
-def test_the_scheduler_runs_ngram_cycles_as_the_captured_cycle(ngram, echo_ar):
+@pytest.mark.parametrize("checked", [True, False])
+def test_the_scheduler_runs_ngram_cycles_as_the_captured_cycle(ngram, echo_ar, checked):
     """Continuous batching with an n-gram draft on the graphed executor: every speculative cycle is a captured one
-    (`FusedCycles.step`, eagerly on a CPU, its proposals from the lookup row's host step), checked at every
-    boundary; requests of different budgets join and leave between cycles (batches of up to three, padded to the
-    bucket of four); every output is the autoregressive one."""
+    (launched and collected, eagerly on a CPU, its proposals from the lookup row's host step), checked at every
+    boundary or not; requests of different budgets join and leave between cycles (batches of up to three, padded
+    to the bucket of four); every output is the autoregressive one. No cycle is pipelined (launched from the
+    device's state before the last was collected): the next proposals need the last commits on the host."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
     prompts = [ngram.chat_prompt(m) for m in ECHOES]
     budgets = (NGRAM_TOKENS, 7, 12, 9)
     free, before = ngram.pool.num_free_pages, ngram.fused_cycles.run_s
-    scheduler = Scheduler.from_engine(ngram, checked=True, max_batch_size=3)
+    scheduler = Scheduler.from_engine(ngram, checked=checked, max_batch_size=3)
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     scheduler.run()
     assert [list(scheduler.finished[i].output) for i in ids] == [ar[:n] for ar, n in zip(echo_ar, budgets)]
     stats = scheduler.stats
     assert ngram.fused_cycles.run_s > before
-    assert stats.fused_cycles == stats.spec_cycles > 0 and stats.tau > 1.0
+    assert stats.fused_cycles == stats.spec_cycles > 0 and stats.tau > 1.0 and stats.pipelined_cycles == 0
     assert ngram.pool.num_free_pages == free
 
 
