@@ -293,7 +293,7 @@ def lookup_proposals(rec: Ready, ports, buffers: CycleBuffers) -> None:
     host[0, :bs, 1 : n + 1] = tokens
     host[1, :bs, 1 : n + 1] = parents
     host[2, :bs, 1 : n + 1] = 0
-    buffers.lookup.copy_(host)
+    buffers.lookup.copy_(to_device(host, buffers.lookup.device))  # not waited for (`core.transfer`)
 
 
 def _proposes(rec: Ready) -> bool:
