@@ -381,8 +381,8 @@ def test_checked_mode_catches_proposals_the_host_step_did_not_make(ngram, monkey
 @pytest.mark.parametrize("name", ["chain", "tree"])
 def test_ngram_cycles_are_captured_and_lossless_on_cuda(model_path, name):
     """On a GPU the n-gram cycle is a CUDA graph per batch bucket, replayed after each host step: `Engine.generate`
-    and the scheduler (a batch of three in the bucket of four) give the autoregressive outputs, checked mode
-    passes on the replays, every page goes back."""
+    and the scheduler (a batch of three in the bucket of four, checked and not) give the autoregressive outputs,
+    checked mode passes on the replays, no cycle is pipelined, every page goes back."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
@@ -399,9 +399,11 @@ def test_ngram_cycles_are_captured_and_lossless_on_cuda(model_path, name):
     assert fused.replays > 0 and any(bt.graphs for bt in fused._batches.values())
     results, _ = engine.generate(prompts[:1], NEW_TOKENS, checked=True)
     assert list(results[0].output) == ar[0]
-    scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3)
-    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
-    scheduler.run()
-    assert [list(scheduler.finished[i].output) for i in ids] == ar
-    assert scheduler.stats.fused_cycles == scheduler.stats.spec_cycles > 0
+    for checked in (True, False):  # unchecked, the scheduler would pipeline: not an n-gram cycle (no host step)
+        scheduler = Scheduler.from_engine(engine, checked=checked, max_batch_size=3)
+        ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+        scheduler.run()
+        assert [list(scheduler.finished[i].output) for i in ids] == ar
+        stats = scheduler.stats
+        assert stats.fused_cycles == stats.spec_cycles > 0 and stats.pipelined_cycles == 0
     assert engine.pool.num_free_pages == free
