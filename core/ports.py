@@ -124,7 +124,8 @@ class DraftModel(Protocol):
     first level of candidates. ``step`` runs one tree level, fed with each node's parent hidden state.
 
     Optional capabilities (`DraftCapabilities` declares them, None where a draft lacks one):
-    ``run_draft_levels`` (`graphed_draft_levels`) and ``run_draft_levels_on_host`` (`host_draft_levels`).
+    ``run_draft_levels`` (`graphed_draft_levels`), ``run_draft_levels_on_host`` (`host_draft_levels`),
+    ``extend_hidden`` and ``logits_from_hidden`` (`defers_first_level`).
     """
 
     kind: Literal["forward"]
@@ -150,12 +151,20 @@ class DraftCapabilities:
     * ``run_draft_levels_on_host(...)``: the same levels for inputs that live on the host (the engine's host
       control plane, `engine.fast.host_control`); None: the draft has no host path.
 
+    * ``extend_hidden(batch, target_hidden) -> [T, Hd]``: ``extend``'s draft KV writes and hidden state, without
+      its logits (no LM head: ``batch.logits_rows`` is not read).
+    * ``logits_from_hidden(hidden [R, Hd]) -> ModelOutput``: the logits ``extend`` computes for rows whose hidden
+      state is ``hidden`` (its ``logits`` and ``vocab_map``; ``hidden`` None), exactly. With ``extend_hidden`` it
+      lets the draft extend of a cycle of ``S == 0`` skip the LM head and the top-K (`defers_first_level`).
+
     A draft subclasses this and defines the methods it has; one that does not subclass it may still define
     them (they are read by name).
     """
 
     run_draft_levels: Callable[..., tuple[torch.Tensor, ...]] | None = None
     run_draft_levels_on_host: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    extend_hidden: Callable[..., torch.Tensor] | None = None
+    logits_from_hidden: Callable[[torch.Tensor], ModelOutput] | None = None
 
 
 class StaticForwards:
@@ -165,7 +174,9 @@ class StaticForwards:
 
     * a target's ``forward_static(batch, kv_bound) -> ModelOutput`` (``hidden``: the features a draft reads);
     * a forward draft's ``step_static(batch, parent_hidden, kv_bound)`` and ``extend_static(batch, target_hidden,
-      kv_bound)``, their logits over the draft's own vocabulary where it has one (``vocab_map`` set).
+      kv_bound)``, their logits over the draft's own vocabulary where it has one (``vocab_map`` set);
+    * optionally, a forward draft's ``extend_hidden_static(batch, target_hidden, kv_bound) -> [T, Hd]``: the
+      ``extend_hidden`` capability (`DraftCapabilities`) as a static form, for the draft extend of ``S == 0``.
 
     Read through `static_forwards`; a port without them is served by the eager executor only.
     """
@@ -173,6 +184,7 @@ class StaticForwards:
     forward_static: Callable[..., ModelOutput] | None = None
     step_static: Callable[..., ModelOutput] | None = None
     extend_static: Callable[..., ModelOutput] | None = None
+    extend_hidden_static: Callable[..., torch.Tensor] | None = None
 
 
 @runtime_checkable
@@ -460,14 +472,27 @@ def host_draft_levels(draft) -> Callable[..., tuple[torch.Tensor, ...]] | None:
     return getattr(draft, "run_draft_levels_on_host", None)
 
 
+def defers_first_level(ports) -> bool:
+    """Whether the draft extend of a cycle of ``S == 0`` may skip the draft's LM head and top-K: a forward draft
+    that declares ``extend_hidden`` and ``logits_from_hidden`` (`DraftCapabilities`). The batch's `Ready` record
+    then holds the draft's hidden state with its top-K pending, and the table's ``first_level`` row computes the
+    top-K from it when the batch moves to a shape that drafts (docs: invariants, 17)."""
+    if kind_of(ports.draft) != "forward":
+        return False
+    draft = ports.draft
+    return getattr(draft, "extend_hidden", None) is not None and getattr(draft, "logits_from_hidden", None) is not None
+
+
 @attrs.frozen
 class StaticPorts:
     """The static forwards of a target and a forward draft (`StaticForwards`); a lookup draft runs no forward, so
-    ``step`` and ``extend`` are None beside it."""
+    ``step`` and ``extend`` are None beside it. ``extend_hidden``: the draft's ``extend_hidden_static``, None where
+    it has none (then a deferring draft's cycles of ``S == 0`` run eagerly)."""
 
     forward: Callable[..., ModelOutput]
     step: Callable[..., ModelOutput] | None
     extend: Callable[..., ModelOutput] | None
+    extend_hidden: Callable[..., torch.Tensor] | None = None
 
 
 def static_forwards(ports) -> StaticPorts | None:
@@ -485,7 +510,9 @@ def static_forwards(ports) -> StaticPorts | None:
         getattr(ports.draft, "step_static", None),
         getattr(ports.draft, "extend_static", None),
     )
-    return None if any(f is None for f in found) else StaticPorts(*found)
+    if any(f is None for f in found):
+        return None
+    return StaticPorts(*found, extend_hidden=getattr(ports.draft, "extend_hidden_static", None))
 
 
 def recurrent_state_lens(ports, request_ids: Sequence[int]) -> list[int] | None:

@@ -151,7 +151,8 @@ class Compacted:
 
 @attrs.frozen(eq=False)
 class Ready:
-    """Ready to draft. ``topk_*`` and ``draft_hidden`` are the draft extend's first tree level."""
+    """Ready to draft. ``topk_*`` and ``draft_hidden`` are the draft extend's first tree level (``topk_pending``:
+    the top-K is deferred until a shape that drafts needs it)."""
 
     config: SpecConfig
     requests: tuple[Request, ...]
@@ -166,6 +167,11 @@ class Ready:
     # where a sampled draft ran out of mass before K candidates.
     draft_probs: torch.Tensor | None = None
     log: OutputLog | None = None
+    # The draft extend of a cycle of ``S == 0`` ran the draft's layers alone (a draft that can, `core.ports.defers_
+    # first_level`): ``draft_hidden`` is current, the depth-1 top-K not computed (``topk_*`` and ``draft_probs``
+    # None). The table's ``first_level`` row computes it from ``draft_hidden`` once the batch moves to a shape of
+    # ``S >= 1`` (invariant 17).
+    topk_pending: bool = False
 
 
 @attrs.frozen(eq=False)

@@ -37,14 +37,23 @@ def _cat_draft_probs(a: Ready, b: Ready) -> torch.Tensor | None:
     return torch.cat(parts)
 
 
+def _pending(ready: Ready) -> Ready:
+    """``ready`` with its depth-1 top-K pending (`Ready.topk_pending`): computed again from ``draft_hidden`` when
+    a shape drafts (the table's ``first_level`` row)."""
+    return attrs.evolve(ready, topk_p=None, topk_index=None, draft_probs=None, topk_pending=True)
+
+
 def merge_ready(a: Ready, b: Ready) -> Ready:
-    """One `Ready` batch holding the requests of ``a`` then ``b``. Both must share the config."""
+    """One `Ready` batch holding the requests of ``a`` then ``b``. Both must share the config. Where one's depth-1
+    top-K is pending (a cycle of ``S == 0`` deferred it), so is the merged batch's: the other's is set aside."""
     if a.config != b.config:
         raise ValueError(f"cannot merge batches with different configs: {a.config} and {b.config}")
     if not a.requests:
         return b
     if not b.requests:
         return a
+    if a.topk_pending != b.topk_pending:
+        a, b = _pending(a), _pending(b)
     clash = {r.request_id for r in a.requests} & {r.request_id for r in b.requests}
     if clash:
         raise ValueError(f"request ids {sorted(clash)} are in both batches")
@@ -58,6 +67,7 @@ def merge_ready(a: Ready, b: Ready) -> Ready:
         draft_hidden=_cat(a, b, "draft_hidden"),
         retired=a.retired + b.retired,
         draft_probs=_cat_draft_probs(a, b),
+        topk_pending=a.topk_pending,
     )
 
 
@@ -81,6 +91,7 @@ def select_ready(ready: Ready, indices: list[int]) -> Ready:
         draft_hidden=take(ready.draft_hidden),
         retired=ready.retired,
         draft_probs=take(ready.draft_probs),
+        topk_pending=ready.topk_pending,
     )
 
 
@@ -92,7 +103,11 @@ def reshape(ready: Ready, config: SpecConfig, pool=None, pairing: str = "shifted
 
     A shallower shape reserves fewer positions past ``L``: given the KV ``pool`` (and the draft's ``pairing``),
     the pages a deeper shape reserved past them go back to it, so each request holds its next cycle's reservation
-    (invariant 8); without a pool the caller gives them back."""
+    (invariant 8); without a pool the caller gives them back.
+
+    A batch whose depth-1 top-K a cycle of ``S == 0`` deferred (`Ready.topk_pending`) keeps it pending here; in a
+    shape that drafts, the table's ``first_level`` row computes it from the draft's hidden state before the draft
+    (`runner.run_cycle` and the scheduler step it; invariant 17)."""
     if not isinstance(config, SpecConfig):
         raise ValueError(f"config must be a SpecConfig, got {type(config).__name__}")
     old = ready.config

@@ -11,7 +11,13 @@ import math
 import attrs
 import torch
 
-from ..core.ports import draft_kind, kv_shared_pages, recurrent_pending_rows, recurrent_state_lens
+from ..core.ports import (
+    defers_first_level,
+    draft_kind,
+    kv_shared_pages,
+    recurrent_pending_rows,
+    recurrent_state_lens,
+)
 from ..core.records import Accepted, Admitted, Compacted, Drafted, Ready, RowOutputs, Verified
 from ..core.tree import ancestor_mask, pack_mask, tree_depths, unpack_mask
 
@@ -32,6 +38,7 @@ INVARIANTS = {
     14: "fast kernel equals reference",
     15: "shared pages are read-only",
     16: "grammar",
+    17: "deferred first level",
 }
 
 
@@ -72,6 +79,8 @@ def check_transition(source, result, ports) -> None:
     if isinstance(source, Ready) and isinstance(result, Drafted) and result.log is not None:
         if draft_kind(ports) == "lookup" and result.config.drafts:
             _check_lookup_proposals(source, result, ports)
+    if isinstance(source, (Compacted, Ready)) and isinstance(result, Ready):
+        _check_first_level_step(source, result, ports)
 
 
 def _check_lookup_proposals(source: Ready, result: Drafted, ports) -> None:
@@ -105,6 +114,8 @@ def check_record(record, ports) -> None:
     if isinstance(record, (Compacted, Ready)):
         _check_committed(record, ports)
         _check_grammar(record, ports)
+    if isinstance(record, Ready):
+        _check_first_level(record, ports)
     if isinstance(record, Drafted):
         _check_drafted(record, ports)
     if isinstance(record, Verified):
@@ -120,6 +131,69 @@ def check_record(record, ports) -> None:
         bs = len(record.requests)
         _check_writes(ports, record, "verify", record.verify_slots[:bs].reshape(bs, -1))
         _check_writes(ports, record, "draft scratch", record.draft_slots[:bs].reshape(bs, -1))
+
+
+def _check_first_level(record: Ready, ports) -> None:
+    """Invariant 17: a forward draft's `Ready` record either holds its depth-1 top-K or declares it pending (a cycle
+    of ``S == 0`` deferred it): then no top-K, ``q`` or candidates are held, the draft's hidden state is, and the
+    draft can compute the top-K from it later."""
+    if draft_kind(ports) != "forward" or not any(r.sampling.speculate for r in record.requests):
+        return
+    K = record.config.topk
+    if record.topk_pending:
+        require(
+            defers_first_level(ports),
+            17,
+            "the top-K is pending but the draft declares no extend_hidden and logits_from_hidden to compute it later",
+        )
+        require(
+            record.topk_p is None and record.topk_index is None and record.draft_probs is None,
+            17,
+            "a pending top-K holds no topk_p, topk_index or draft_probs: they would be stale",
+        )
+        require(record.draft_hidden is not None, 17, "a pending top-K needs the draft hidden state it is computed from")
+        return
+    if record.config.drafts:
+        require(
+            record.topk_p is not None and record.topk_index is not None,
+            17,
+            "a shape that drafts has no depth-1 top-K: a batch extended in a cycle of S == 0 takes the first_level "
+            "row before it drafts",
+        )
+        require(
+            record.topk_p.shape[-1] == K and record.topk_index.shape[-1] == K,
+            17,
+            f"the depth-1 top-K is {tuple(record.topk_index.shape)} wide, the shape's K is {K}",
+        )
+
+
+def _check_first_level_step(source, result: Ready, ports) -> None:
+    """Invariant 17 across a row: a draft extend defers the top-K exactly in a cycle of ``S == 0`` over a draft that
+    can (`core.ports.defers_first_level`); the ``first_level`` row computes it and changes nothing else."""
+    if draft_kind(ports) != "forward" or not any(r.sampling.speculate for r in result.requests):
+        return
+    if isinstance(source, Compacted):
+        deferring = not source.config.drafts and defers_first_level(ports)
+        require(
+            result.topk_pending == deferring,
+            17,
+            f"the draft extend of a cycle of S={source.config.num_steps} "
+            + ("deferred its top-K" if result.topk_pending else "computed the top-K a cycle of S == 0 defers"),
+        )
+    elif source.topk_pending and not result.topk_pending:  # the first_level row
+        require(
+            result.draft_hidden is source.draft_hidden
+            and result.seq_lens is source.seq_lens
+            and result.root_tokens is source.root_tokens,
+            17,
+            "the first_level row changed the record beyond its top-K",
+        )
+        bs = len(result.requests)
+        require(
+            tuple(result.topk_index.shape) == (bs, result.config.topk),
+            17,
+            f"the first_level row's top-K is {tuple(result.topk_index.shape)}, expected {(bs, result.config.topk)}",
+        )
 
 
 def _check_writes(ports, record, what: str, slots: torch.Tensor) -> None:

@@ -219,6 +219,7 @@ def materialize_ready(
         topk_p=rows(record.topk_p),
         topk_index=rows(record.topk_index),
         draft_hidden=rows(record.draft_hidden),
+        topk_pending=record.topk_pending,
     )
 
 

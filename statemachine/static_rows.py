@@ -23,6 +23,7 @@ from ..core.ports import (
     ModelOutput,
     NoRecurrentState,
     StaticPorts,
+    defers_first_level,
     draft_kind,
     draft_pairing,
     static_forwards,
@@ -63,12 +64,16 @@ class CycleBuffers:
     FIELDS = ("L", "root", "topk_p", "topk_index", "dh", "done", "out_len", "cycle", "all_done")
 
     def __init__(self, batch: int, cfg: SpecConfig, table_width: int, hidden: int, hidden_dtype, max_out: int,
-                 max_cycles: int, verify_rows: int, device, draft_state: bool = True) -> None:  # fmt: skip
+                 max_cycles: int, verify_rows: int, device, draft_state: bool = True,
+                 topk_pending: bool = False) -> None:  # fmt: skip
         long = dict(dtype=torch.long, device=device)
         n, width = cfg.num_draft_tokens, cfg.accept_width
         self.batch, self.config, self.device = batch, cfg, torch.device(device)
         # whether the records carry a forward draft's state (top-K, hidden); a lookup draft's carry none
         self.draft_state = draft_state
+        # a shape of S == 0 over a draft that defers its top-K (`defers_first_level`): the records carry the draft's
+        # hidden state alone, their top-K pending (`Ready.topk_pending`); its cycles never read a top-K
+        self.topk_pending = draft_state and topk_pending and not cfg.drafts
         self.whole_run = False  # whether the loaded requests' pages cover their whole budget (`load`)
         self.sets = [
             dict(
@@ -125,8 +130,11 @@ class CycleBuffers:
         """The `Ready` record over set ``parity``."""
         s = self.sets[parity]
         state = (s["topk_p"], s["topk_index"], s["dh"]) if self.draft_state else (None, None, None)
+        if self.topk_pending:
+            state = (None, None, s["dh"])
         return Ready(config=self.config, requests=tuple(requests), seq_lens=s["L"], root_tokens=s["root"],
-                     topk_p=state[0], topk_index=state[1], draft_hidden=state[2], log=self.log(parity))  # fmt: skip
+                     topk_p=state[0], topk_index=state[1], draft_hidden=state[2], log=self.log(parity),
+                     topk_pending=self.topk_pending)  # fmt: skip
 
     def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids, columns: int | None = None,
              whole_run: bool = False) -> Ready:  # fmt: skip
@@ -149,8 +157,9 @@ class CycleBuffers:
         cur["L"][:n].copy_(ready.seq_lens)
         cur["root"][:n].copy_(ready.root_tokens)
         if self.draft_state:
-            cur["topk_p"][:n].copy_(ready.topk_p)
-            cur["topk_index"][:n].copy_(ready.topk_index)
+            if not self.topk_pending:
+                cur["topk_p"][:n].copy_(ready.topk_p)
+                cur["topk_index"][:n].copy_(ready.topk_index)
             cur["dh"][:n].copy_(ready.draft_hidden)
         cur["done"].fill_(True)
         cur["done"][:n].zero_()
@@ -213,6 +222,11 @@ def static_covers(rec, ports) -> bool:
     if draft_kind(ports) != "lookup" and draft_pairing(ports) != "shifted":
         return False
     if not isinstance(ports.recurrent, NoRecurrentState):  # recurrent state commits per accepted row: eager only
+        return False
+    if isinstance(rec, Ready) and rec.topk_pending and rec.config.drafts:  # the first_level row runs eagerly first
+        return False
+    deferring = draft_kind(ports) == "forward" and not rec.config.drafts and defers_first_level(ports)
+    if deferring and static_forwards(ports).extend_hidden is None:  # its extend of S == 0 has no static form
         return False
     stops = {frozenset(r.sampling.stop_token_ids) for r in rec.requests}
     if len(stops) > 1 or any(len(s) > MAX_STOPS for s in stops):
@@ -407,6 +421,21 @@ def draft_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> R
     return Ready(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, root_tokens=rec.root_tokens,
                  topk_p=nxt["topk_p"], topk_index=nxt["topk_index"], draft_hidden=nxt["dh"],
                  log=rec.log)  # fmt: skip
+
+
+def draft_extend_deferred_static(rec: Compacted, ports, backend, ctx: StaticContext) -> Ready:
+    """`transitions.draft_extend_deferred` over the fusion's ``W`` rows a request: the draft's layers alone
+    (``extend_hidden_static``: its KV and hidden state, no LM head, no top-K); each request's last committed row's
+    hidden state written in place, the top-K pending."""
+    cfg, buf, ext = rec.config, ctx.buffers, rec.extend
+    rows = dict(input_ids=ext.input_ids, positions=ext.positions, row_request=ext.row_request,
+                out_slots=ext.out_slots, prefix_lens=ext.prefix_lens, extra_slots=buf.no_extra)  # fmt: skip
+    batch = _batch(rows, buf.table, ports.kv_pool.page_size, ext.logits_rows)
+    hidden = ctx.forwards.extend_hidden(batch, ext.hidden, ctx.kv_bound)
+    nxt = buf.sets[ctx.into]
+    torch.index_select(hidden, 0, ext.logits_rows, out=nxt["dh"])
+    return Ready(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, root_tokens=rec.root_tokens,
+                 topk_p=None, topk_index=None, draft_hidden=nxt["dh"], log=rec.log, topk_pending=True)  # fmt: skip
 
 
 def skip_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> Ready:

@@ -90,6 +90,17 @@ TABLE: tuple[Transition, ...] = (
         Compacted,
         "extend",
         Ready,
+        t.draft_extend_deferred,
+        guard=t.extend_deferred,
+        ops=("slots_for_positions",),
+        doc="A cycle of S == 0: the draft's layers over the committed tokens (its KV and hidden state), no LM head "
+        "and no top-K; the Ready record's top-K is pending (first_level computes it when a shape drafts again).",
+        static=sr.draft_extend_deferred_static,
+    ),
+    Transition(
+        Compacted,
+        "extend",
+        Ready,
         t.skip_extend,
         guard=t.lookup_ready,
         doc="A lookup draft keeps no draft cache.",
@@ -112,6 +123,17 @@ TABLE: tuple[Transition, ...] = (
         guard=t.any_finished,
         doc="Requests that finished in a static cycle (it commits and extends in one replay), or were cancelled "
         "between cycles, leave the batch; every page they held is freed once.",
+    ),
+    Transition(
+        Ready,
+        "first_level",
+        Ready,
+        t.first_level,
+        guard=t.first_level_due,
+        ops=("select_topk", "apply_token_mask", "process_logits", "sample_without_replacement"),
+        grammar=("draft_masks",),
+        doc="A batch whose top-K a cycle of S == 0 deferred, moved to a shape that drafts: the draft's logits from "
+        "its hidden state (the extend's, exactly), then the depth-1 top-K as the extend takes it.",
     ),
     Transition(
         Ready,

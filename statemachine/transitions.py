@@ -24,6 +24,7 @@ from ..core.ports import (
     KVPoolExhausted,
     ModelOutput,
     Ports,
+    defers_first_level,
     draft_kind,
     draft_pairing,
     graphed_draft_levels,
@@ -455,8 +456,19 @@ def not_block_draft(rec, ports: Ports) -> bool:
     return not block_draft(rec, ports)
 
 
+def defers(rec, ports: Ports) -> bool:
+    """A cycle of ``S == 0`` over a draft that can compute its depth-1 top-K later from its hidden state
+    (`core.ports.defers_first_level`): its draft extend skips the LM head and the top-K."""
+    return not rec.config.drafts and defers_first_level(ports)
+
+
 def extend_ready(rec: Compacted, ports: Ports) -> bool:
-    return none_finished(rec, ports) and forward_draft(rec, ports)
+    return none_finished(rec, ports) and forward_draft(rec, ports) and not defers(rec, ports)
+
+
+def extend_deferred(rec: Compacted, ports: Ports) -> bool:
+    """A forward draft's extend in a cycle of ``S == 0`` that `defers` its top-K; no request finished."""
+    return none_finished(rec, ports) and forward_draft(rec, ports) and defers(rec, ports)
 
 
 def lookup_ready(rec: Compacted, ports: Ports) -> bool:
@@ -468,8 +480,15 @@ def block_ready(rec: Compacted, ports: Ports) -> bool:
 
 
 def forward_draft_live(rec: Ready, ports: Ports) -> bool:
-    """A forward draft, and no request of the batch has finished (finished requests retire first)."""
-    return none_finished(rec, ports) and forward_draft(rec, ports)
+    """A forward draft, no request of the batch has finished (finished requests retire first), and a shape that
+    drafts finds its depth-1 top-K computed (`first_level_due` runs first)."""
+    return none_finished(rec, ports) and forward_draft(rec, ports) and not (rec.topk_pending and rec.config.drafts)
+
+
+def first_level_due(rec: Ready, ports: Ports) -> bool:
+    """A batch whose depth-1 top-K a cycle of ``S == 0`` deferred (`Ready.topk_pending`), now in a shape that drafts
+    (``S >= 1``, `batching.reshape`): the top-K is computed before the draft."""
+    return rec.topk_pending and rec.config.drafts and none_finished(rec, ports) and forward_draft(rec, ports)
 
 
 def lookup_draft_live(rec: Ready, ports: Ports) -> bool:
@@ -502,12 +521,23 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     Requests with ``speculate=False`` take no part: the draft runs over the others' rows alone, and their
     `Ready` rows are zeros the draft never reads.
     """
+    return _extend_speculating(rec, ports, backend, logits=True)
+
+
+def draft_extend_deferred(rec: Compacted, ports: Ports, backend) -> Ready:
+    """`draft_extend` in a cycle of ``S == 0`` that `defers` the top-K: the draft's layers over the newly committed
+    tokens (its KV, and the hidden state of each request's last row) without its LM head; the `Ready` record's
+    top-K is pending (`Ready.topk_pending`) until `first_level` computes it from that hidden state."""
+    return _extend_speculating(rec, ports, backend, logits=False)
+
+
+def _extend_speculating(rec: Compacted, ports: Ports, backend, logits: bool) -> Ready:
     bs = len(rec.requests)
     spec = speculating(rec.requests)
     if bs == 0 or spec == []:
         return _ready(rec, None, None, None)
     if spec is None:
-        return _draft_extend(rec, ports, backend)
+        return _draft_extend(rec, ports, backend, logits)
     device = rec.seq_lens.device
     index = torch.tensor(spec, dtype=torch.long, device=device)
     where = torch.full((bs,), -1, dtype=torch.long, device=device)
@@ -527,17 +557,18 @@ def draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
         root_tokens=rec.root_tokens[index],
         extend=sub_extend,
     )
-    ready = _draft_extend(sub, ports, backend)
+    ready = _draft_extend(sub, ports, backend, logits)
     return _ready(
         rec,
         _scatter_rows(ready.topk_p, index, bs),
         _scatter_rows(ready.topk_index, index, bs),
         _scatter_rows(ready.draft_hidden, index, bs),
         _scatter_rows(ready.draft_probs, index, bs),
+        pending=not logits,
     )
 
 
-def _draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
+def _draft_extend(rec: Compacted, ports: Ports, backend, logits: bool = True) -> Ready:
     cfg, bs = rec.config, len(rec.requests)
     ids = tuple(r.request_id for r in rec.requests)
     ext = rec.extend
@@ -558,12 +589,25 @@ def _draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
         page_table,
         last_rows,
     )
+    if not logits:  # the layers alone: the draft's KV and hidden state stay current, the top-K waits
+        hidden = ports.draft.extend_hidden(batch, ext.hidden)
+        return _ready(rec, None, None, hidden.index_select(0, last_rows), pending=True)
     out = ports.draft.extend(batch, ext.hidden)
-    rows = sampling.sampled_rows(rec.requests, out.logits.device)
+    topk_p, topk_index, draft_probs = _depth_one(rec.requests, cfg, out, ports, backend)
+    hidden = None if out.hidden is None else out.hidden.index_select(0, last_rows)
+    return _ready(rec, topk_p, topk_index, hidden, draft_probs)
+
+
+def _depth_one(requests, cfg: SpecConfig, out: ModelOutput, ports: Ports, backend):
+    """The depth-1 candidates of ``out``'s logits (one row per request): ``(topk_p, topk_index, draft_probs)``. The
+    logits take the requests' history-dependent changes and a constrained request's grammar mask after its committed
+    tokens; greedy rows take the top-K, sampled rows draw K children from q (``draft_probs``: their q)."""
+    bs = len(requests)
+    rows = sampling.sampled_rows(requests, out.logits.device)
     _refuse_draft_vocabulary_when_sampled(out, rows)
-    logits = _draft_adjust(rec.requests, out, torch.arange(bs, device=out.logits.device), None)
-    if grammar.constrained(rec.requests):  # depth-1 candidates the grammar allows after the committed tokens
-        masks = grammar.draft_masks(rec.requests, _words(ports), logits.device)
+    logits = _draft_adjust(requests, out, torch.arange(bs, device=out.logits.device), None)
+    if grammar.constrained(requests):  # depth-1 candidates the grammar allows after the committed tokens
+        masks = grammar.draft_masks(requests, _words(ports), logits.device)
         logits = backend.apply_token_mask(logits, masks, out.vocab_map)
     if rows is None and logits is out.logits and out.topk is not None and out.topk[1].shape[-1] == cfg.topk:
         topk_p, topk_index = out.topk  # taken inside the port's forward (`ModelOutput.topk`)
@@ -572,8 +616,26 @@ def _draft_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     draft_probs = None
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, logits, 1, topk_p, topk_index, 0, backend)
-    hidden = None if out.hidden is None else out.hidden.index_select(0, last_rows)
-    return _ready(rec, topk_p, topk_index, hidden, draft_probs)
+    return topk_p, topk_index, draft_probs
+
+
+def first_level(rec: Ready, ports: Ports, backend) -> Ready:
+    """The depth-1 top-K a cycle of ``S == 0`` deferred (`draft_extend_deferred`), for a batch now in a shape that
+    drafts: the draft's logits from each speculating request's hidden state (``logits_from_hidden``: exactly those
+    its extend computes) through `_depth_one`, as the full extend takes them. Nothing else of the record changes."""
+    bs = len(rec.requests)
+    spec = speculating(rec.requests)
+    if bs == 0 or spec == [] or rec.draft_hidden is None:
+        return attrs.evolve(rec, topk_pending=False)
+    index = None if spec is None else torch.tensor(spec, dtype=torch.long, device=rec.draft_hidden.device)
+    requests = rec.requests if spec is None else tuple(rec.requests[b] for b in spec)
+    hidden = rec.draft_hidden if index is None else rec.draft_hidden.index_select(0, index)
+    out = ports.draft.logits_from_hidden(hidden)
+    topk_p, topk_index, draft_probs = _depth_one(requests, rec.config, out, ports, backend)
+    if index is not None:
+        topk_p, topk_index = _scatter_rows(topk_p, index, bs), _scatter_rows(topk_index, index, bs)
+        draft_probs = _scatter_rows(draft_probs, index, bs)
+    return attrs.evolve(rec, topk_p=topk_p, topk_index=topk_index, draft_probs=draft_probs, topk_pending=False)
 
 
 def _draft_adjust(requests, out: ModelOutput, row_request: torch.Tensor, paths) -> torch.Tensor:
@@ -590,7 +652,7 @@ def skip_extend(rec: Compacted, ports: Ports, backend) -> Ready:
     return _ready(rec, None, None, None)
 
 
-def _ready(rec: Compacted, topk_p, topk_index, hidden, draft_probs=None) -> Ready:
+def _ready(rec: Compacted, topk_p, topk_index, hidden, draft_probs=None, pending: bool = False) -> Ready:
     return Ready(
         config=rec.config,
         requests=rec.requests,
@@ -601,6 +663,7 @@ def _ready(rec: Compacted, topk_p, topk_index, hidden, draft_probs=None) -> Read
         draft_hidden=hidden,
         retired=rec.retired,
         draft_probs=draft_probs,
+        topk_pending=pending,
     )
 
 

@@ -105,6 +105,11 @@ class NoisyDraft:
     ``pairing="shifted"`` behaves like EAGLE (token ``t[p + 1]`` with feature ``f[p]`` at ``p``) and
     checks that pairing; ``"aligned"`` behaves like a standalone draft model. It records the
     positions of every forward (``step_positions``) for the position regression tests.
+
+    Its hidden state per row is ``(token, position, the last n tokens it attended, -1 padded in front)``: its
+    logits are a function of those tokens, so it computes them from a hidden state alone
+    (``logits_from_hidden``), and its ``extend_hidden`` runs the extend without them: the draft extend of a
+    cycle of ``S == 0`` defers its top-K (`core.ports.defers_first_level`).
     """
 
     kind = "forward"
@@ -125,18 +130,36 @@ class NoisyDraft:
             logits[best], logits[other] = logits[other].clone(), logits[best].clone()
         return logits
 
+    def _hidden(self, batch: ForwardBatch, contexts: list[list[int]]) -> torch.Tensor:
+        n = self.target.n
+        tails = torch.tensor([[-1] * (n - len(c[-n:])) + c[-n:] for c in contexts], dtype=torch.float32)
+        return torch.cat([torch.stack([batch.input_ids, batch.positions], dim=1).float(), tails.view(-1, n)], 1)
+
     def _run(self, batch: ForwardBatch) -> ModelOutput:
         contexts = read_contexts(batch, self.target.pool.draft, f"draft ({self.pairing})")
         logits = torch.stack([self._logits(c) for c in contexts])
-        hidden = torch.stack([batch.input_ids, batch.positions], dim=1).float()
         rows = batch.logits_rows
-        return ModelOutput(logits=logits if rows is None else logits[rows], hidden=hidden)
+        return ModelOutput(logits=logits if rows is None else logits[rows], hidden=self._hidden(batch, contexts))
 
-    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+    def _check_pairing(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> None:
         if self.pairing == "shifted":
             if target_hidden is None or not torch.equal(target_hidden[:, 1].long(), batch.positions):
                 raise AssertionError("shifted draft extend: the target feature must come from the same position")
+
+    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+        self._check_pairing(batch, target_hidden)
         return self._run(batch)
+
+    def extend_hidden(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> torch.Tensor:
+        """`extend` without its logits: the KV writes and the hidden state of every row."""
+        self._check_pairing(batch, target_hidden)
+        contexts = read_contexts(batch, self.target.pool.draft, f"draft ({self.pairing})")
+        return self._hidden(batch, contexts)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> ModelOutput:
+        """The logits `extend` gives a row of hidden state ``hidden``: those of the tokens it attended last."""
+        tails = [[int(t) for t in row[2:].tolist() if t >= 0] for row in hidden]
+        return ModelOutput(logits=torch.stack([self._logits(t) for t in tails]), hidden=None)
 
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:
         self.step_positions.append(batch.positions.clone())

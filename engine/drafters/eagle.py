@@ -280,28 +280,47 @@ class EagleDraft:
         caches = pool.add_cache(cache_name, hc.num_layers, hc.num_kv_heads, hc.head_dim, head.dtype)
         self.kv, self.extra_kv = caches[0], list(caches[1:])  # the first layer's (k, v); the others'
 
-    def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
+    def _layers(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
         embed = F.embedding(batch.input_ids, self.target_model.embed_weight).to(self.head.dtype)
         if self.head.config.version == 1:
             x = F.linear(torch.cat([embed, x], -1), self.head.fc)
-        out = self.head.layer(x, embed, batch, self.kv, self.extra_kv)  # [T, H]
-        rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
-        if self.head.config.target_lm_head:
-            logits = self.target_model.logits(rows.to(self.target_model.dtype))  # [R, V]
-        else:
-            small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd]
-            logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
-            logits[:, self.head.draft_to_target] = small
-        return ModelOutput(logits=logits, hidden=out)
+        return self.head.layer(x, embed, batch, self.kv, self.extra_kv)  # [T, H]
 
-    @torch.inference_mode()
-    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head's logits of hidden states ``rows [R, H]`` over the target vocabulary, ``[R, V]``."""
+        if self.head.config.target_lm_head:
+            return self.target_model.logits(rows.to(self.target_model.dtype))  # [R, V]
+        small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd]
+        logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.head.draft_to_target] = small
+        return logits
+
+    def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
+        out = self._layers(batch, x)
+        rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
+        return ModelOutput(logits=self._logits(rows), hidden=out)
+
+    def _extend_input(self, target_hidden: torch.Tensor | None) -> torch.Tensor:
         if target_hidden is None:
             raise ValueError("an EAGLE draft extend needs the target's features")
         x = target_hidden.to(self.head.dtype)
-        if self.head.config.version == 3:
-            x = self.head.project(x)  # [T, 3H] -> [T, H]
-        return self._run(batch, x)
+        return self.head.project(x) if self.head.config.version == 3 else x  # EAGLE-3: [T, 3H] -> [T, H]
+
+    @torch.inference_mode()
+    def extend(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> ModelOutput:
+        return self._run(batch, self._extend_input(target_hidden))
+
+    @torch.inference_mode()
+    def extend_hidden(self, batch: ForwardBatch, target_hidden: torch.Tensor | None) -> torch.Tensor:
+        """`extend` without its logits: the head's layers (they write the draft KV), their hidden state ``[T, H]``
+        (`core.ports.DraftCapabilities`)."""
+        return self._layers(batch, self._extend_input(target_hidden))
+
+    @torch.inference_mode()
+    def logits_from_hidden(self, hidden: torch.Tensor) -> ModelOutput:
+        """The logits `extend` computes for rows of hidden state ``hidden [R, H]``: the head's final norm and LM head
+        (or the target's), exactly (`core.ports.DraftCapabilities`)."""
+        return ModelOutput(logits=self._logits(hidden.to(self.head.dtype)), hidden=None)
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | None) -> ModelOutput:

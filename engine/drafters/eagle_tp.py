@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...core.ports import ForwardBatch, ModelOutput
+from ...core.ports import ForwardBatch
 from ..errors import ModelLoadError
 from ..kernels.attention import paged_attention, plan_attention, write_kv
 from ..memory.kv_pool import PagedKVPool
@@ -39,19 +39,19 @@ class TPEagleDraft(EagleDraft):
     def _layer(self, x: torch.Tensor, embed: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.head.layer(x, embed, batch, self.kv, self.extra_kv)
 
-    def _run(self, batch: ForwardBatch, x: torch.Tensor) -> ModelOutput:
+    def _layers(self, batch: ForwardBatch, x: torch.Tensor) -> torch.Tensor:
         embed = self.target_model.embed(batch.input_ids)  # [T, H] on every rank
         if self.head.config.version == 1:
             x = F.linear(torch.cat([embed, x], -1), self.head.fc)
-        out = self._layer(x, embed, batch)  # [T, H]
-        rows = out if batch.logits_rows is None else out.index_select(0, batch.logits_rows)
+        return self._layer(x, embed, batch)  # [T, H]
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         if self.head.config.target_lm_head:  # EAGLE-1, or EAGLE-3 without its own LM head
-            logits = self.target_model.logits(rows)  # the target's norm and head: [R, V], gathered
-        else:
-            small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd], replicated
-            logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
-            logits[:, self.head.draft_to_target] = small
-        return ModelOutput(logits=logits, hidden=out)
+            return self.target_model.logits(rows)  # the target's norm and head: [R, V], gathered
+        small = F.linear(self.head.norm(rows), self.head.lm_head).float()  # [R, Vd], replicated
+        logits = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.head.draft_to_target] = small
+        return logits
 
 
 class ShardedEagleDraft(TPEagleDraft):

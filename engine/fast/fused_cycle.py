@@ -44,7 +44,7 @@ import torch
 from ...backends.cuda.cycle import flag_to_host
 from ...backends.registry import get_backend
 from ...core.config import SpecConfig
-from ...core.ports import Ports, draft_kind
+from ...core.ports import Ports, defers_first_level, draft_kind
 from ...core.records import Compacted, ExtendRows, Ready, Request
 from ...statemachine.batching import select_ready
 from ...statemachine.static import (
@@ -163,9 +163,11 @@ class FusedCycles:
         cfg = ready.config
         if not ready.requests or cfg.topk != self.spec.topk or cfg.page_size != self.spec.page_size:
             return False
-        forward = draft_kind(ports) == "forward"
-        if forward and ports.draft is self.draft and (ready.topk_p is None or ready.draft_hidden is None):
+        own = draft_kind(ports) == "forward" and ports.draft is self.draft
+        if own and ready.draft_hidden is None:
             return False  # extended by another draft (speculation off)
+        if own and ready.topk_p is None and not (ready.topk_pending and not cfg.drafts):
+            return False  # no top-K to draft from (a deferred one: the first_level row computes it first)
         return self.executor(ports).covers(ready)
 
     def executor(self, ports: Ports | None = None) -> StaticExecutor:
@@ -197,7 +199,7 @@ class FusedCycles:
         cfg, ports = cfg or self.spec, ports or self.ports
         # whether the records carry a forward draft's state (top-K, hidden): not a lookup draft's (n-gram, `ZeroDraft`)
         state = ports.draft is self.draft and draft_kind(ports) == "forward"
-        key = (batch, cfg, ports.draft is self.draft)
+        key = (batch, cfg, ports.draft is self.draft, defers_first_level(ports))
         if key not in self._batches:
             hidden, dtype = (self.draft.head.config.hidden_size, self.draft.head.dtype) if state else (0, torch.float32)
             rows = batch * cfg.num_draft_tokens
@@ -205,6 +207,7 @@ class FusedCycles:
                 batch, cfg, self.table_width, hidden, dtype,
                 self.options.max_decode_steps + cfg.num_draft_tokens + 1, self.options.max_decode_steps + LOOKAHEAD + 1,
                 bucket(max(rows, self.options.min_target_rows)) or rows, self.device, draft_state=state,
+                topk_pending=key[3],
             )  # fmt: skip
             self._batches[key] = _Batch(buffers, self.device, ports)
         return self._batches[key]

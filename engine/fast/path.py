@@ -188,28 +188,41 @@ def eagle_rows_forward(
     *,
     from_target: bool,
     draft_vocab: bool = False,
+    logits: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`EagleDraft.extend` (``from_target``: ``hidden_in`` are target features) or `.step` over `RowInputs`.
 
     ``draft_vocab``: a head with its own LM head returns its logits over the draft vocabulary (``[R, Vd]``,
     column ``j`` the target token ``head.draft_to_target[j]``; `ModelOutput.vocab_map`) instead of scattering
     them into a ``-inf`` row of the target vocabulary (two launches and a 16x wider top-K).
+    ``logits``: False runs the head's layers alone (`EagleDraft.extend_hidden`): the logits returned are empty
+    (``[0, 0]``), no final norm, no LM head (`eagle_head_logits` computes them later from the hidden state).
     """
-    head, target = draft.head, draft.target_model
+    head = draft.head
     c = head.config
-    eps = c.rms_norm_eps
     if c.version != 1 and ops.fold_norms:
         out = _folded_eagle3_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
     else:
         out = _eagle_layer(draft, ops, rope, inputs, hidden_in.to(head.dtype), from_target=from_target)
     for layer, cache in zip(head.extra_layers, draft.extra_kv):
         out = _eagle_extra_layer(layer, cache, c, ops, rope, inputs, out)
+    if not logits:
+        return out.new_empty((0, 0), dtype=torch.float32), out
     picked = out if inputs.logits_rows is None else out.index_select(0, inputs.logits_rows)
+    return eagle_head_logits(draft, ops, picked, draft_vocab), out
+
+
+def eagle_head_logits(draft: EagleDraft, ops: type[TorchOps], picked: torch.Tensor, draft_vocab: bool) -> torch.Tensor:
+    """The head's logits of hidden states ``picked [R, H]`` as `eagle_rows_forward` computes them: the final norm
+    and the LM head (the head's, over the draft vocabulary where ``draft_vocab``; else the target's), float32."""
+    head, target = draft.head, draft.target_model
+    c = head.config
+    eps = c.rms_norm_eps
     if c.target_lm_head:  # EAGLE-1, or EAGLE-3 over the target's norm and LM head: [R, V]
         target_eps = target.config.rms_norm_eps
         _, logits = ops.norm_linear(picked, None, target.norm.weight, target_eps, target.lm_head_weight,
                                     out_dtype=torch.float32)  # fmt: skip
-        return logits, out
+        return logits
     lm_head = draft.gemms.lm_head
     q = _int8_for(lm_head, picked.shape[0])
     if q is not None:
@@ -217,10 +230,10 @@ def eagle_rows_forward(
     else:
         _, small = ops.norm_linear(picked, None, head.norm.weight, eps, _dense(lm_head), out_dtype=torch.float32)
     if draft_vocab:
-        return small, out
+        return small
     logits = small.new_full((small.shape[0], draft.vocab_size), float("-inf"))
     logits.index_copy_(1, head.draft_to_target, small)
-    return logits, out
+    return logits
 
 
 def _eagle_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_target: bool) -> torch.Tensor:
@@ -802,15 +815,19 @@ class FastEagleDraft(StaticForwards, GraphedDraftLevels, EagleDraft):
         self.rope = _rope_for(self.head, pool, c.head_dim, c.rope_theta, self.head.dtype, max_position)
         features = self.target_model.feature_size()
         extend = functools.partial(self._compute, from_target=True)
+        layers = functools.partial(self._compute, from_target=True, logits=False)
         step = functools.partial(self._compute, from_target=False)
         self.extend_graphs = options.runner(extend, pool, self.vocab_size, features, self.head.dtype)
+        # the extend of a cycle of S == 0: the head's layers alone (`extend_hidden`), graphs of their own
+        self.extend_hidden_graphs = options.runner(layers, pool, self.vocab_size, features, self.head.dtype)
         self.step_graphs = options.runner(step, pool, self.vocab_size, c.hidden_size, self.head.dtype)
         self._init_levels(pool, options, c.hidden_size)
 
-    def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool, draft_vocab: bool = False):
+    def _compute(self, inputs: RowInputs, hidden_in, *, from_target: bool, draft_vocab: bool = False,
+                 logits: bool = True):  # fmt: skip
         with blas_scope(self.options.blas):
             return eagle_rows_forward(self, self.options.ops, self.rope, inputs, hidden_in, from_target=from_target,
-                                      draft_vocab=draft_vocab)  # fmt: skip
+                                      draft_vocab=draft_vocab, logits=logits)  # fmt: skip
 
     @property
     def vocab_map(self) -> torch.Tensor | None:
@@ -829,6 +846,32 @@ class FastEagleDraft(StaticForwards, GraphedDraftLevels, EagleDraft):
         if target_hidden is None:
             raise ValueError("an EAGLE draft extend needs the target's features")
         return self.extend_graphs.run(batch, self._fed(target_hidden), reduce)
+
+    def extend_hidden(self, batch: ForwardBatch, target_hidden: torch.Tensor | HiddenRows | None) -> torch.Tensor:
+        """`extend` without its logits: the head's layers (they write the draft KV), their hidden state ``[T, H]``
+        (`core.ports.DraftCapabilities`), through graphs of their own."""
+        if target_hidden is None:
+            raise ValueError("an EAGLE draft extend needs the target's features")
+        return self.extend_hidden_graphs.run(batch, self._fed(target_hidden))[0].hidden
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> ModelOutput:
+        """The logits `extend` computes for rows of hidden state ``hidden [R, H]`` (the head's final norm and LM head
+        over the target vocabulary, `eagle_head_logits`), eagerly: a batch moving to a shape that drafts. The rows
+        are padded to the bucket `extend`'s graphs take its logits rows at: the GEMMs run at the same shape, so each
+        row's logits are the same bits."""
+        rows = hidden.shape[0]
+        padded = bucket(max(rows, 1)) or rows
+        x = hidden.to(self.head.dtype)
+        if padded > rows:
+            x = torch.cat([x, x.new_zeros((padded - rows, x.shape[1]))])
+        with torch.no_grad(), blas_scope(self.options.blas):
+            logits = eagle_head_logits(self, self.options.ops, x, draft_vocab=False)
+        return ModelOutput(logits=logits[:rows], hidden=None)
+
+    def extend_hidden_static(self, batch: ForwardBatch, target_hidden: torch.Tensor, kv_bound: int) -> torch.Tensor:
+        """`extend_hidden` on the batch's own tensors, inside a captured cycle (`core.ports.StaticForwards`)."""
+        _, out = self._compute(batch_inputs(batch, kv_bound), target_hidden, from_target=True, logits=False)
+        return out
 
     def step(self, batch: ForwardBatch, parent_hidden: torch.Tensor | HiddenRows | None) -> ModelOutput:
         if parent_hidden is None:

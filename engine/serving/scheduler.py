@@ -64,6 +64,7 @@ from ...core.ports import (
 )
 from ...statemachine import step as run_step
 from ...statemachine.batching import merge_ready, reshape, select_ready
+from ...statemachine.transitions import first_level_due
 from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, no_draft_shape
 
 Speculation = Literal["on", "off", "adaptive"]
@@ -76,6 +77,7 @@ class SchedulerStats:
     steps: int = 0
     spec_cycles: int = 0
     plain_cycles: int = 0  # cycles of shape S == 0 (no draft)
+    first_levels: int = 0  # moves from S == 0 to a shape that drafts that computed a deferred top-K (first_level row)
     fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
     pipelined_cycles: int = 0  # of those, launched from the device's state before the last one was collected
     verifies: int = 0  # request-verifies in speculative cycles
@@ -591,8 +593,12 @@ class Scheduler:
 
     def _reshape(self, shape: SpecConfig) -> None:
         """The running batch in ``shape`` for its next cycle; the pages a deeper shape reserved past a shallower
-        one's go back to the pool (`batching.reshape`)."""
+        one's go back to the pool (`batching.reshape`). A batch whose top-K a cycle of ``S == 0`` deferred takes the
+        table's ``first_level`` row when ``shape`` drafts."""
         self.running = reshape(self.running, shape, self.ports.kv_pool, draft_pairing(self.ports))
+        if first_level_due(self.running, self.ports):
+            self.running = run_step(self.running, self.ports, self.backend, event="first_level", checked=self.checked)
+            self.stats.first_levels += 1
 
     def _record(
         self, shape: SpecConfig, batch_size: int, seconds: float, counts: Sequence[int], timed: bool = True
