@@ -173,6 +173,18 @@ INVARIANT_DOCS: dict[int, dict] = {
         "checked": "every `Compacted` and `Ready` record: each constrained request's matcher has consumed exactly "
         "its output, a freshly compiled matcher accepts that output and ends in the same state (equal masks)",
     },
+    17: {
+        "statement": "A forward draft's `Ready` record holds its depth-1 top-K or declares it pending "
+        "(`topk_pending`: no top-K, q or candidates held, the draft hidden state held): the draft extend defers it "
+        "exactly in a cycle of S == 0 over a draft that computes logits from its hidden state, no shape that drafts "
+        "runs from a pending record, and the `first_level` row computes the top-K the full extend would have.",
+        "tests": [
+            "tests/unit/test_deferred_first_level.py::test_random_shape_sequences_through_S0_equal_autoregressive",
+        ],
+        "checked": "every `Ready` record (pending: nothing stale held, the hidden state held, the draft able; else a "
+        "shape that drafts holds a K-wide top-K), every extend (pending exactly when S == 0 and the draft defers) "
+        "and the `first_level` row (nothing else changed)",
+    },
 }
 # Not an invariant of its own: the K == 1 fast path (see backends.md).
 EXTRA_TESTS = [
