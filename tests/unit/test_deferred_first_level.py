@@ -5,7 +5,7 @@ On a tiny random Llama with random EAGLE heads, float32, CPU: the top-K computed
 deferred extend left equals the one the full extend computes, bit for bit, for the reference draft and the fast
 one; random sequences of shapes (S == 0 followed by deeper shapes among them) through `batching.reshape`, run by
 the eager table and by the graphed executor's cycle (eagerly here), give the autoregressive output. On a GPU the
-last test captures cycles of S == 0 followed by deeper ones with SmolLM2 and its EAGLE head.
+last test captures cycles of S == 0 followed by deeper ones in the scheduler and compares with autoregressive.
 """
 
 from __future__ import annotations
@@ -170,33 +170,37 @@ def test_random_shape_sequences_through_S0_equal_autoregressive(weights, shapes,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs: needs a GPU")
-@pytest.mark.parametrize("spec", [SpecConfig(num_steps=4), SpecConfig(num_steps=5, topk=4, num_draft_tokens=16)],
-                         ids=["chain", "tree"])  # fmt: skip
-def test_captured_S0_cycles_then_deeper_ones_equal_autoregressive_on_a_gpu(model_path, spec):
-    """SmolLM2 and its EAGLE head on the fast path, bfloat16, CUDA graphs: the scheduler's captured cycles driven
-    through S == 0 (the deferred extend captured) and back to deeper shapes (the first_level row between), 64 requests
-    joining and leaving; every output is the autoregressive one."""
+@pytest.mark.parametrize("spec", [SpecConfig(num_steps=4, topk=1, page_size=4), TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "pipelined"])
+def test_captured_S0_cycles_then_deeper_ones_equal_autoregressive_on_a_gpu(weights, spec, checked):
+    """The scheduler's captured cycles under CUDA graphs, driven through S == 0 (the deferred extend captured) and
+    back to the deepest shape (the first_level row between) by a cost model that flips with the batch bucket, while
+    requests of different budgets leave and waiting ones join; checked at every boundary, or unchecked and
+    pipelined: every output is the autoregressive one, every page goes back."""
     from speccycle.engine.serving.adaptive import AdaptiveSpeculation
     from speccycle.engine.serving.scheduler import Scheduler
 
-    engine = Engine.load(model_path, draft="eagle", spec=spec, device="cuda", dtype=torch.bfloat16, fast=True,
-                         kv_tokens=65536)  # fmt: skip
-    assert engine.fused_cycles is not None and defers_first_level(Ports(engine.target, engine.draft, engine.pool))
-    messages = ("Write a haiku about KV caches.", "List three prime numbers.", "Name three colors.", "Count to five.")
-    prompts = [engine.chat_prompt(m + f" ({i})") for i in range(16) for m in messages]
-    budgets = [24 + (i % 5) * 8 for i in range(len(prompts))]
+    config = attrs.evolve(EagleConfig.for_target(TINY, 3, draft_vocab_size=40), feature_layers=(1, 2, 3))
+    model = LlamaModel(TINY, weights, device="cuda", feature_layers=(1, 2, 3))
+    pool = PagedKVPool(num_pages=512, page_size=spec.page_size, device="cuda")
+    head = EagleHead.random(config, seed=4, device="cuda", target_vocab=TINY.vocab_size)
+    engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
+    assert engine.fused_cycles is not None and defers_first_level(_ports(engine))
+    prompts = [list(PROMPTS[i % 3]) + [3 + i] for i in range(12)]
+    budgets = [10 + (i % 4) * 5 for i in range(12)]
     want = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
     family = shape_family(spec)
 
-    def cost(shape, bs):  # S == 0 wins at even buckets, the deepest shape at odd ones: the batch moves both ways
-        deep = (bs.bit_length() % 2) == 1
+    def cost(shape, bs):  # the deepest shape wins at buckets 1, 4, 16; S == 0 at 2, 8: the batch moves both ways
+        deep = bs.bit_length() % 2 == 1
         return 1.0 + (0.1 if deep == (shape == family[0]) else 5.0) * (shape.num_steps + 1)
 
-    scheduler = Scheduler.from_engine(engine, speculation=AdaptiveSpeculation(cost=cost, probe_every=3),
-                                      max_batch_size=64)  # fmt: skip
+    policy = AdaptiveSpeculation(cost=cost, probe_every=3)
+    scheduler = Scheduler.from_engine(engine, speculation=policy, checked=checked, max_batch_size=9)
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     scheduler.run()
     assert [list(scheduler.finished[i].output) for i in ids] == want
     stats = scheduler.stats
     assert stats.plain_cycles > 0 and stats.spec_cycles > 0 and stats.first_levels > 0
-    assert stats.fused_cycles == stats.plain_cycles + stats.spec_cycles
+    assert stats.fused_cycles == stats.plain_cycles + stats.spec_cycles and engine.fused_cycles.use_graphs
+    assert pool.num_free_pages == pool.num_pages
