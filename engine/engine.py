@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,8 +22,7 @@ import attrs
 import torch
 
 from ..backends.registry import get_backend
-from ..core import Accepted, Admitted, Compacted, Ports, Ready, Request, SamplingParams, SpecConfig
-from ..statemachine import step
+from ..core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from .drafters.eagle import EagleConfig, EagleDraft, EagleHead
 from .drafters.layerskip import LlamaDraft
 from .drafters.ngram import CPU_NUM_STEPS as NGRAM_CPU_NUM_STEPS
@@ -34,6 +32,7 @@ from .greedy import greedy_decode
 from .memory.kv_pool import PagedKVPool
 from .models.catalog import NAMED_MODELS, build_model, named_model_path
 from .models.llama import LlamaModel
+from .stepping import GenerationStats, run_batch
 from .weights.weights_gguf import LlamaConfig, default_model_path, load_gguf
 
 DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
@@ -92,20 +91,6 @@ def eagle_head_dtype(device: str | torch.device, dtype: torch.dtype) -> torch.dt
     return dtype
 
 
-@attrs.frozen
-class GenerationStats:
-    """Counts of one `generate` call: tau is the mean tokens committed per request per verify."""
-
-    verifies: int = 0
-    committed: int = 0
-    accept_len_histogram: dict[int, int] = attrs.field(factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def tau(self) -> float:
-        return self.committed / self.verifies if self.verifies else 0.0
-
-
 def load_model(path: str | os.PathLike | None, dtype: torch.dtype) -> tuple[LlamaConfig, dict, Path]:
     """A GGUF file, a Hugging Face directory (config.json + safetensors) or a name of `models.catalog.NAMED_MODELS`
     (``gemma3-270m``); None: the embedded default."""
@@ -143,7 +128,7 @@ class Engine:
         self._ids = itertools.count()
         self.fast_decoder = None
         self.host_control = False  # `engine.fast.host_control`; `accelerate` turns it on for a GPU
-        self.fused_cycles = None  # `engine.fast.fused_cycle`; `accelerate` builds it for a fast EAGLE draft
+        self.fused_cycles = None  # `engine.fast.fused_cycle`; built by `accelerate` (fast EAGLE or n-gram draft)
         self._grammar = None  # `engine.grammar.LlguidanceCompiler`, made on the first constrained request
         if fast:
             from .fast.path import accelerate
@@ -335,52 +320,16 @@ class Engine:
             ports, backend = self._device_ports(), self.backend
         else:
             ports, backend = self._cycle_ports(sampling)
-        done: dict[int, Request] = {}
-        sent = {rid: 0 for rid in ids}
-        histogram: Counter[int] = Counter()
-        verifies = committed = 0
-        start = time.perf_counter()
-        try:
-            while True:
-                previous, record = record, step(record, ports, backend, checked=checked)
-                if on_step is not None:
-                    on_step(record)
-                if fused is not None and isinstance(record, Ready):  # the cycles run on the device from here
-                    done.update({r.request_id: r for r in record.retired})
-                    run = fused.run(record, max_new_tokens, stops, checked=checked)
-                    # the finished requests leave through the table's retire row, which frees their pages
-                    lens_of = {r.request_id: lens for r, lens in zip(run.final.requests, run.accept_lens)}
-                    if run.final.requests:
-                        record = step(run.final, ports, backend, event="retire", checked=checked)
-                    for request in record.retired:
-                        lens = lens_of.get(request.request_id, ())
-                        done[request.request_id] = request
-                        histogram.update(lens)
-                        verifies += len(lens)
-                        committed += sum(lens)
-                        if on_tokens and len(request.output) > sent[request.request_id]:
-                            on_tokens(index[request.request_id], list(request.output[sent[request.request_id] :]))
-                    done.update({r.request_id: r for r in record.retired})
-                    break
-                if not isinstance(record, Compacted):
-                    continue
-                if isinstance(previous, Accepted):  # a retire re-emits accept_len: count each verify once
-                    lens = record.accept_len.tolist()
-                    histogram.update(lens)
-                    verifies += len(lens)
-                    committed += sum(lens)
-                for request in record.requests + record.retired:
-                    if on_tokens and len(request.output) > sent.get(request.request_id, 0):
-                        on_tokens(index[request.request_id], list(request.output[sent[request.request_id] :]))
-                        sent[request.request_id] = len(request.output)
-                done.update({r.request_id: r for r in record.retired})
-                if not record.requests and len(done) == len(ids):
-                    break
-        finally:
-            for rid in ids:  # a failure mid-batch leaks no page
-                if rid not in done and self.pool.pages_held(rid):
-                    self.pool.free(rid)
-        stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
+        sent = dict.fromkeys(ids, 0)
+
+        def stream(request: Request) -> None:
+            rid = request.request_id
+            if on_tokens and len(request.output) > sent[rid]:
+                on_tokens(index[rid], list(request.output[sent[rid] :]))
+                sent[rid] = len(request.output)
+
+        run = None if fused is None else (lambda ready: fused.run(ready, max_new_tokens, stops, checked=checked))
+        done, stats = run_batch(record, ports, backend, checked=checked, on_step=on_step, on_commit=stream, fused=run)
         return [done[rid] for rid in ids], stats
 
     def _fused_for(self, sampling, checked: bool, on_step, stop_token_ids):

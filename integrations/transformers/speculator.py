@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from ...backends.registry import get_backend
-from ...core import Accepted, Admitted, Compacted, Ports, Request, SamplingParams, SpecConfig
+from ...core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from ...engine.drafters.eagle import EagleDraft, EagleHead
 from ...engine.drafters.ngram import NgramDraft
-from ...engine.engine import GenerationStats
 from ...engine.memory.kv_pool import PagedKVPool
-from ...statemachine import step
+from ...engine.stepping import GenerationStats, run_batch
 from .ports import EagleTargetParts, TransformersDraft, TransformersTarget, text_config
 
 DRAFTS = ("ngram", "model", "eagle")
@@ -119,28 +116,7 @@ class TransformersSpeculator:
             config=self.config,
             requests=tuple(Request(rid, tuple(int(t) for t in p), params) for rid, p in zip(ids, prompts)),
         )
-        done: dict[int, Request] = {}
-        histogram: Counter[int] = Counter()
-        verifies = committed = 0
-        start = time.perf_counter()
-        try:
-            while True:
-                previous, record = record, step(record, self.ports, self.backend, checked=checked)
-                if not isinstance(record, Compacted):
-                    continue
-                if isinstance(previous, Accepted):  # a retire re-emits accept_len: count each verify once
-                    lens = record.accept_len.tolist()
-                    histogram.update(lens)
-                    verifies += len(lens)
-                    committed += sum(lens)
-                done.update({r.request_id: r for r in record.retired})
-                if not record.requests and len(done) == len(ids):
-                    break
-        finally:
-            for rid in ids:  # a failure mid-batch leaks no page
-                if rid not in done and self.pool.pages_held(rid):
-                    self.pool.free(rid)
-        stats = GenerationStats(verifies, committed, dict(sorted(histogram.items())), time.perf_counter() - start)
+        done, stats = run_batch(record, self.ports, self.backend, checked=checked)
         return [list(done[rid].output) for rid in ids], stats
 
 
