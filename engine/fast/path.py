@@ -852,6 +852,7 @@ class FastEagleDraft(StaticForwards, GraphedDraftLevels, EagleDraft):
         (`core.ports.DraftCapabilities`), through graphs of their own."""
         if target_hidden is None:
             raise ValueError("an EAGLE draft extend needs the target's features")
+        batch = attrs.evolve(batch, logits_rows=None)  # no logits rows to pick (a chunked run joins none)
         return self.extend_hidden_graphs.run(batch, self._fed(target_hidden))[0].hidden
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> ModelOutput:
