@@ -331,10 +331,11 @@ class Scheduler:
             if self._inflight is None:
                 self._apply_cancels(finished)
                 launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
+                admitted = False
                 try:
                     admitted = self._admit(finished, in_flight)
                 finally:
-                    if launched and not (self._pipelines(launched) and not admitted and not self.waiting):
+                    if launched and not (self._pipelines(launched) and not admitted and not self._can_join()):
                         self._collect(launched, finished)
                     elif launched:  # nothing to join: leave it running, the next step goes on from it
                         self._inflight = launched
@@ -512,13 +513,14 @@ class Scheduler:
         return self.pipeline and not self.checked and self.fused_cycles.can_continue(launched[0])
 
     def _advance(self, finished: list[Request]) -> None:
-        """The step of a batch whose cycle ``n`` is in flight: when nothing waits to join it, no cancel is pending,
+        """The step of a batch whose cycle ``n`` is in flight: when nothing can join it (no request waits, or the batch
+        is full: a request that finishes in cycle ``n`` makes room at the next step), no cancel is pending,
         the shape stays and the pool grants the pages, cycle ``n + 1`` is launched from the device's state first,
         then cycle ``n`` is collected while the GPU runs it (the host's records, streaming and retiring overlap the
         GPU). Otherwise cycle ``n`` is collected and the step goes on as an ordinary one (reload, admission)."""
         launched, shape, batch_size, _ = self._inflight
         nxt = None
-        if not self.waiting and not self._cancels and self._pipelines(self._inflight):
+        if not self._can_join() and not self._cancels and self._pipelines(self._inflight):
             if (self.controller.choose(self.num_running) if self.controller else self.config) == shape:
                 self._shape = shape
                 start = time.perf_counter()
@@ -533,6 +535,10 @@ class Scheduler:
             self._inflight = nxt
             self.stats.pipelined_cycles += 1
         # else: every request finished in cycle n (the one launched behind it commits nothing), or it never ran
+
+    def _can_join(self) -> bool:
+        """Whether a waiting request could join the running batch now (it is not full)."""
+        return bool(self.waiting) and self.num_running < self.max_batch_size
 
     def _drain(self, finished: list[Request]) -> None:
         """Collect the cycle in flight."""
