@@ -29,40 +29,81 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ..backends.torch.sampling import safe_uniform
 from ..core.records import DraftTree, Request
 
 STREAM_FIRST, STREAM_DRAFT, STREAM_COINS, STREAM_FINAL = 0, 1, 2, 3
 
+_TINY = torch.finfo(torch.float32).tiny  # the clamp of `backends.torch.sampling.safe_uniform`
+_BELOW_ONE = 1.0 - 2.0**-24
 _MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * _MUL1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MUL2) & _MASK64
     return x ^ (x >> 31)
 
 
-def stream_seed(seed: int, counter: int, stream: int, level: int = 0) -> int:
-    """The 63-bit seed of one draw: a hash of the request's seed, its committed count, the stream, the level."""
+def stream_key(seed: int, counter: int, stream: int, level: int = 0) -> int:
+    """The 64-bit key of one draw, on the host: `stream_keys` of one request (the tests' reference)."""
     h = _splitmix64(seed & _MASK64)
     for word in (counter, stream, level):
         h = _splitmix64(h ^ (word & _MASK64))
-    return h >> 1
+    return h
 
 
-def request_generator(request: Request, stream: int, level: int, device: torch.device | str) -> torch.Generator:
-    """A `torch.Generator` for one draw of ``request`` (its counter: ``len(request.output)``)."""
-    seed = request.sampling.seed
-    if seed is None:
-        raise ValueError(
-            f"request {request.request_id} samples without a seed: prefill gives every sampled request one "
-            "(start requests from an Admitted record)"
-        )
-    gen = torch.Generator(device=device)
-    gen.manual_seed(stream_seed(seed, len(request.output), stream, level))
-    return gen
+def key_uniforms(key: int, count: int) -> list[float]:
+    """`uniforms_from_keys` of one key, on the host (the tests' reference)."""
+    out = []
+    for i in range(count):
+        bits = _splitmix64((key + i * _GAMMA) & _MASK64) >> 40
+        out.append(min(max(bits * 2.0**-24, _TINY), _BELOW_ONE))
+    return out
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 whose two's complement bits it is (a tensor op takes no wider int)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic: the sign bits are masked off)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`_splitmix64` on int64 tensors: adds and multiplies wrap modulo 2**64, as the host's masked ones."""
+    x = x + _signed(_GAMMA)
+    x = (x ^ _shift(x, 30)) * _signed(_MUL1)
+    x = (x ^ _shift(x, 27)) * _signed(_MUL2)
+    return x ^ _shift(x, 31)
+
+
+def stream_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int, level: int = 0) -> torch.Tensor:
+    """The key of one draw per request: a splitmix64 chain over ``(seed, counter, stream, level)``, on the device.
+
+    ``counter`` is the request's committed count at the draw (``len(output)``). Shapes: ``[m]`` int64 -> ``[m]``.
+    """
+    h = _splitmix64_tensor(seed)
+    for word in (counter, stream, level):
+        h = _splitmix64_tensor(h ^ word)
+    return h
+
+
+def uniforms_from_keys(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` uniforms per key, strictly inside ``(0, 1)``: element ``i`` is the top 24 bits of
+    ``splitmix64(key + i * gamma)`` (the splitmix64 sequence from ``key``) times ``2**-24``, clamped to
+    ``[tiny, 1 - 2**-24]`` as `safe_uniform` clamps `torch.rand`. Elementwise int64 ops only: no generator, no
+    host value, so a CUDA graph captures it and the eager and static executors draw the same numbers.
+
+    Shapes: ``keys [m]`` int64 -> ``[m, count]`` float32.
+    """
+    index = torch.arange(count, dtype=torch.long, device=keys.device) * _signed(_GAMMA)
+    bits = _shift(_splitmix64_tensor(keys[:, None] + index[None, :]), 40)
+    return (bits.to(torch.float32) * 2.0**-24).clamp_(min=_TINY, max=_BELOW_ONE)
 
 
 def with_seed(request: Request) -> Request:
@@ -74,14 +115,21 @@ def with_seed(request: Request) -> Request:
 
 @attrs.frozen(eq=False)
 class SampledRows:
-    """The sampled requests of a batch and their parameters, one entry per sampled request (``m``)."""
+    """The sampled requests of a batch and their parameters, one entry per request it holds (``m``).
+
+    The eager table holds the sampled requests alone (``mask`` None). A static cycle holds every request of its
+    buffers (``index`` their rows ``0..B-1``) and ``mask`` says which sample: the work runs on every row (no
+    value-dependent shape) and a greedy request keeps its greedy results (`torch.where`).
+    """
 
     index: torch.Tensor  # [m] int64: their rows in the batch
-    requests: tuple[Request, ...]  # [m]
     temperature: torch.Tensor  # [m] float32
     top_k: torch.Tensor  # [m] int64
     top_p: torch.Tensor  # [m] float32
     min_p: torch.Tensor  # [m] float32
+    seed: torch.Tensor  # [m] int64
+    counter: torch.Tensor  # [m] int64: the committed count (len(output)) the draws are keyed by
+    mask: torch.Tensor | None = None  # [m] bool: which sample (None: all)
 
     def flat_rows(self, per_request: int) -> torch.Tensor:
         """Rows ``b * r + i`` (``i < r``) of every sampled request ``b``. Shapes: -> ``[m * r]``."""
@@ -99,11 +147,12 @@ class SampledRows:
         )
 
     def uniforms(self, shape: tuple[int, ...], stream: int, level: int = 0) -> torch.Tensor:
-        """Per request, ``safe_uniform(shape)`` from its generator. Shapes: -> ``[m, *shape]`` float32."""
-        device = self.index.device
-        return torch.stack(
-            [safe_uniform(shape, request_generator(r, stream, level, device), device) for r in self.requests]
-        )
+        """Per request, uniforms of ``shape`` from its key (`stream_keys`). Shapes: -> ``[m, *shape]`` float32."""
+        count = 1
+        for size in shape:
+            count *= size
+        keys = stream_keys(self.seed, self.counter, stream, level)
+        return uniforms_from_keys(keys, count).view(-1, *shape)
 
 
 def sampled_rows(requests: Sequence[Request], device: torch.device | str) -> SampledRows | None:
@@ -111,14 +160,21 @@ def sampled_rows(requests: Sequence[Request], device: torch.device | str) -> Sam
     picked = [(i, r) for i, r in enumerate(requests) if not r.sampling.greedy]
     if not picked:
         return None
+    for _, r in picked:
+        if r.sampling.seed is None:
+            raise ValueError(
+                f"request {r.request_id} samples without a seed: prefill gives every sampled request one "
+                "(start requests from an Admitted record)"
+            )
     params = [r.sampling for _, r in picked]
     return SampledRows(
         index=torch.tensor([i for i, _ in picked], dtype=torch.long, device=device),
-        requests=tuple(r for _, r in picked),
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        seed=torch.tensor([p.seed for p in params], dtype=torch.long, device=device),
+        counter=torch.tensor([len(r.output) for _, r in picked], dtype=torch.long, device=device),
     )
 
 
@@ -168,9 +224,13 @@ def draw_children(
     ids = backend.sample_without_replacement(q_sampled, topk_index.shape[-1], uniforms)  # [m * r, K], -1 padded
     if parent_tokens is not None:
         ids = torch.where(parent_tokens[flat][:, None] < 0, -1, ids)  # padding begets padding
-    probs = torch.where(ids >= 0, q_sampled.gather(1, ids.clamp(min=0)), 0.0)
+    probs = torch.where(ids >= 0, q_sampled.gather(1, ids.clamp(min=0)), 0.0).to(topk_p.dtype)
+    if rows.mask is not None:  # every row of a static batch (``flat`` is every row): greedy rows keep theirs
+        sampled = rows.mask.repeat_interleave(per_request)[:, None]  # [B * r, 1]
+        q = torch.where(sampled, q_sampled, 0.0)
+        return torch.where(sampled, probs, topk_p), torch.where(sampled, ids, topk_index), q
     topk_p, topk_index = topk_p.clone(), topk_index.clone()
-    topk_p[flat], topk_index[flat] = probs.to(topk_p.dtype), ids
+    topk_p[flat], topk_index[flat] = probs, ids
     q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     q[flat] = q_sampled
     return topk_p, topk_index, q
@@ -179,12 +239,16 @@ def draw_children(
 def store_rows(draft_probs: torch.Tensor, q: torch.Tensor, rows: torch.Tensor) -> None:
     """Write each node's ``q`` at its verify row (rows ``>= N``, nodes left out of the tree, are skipped).
 
+    No boolean index (a static cycle runs it): a skipped node writes row 0's own value back to row 0 (row 0 is
+    the root's, never a node's: every writer there writes the value it read before the write).
+
     Shapes: ``draft_probs [bs, N, V]`` (written in place: it is being built), ``q [bs, K, V]``, ``rows [bs, K]``.
     """
     bs, n, vocab = draft_probs.shape
     batch = torch.arange(bs, device=rows.device)[:, None].expand_as(rows)
     kept = rows < n
-    draft_probs[batch[kept], rows[kept]] = q[kept]
+    values = torch.where(kept[..., None], q.to(draft_probs.dtype), draft_probs[:, :1])
+    draft_probs.index_put_((batch, torch.where(kept, rows, 0)), values)
 
 
 def level_order_tree(
@@ -231,9 +295,11 @@ def verify_sampled(
     """Lossless verify of the sampled requests; their rows of the greedy results are replaced.
 
     ``p`` is the target's processed distribution at every row; ``q`` is ``draft_probs`` (None: point
-    masses, a lookup draft). Chains without padding take `verify_chain_sampling`, everything else
-    `verify_tree_sampling`. Coins are ``uniforms[b, row]``, the final token's Gumbel noise one ``[V]``
-    block per request, from the request's own streams.
+    masses, a lookup draft). A chain request without padding takes `verify_chain_sampling`, every other
+    request `verify_tree_sampling` (chosen per request, so its result never depends on its batch). Coins are
+    ``uniforms[b, row]``, the final token's Gumbel noise one ``[V]`` block per request, from the request's own
+    streams. A static batch (``rows.mask``) verifies every request and keeps the greedy results of the greedy
+    ones: both verifies run (a chain's padding is known only on the device) and each request takes its own.
 
     Shapes: ``tree [bs, N]``, ``draft_probs [bs, N, V]``, ``logits [bs * N, V]``, greedy
     ``accept_index [bs, S + 1]``, ``accept_len [bs]``, ``predict [bs * N]`` -> the merged three and the
@@ -242,29 +308,43 @@ def verify_sampled(
     bs, n = tree.tokens.shape
     vocab = logits.shape[-1]
     m = rows.index.shape[0]
+    static = rows.mask is not None
     p = rows.process(logits[rows.flat_rows(n)], n, backend)  # [m * N, V]
     q = None if draft_probs is None else draft_probs[rows.index]  # [m, N, V]
     tokens = tree.tokens[rows.index]
     coins = rows.uniforms((n,), STREAM_COINS)  # [m, N]
     noise = rows.uniforms((vocab,), STREAM_FINAL)  # [m, V]
     padding = None if tree.padding is None else tree.padding[rows.index]
-    if is_chain and (padding is None or not bool(padding.any())):
+    if static:  # a greedy request's rows are padding here: its tree verify walks nothing (its result is dropped)
+        dropped = ~rows.mask[:, None] & (torch.arange(n, device=tokens.device) > 0)[None, :]
+        padding = dropped if padding is None else padding | dropped
+    padded = None if padding is None else padding.any(1)  # [m]
+    depth = torch.arange(accept_width, device=tokens.device)[None, :]
+    chain = tree_part = None
+    if is_chain and (static or padded is None or not bool(padded.all())):
         draft_q = None if q is None else q[:, : n - 1]
-        s_len, s_predict = backend.verify_chain_sampling(tokens[:, 1:], draft_q, p.view(m, n, vocab), coins, noise)
-        depth = torch.arange(accept_width, device=tokens.device)[None, :]
-        s_rows = torch.where(depth < s_len[:, None], depth, -1)  # [m, S + 1]: a chain's path is rows 0..len-1
-        s_predict = s_predict.reshape(m, n)
-    else:
-        if padding is not None:
-            tokens = torch.where(padding, -1, tokens)
-        s_index, s_len, s_predict = backend.verify_tree_sampling(
-            tokens, tree.parents[rows.index], q, p.view(m, n, vocab), accept_width, coins, noise
+        c_len, c_predict = backend.verify_chain_sampling(tokens[:, 1:], draft_q, p.view(m, n, vocab), coins, noise)
+        chain = (torch.where(depth < c_len[:, None], depth, -1), c_len, c_predict.reshape(m, n))  # rows 0..len-1
+    if not is_chain or (padded is not None and (static or bool(padded.any()))):
+        t_tokens = tokens if padding is None else torch.where(padding, -1, tokens)
+        t_index, t_len, t_predict = backend.verify_tree_sampling(
+            t_tokens, tree.parents[rows.index], q, p.view(m, n, vocab), accept_width, coins, noise
         )
         base = (torch.arange(m, device=tokens.device) * n)[:, None]
-        s_rows = torch.where(s_index >= 0, s_index - base, -1)
-        s_predict = s_predict.view(m, n)
+        tree_part = (torch.where(t_index >= 0, t_index - base, -1), t_len, t_predict.view(m, n))
+    if chain is None or tree_part is None:
+        s_rows, s_len, s_predict = chain or tree_part
+    else:  # a chain request with padding takes the tree verify
+        on = padded[:, None]
+        s_rows, s_len, s_predict = (torch.where(on if c.dim() > 1 else padded, t, c) for c, t in zip(chain, tree_part))
+    s_index = torch.where(s_rows >= 0, s_rows + rows.index[:, None] * n, -1)
+    if static:  # ``index`` is every row: the greedy requests keep their greedy results
+        sampled = rows.mask[:, None]
+        accept_index = torch.where(sampled, s_index, accept_index)
+        predict = torch.where(sampled, s_predict, predict.view(bs, n)).view(-1)
+        return accept_index, torch.where(rows.mask, s_len, accept_len), predict, p
     accept_index, accept_len, predict = accept_index.clone(), accept_len.clone(), predict.clone()
-    accept_index[rows.index] = torch.where(s_rows >= 0, s_rows + rows.index[:, None] * n, -1)
+    accept_index[rows.index] = s_index
     accept_len[rows.index] = s_len
     predict.view(bs, n)[rows.index] = s_predict
     return accept_index, accept_len, predict, p
