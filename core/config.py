@@ -253,11 +253,16 @@ class SamplingParams:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy argmax of the raw logits with nothing else to report: what the static and fast paths serve (no
-        logprobs, no history-dependent logits, no grammar, speculating)."""
+        """Greedy argmax of the raw logits with nothing else to report: what the fast paths serve (no logprobs, no
+        history-dependent logits, no grammar, speculating)."""
+        return self.greedy and self.plain
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, or sampled from the raw logits after temperature, min-p, top-k and top-p, with nothing else to
+        report: what the static executor serves (no logprobs, no history-dependent logits, no grammar, speculating)."""
         return (
-            self.greedy
-            and not self.logprobs
+            not self.logprobs
             and not self.top_logprobs
             and not self.adjusts_logits
             and self.constraint is None

@@ -549,6 +549,34 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
         require(before is None or before.shape[:2] == (bs, cfg.accept_width), 9, f"{field.name} not compacted")
 
 
+def _check_sampled_walk(b: int, source: Drafted, walk: torch.Tensor, predict: torch.Tensor, path: list[int]) -> None:
+    """A sampled request's walk in a fused verify (`static_rows._sampled_walk`): its predictions along the sampled
+    verify's path are its committed tokens (the accepted children, then the final sample at the path's last row),
+    its walk those with -1 at the last row and off the path; each accepted child is a real row its parent's ``q`` could
+    have drawn (``q > 0``, invariant 11)."""
+    tree = source.tree
+    N = tree.tokens.shape[1]
+    rows = [f - b * N for f in path]
+    last = rows[-1]
+    want = torch.full((N,), -1, dtype=torch.long)
+    for d, row in enumerate(rows[:-1]):
+        want[row] = int(tree.tokens[b, rows[d + 1]])
+    who = f"request {b} (sampled)"
+    require(int(predict[last]) >= 0, 11, f"{who}: no final token at its path's last row {last}")
+    require(torch.equal(walk, want), 11, f"{who}: the walk {walk.tolist()} does not follow its path {rows}")
+    on_path = torch.tensor(rows[:-1], dtype=torch.long)
+    require(torch.equal(predict[on_path], want[on_path]), 11, f"{who}: predictions {predict.tolist()} do not commit "
+            f"the accepted children of its path {rows}")  # fmt: skip
+    padding = None if tree.padding is None else tree.padding[b].cpu()
+    probs = source.draft_probs
+    for d in range(1, len(rows)):
+        row, parent = rows[d], rows[d - 1]
+        require(padding is None or not bool(padding[row]), 11, f"{who}: accepted padding row {row}")
+        if probs is not None:
+            q = float(probs[b, parent, int(tree.tokens[b, row])])
+            require(q > 0, 11, f"{who}: accepted row {row}, a token its parent's q gives probability {q}")
+
+
 def check_fusion(
     source: Drafted, result: Compacted, rows: RowOutputs, walk: torch.Tensor, ports, forced: bool = False
 ) -> None:
@@ -573,8 +601,11 @@ def check_fusion(
     before, after = source.log, result.log
     lengths, done = before.lengths.tolist(), before.done.tolist()
     max_new, stops = before.max_new.tolist(), {s for s in before.stops.tolist() if s >= 0}
-    require(forced or torch.equal(walk, predict), 10, "an unforced walk must follow the target's predictions")
     n = len(source.requests)  # rows past n: a padded batch's padding, finished from the start
+    sampled = [not r.sampling.greedy for r in source.requests] + [False] * (B - n)
+    greedy = torch.tensor([not s for s in sampled])
+    require(forced or torch.equal(walk[greedy], predict[greedy]), 10, "an unforced walk must follow the target's "
+            "predictions")  # fmt: skip
     for b, r in enumerate(source.requests):
         want = r.sampling.max_new_tokens - len(r.output)
         require(max_new[b] == want, 5, f"request {b}: the log's budget is {max_new[b]}, its requests' {want}")
@@ -585,6 +616,8 @@ def check_fusion(
     accept_index, run = TorchBackend().verify_greedy(tokens, parents, walk, W)
     committed = predict.reshape(-1)[accept_index.clamp(min=0)].tolist()  # [B, W]
     flat = accept_index.tolist()
+    for b in (b for b in range(B) if sampled[b] and not done[b]):
+        _check_sampled_walk(b, source, walk[b], predict[b], flat[b][: int(run[b])])
     new_L, new_root = result.seq_lens.tolist(), result.root_tokens.tolist()
     new_lengths, new_done = after.lengths.tolist(), after.done.tolist()
     out = after.tokens.tolist()

@@ -97,6 +97,8 @@ class StaticExecutor:
     ) -> tuple[Ready, tuple[Boundary, ...]]:
         """One cycle from ``ready`` (a record over set ``1 - into``) to the next `Ready` record (over set ``into``).
         A row with a host step reads what `prepare` wrote for this cycle: the caller runs it first."""
+        if buffers.sampling is None and any(not r.sampling.greedy for r in ready.requests):
+            raise ValueError("a batch with sampled requests needs CycleBuffers built to serve sampling (vocab=...)")
         ctx = StaticContext(buffers, into, kv_bound, self.ops, self.forwards, self.walk)
         record, boundaries = ready, []
         while True:
@@ -220,6 +222,7 @@ def materialize_ready(
         topk_index=rows(record.topk_index),
         draft_hidden=rows(record.draft_hidden),
         topk_pending=record.topk_pending,
+        draft_probs=rows(record.draft_probs),
     )
 
 

@@ -32,6 +32,7 @@ from ..core.ports import (
 from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog, Ready, RowOutputs
 from ..core.transfer import to_device
 from ..core.tree import draft_scratch_offsets
+from . import sampling
 from .transitions import CycleError, draft_levels
 
 MAX_STOPS = 8  # stop token ids a static cycle compares each committed token with
@@ -65,7 +66,7 @@ class CycleBuffers:
 
     def __init__(self, batch: int, cfg: SpecConfig, table_width: int, hidden: int, hidden_dtype, max_out: int,
                  max_cycles: int, verify_rows: int, device, draft_state: bool = True,
-                 topk_pending: bool = False) -> None:  # fmt: skip
+                 topk_pending: bool = False, vocab: int | None = None) -> None:  # fmt: skip
         long = dict(dtype=torch.long, device=device)
         n, width = cfg.num_draft_tokens, cfg.accept_width
         self.batch, self.config, self.device = batch, cfg, torch.device(device)
@@ -75,6 +76,8 @@ class CycleBuffers:
         # hidden state alone, their top-K pending (`Ready.topk_pending`); its cycles never read a top-K
         self.topk_pending = draft_state and topk_pending and not cfg.drafts
         self.whole_run = False  # whether the loaded requests' pages cover their whole budget (`load`)
+        # ``vocab`` (the target's): the buffers serve sampled requests beside greedy ones (`SampledBuffers`)
+        self.sampling = None if vocab is None else SampledBuffers(batch, cfg, vocab, device)
         self.sets = [
             dict(
                 L=torch.zeros(batch, **long),
@@ -130,11 +133,12 @@ class CycleBuffers:
         """The `Ready` record over set ``parity``."""
         s = self.sets[parity]
         state = (s["topk_p"], s["topk_index"], s["dh"]) if self.draft_state else (None, None, None)
-        if self.topk_pending:
-            state = (None, None, s["dh"])
+        probs = self.sampling.dq[parity] if self.sampling is not None and self.draft_state else None
+        if self.topk_pending:  # no top-K, no q: `first_level` computes both (eagerly) when a shape drafts
+            state, probs = (None, None, s["dh"]), None
         return Ready(config=self.config, requests=tuple(requests), seq_lens=s["L"], root_tokens=s["root"],
-                     topk_p=state[0], topk_index=state[1], draft_hidden=state[2], log=self.log(parity),
-                     topk_pending=self.topk_pending)  # fmt: skip
+                     topk_p=state[0], topk_index=state[1], draft_hidden=state[2], draft_probs=probs,
+                     log=self.log(parity), topk_pending=self.topk_pending)  # fmt: skip
 
     def load(self, ready: Ready, page_table: torch.Tensor, max_new_tokens, stop_ids, columns: int | None = None,
              whole_run: bool = False) -> Ready:  # fmt: skip
@@ -173,7 +177,65 @@ class CycleBuffers:
         self.stops.fill_(-1)
         if stop_ids:
             self.stops[: len(stop_ids)] = to_device(list(stop_ids), self.stops.device)
+        if self.sampling is not None:
+            self.sampling.load(ready, self.draft_state)
         return self.ready(0, ready.requests)
+
+
+class SampledBuffers:
+    """What a cycle of `CycleBuffers` needs to serve sampled requests: each request's parameters as tensors (a
+    greedy request: temperature 0), its seed and its committed count at load (the draws' counter is that count plus
+    the log's length: `statemachine.sampling.stream_keys`), and per set the draft extend's ``q`` of the root's
+    children (`Ready.draft_probs`); the draft's ``q`` of every verify row is built in ``draft_probs``."""
+
+    def __init__(self, batch: int, cfg: SpecConfig, vocab: int, device) -> None:
+        f32, long = dict(dtype=torch.float32, device=device), dict(dtype=torch.long, device=device)
+        self.vocab = vocab
+        self.index = torch.arange(batch, **long)
+        self.sampled = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.temperature, self.top_p, self.min_p = (torch.zeros(batch, **f32) for _ in range(3))
+        self.top_k, self.seed, self.base = (torch.zeros(batch, **long) for _ in range(3))
+        self.dq = [torch.zeros((batch, vocab), **f32) for _ in range(2)]
+        self.draft_probs = torch.zeros((batch, cfg.num_draft_tokens, vocab), **f32)
+
+    def load(self, ready: Ready, draft_state: bool) -> None:
+        """Each request's parameters, seed and committed count, and set 0's ``q`` (padding rows: greedy, zeros)."""
+        requests, n = ready.requests, len(ready.requests)
+        pad = self.index.shape[0] - n
+        params = [r.sampling for r in requests]
+        if any(not p.greedy and p.seed is None for p in params):
+            raise ValueError("a sampled request reached the static executor without a seed: start it from an "
+                             "Admitted record (the prefill gives it one)")  # fmt: skip
+        host = {
+            self.sampled: [not p.greedy for p in params] + [False] * pad,
+            self.temperature: [p.temperature for p in params] + [0.0] * pad,
+            self.top_k: [p.top_k for p in params] + [0] * pad,
+            self.top_p: [p.top_p for p in params] + [1.0] * pad,
+            self.min_p: [p.min_p for p in params] + [0.0] * pad,
+            self.seed: [p.seed or 0 for p in params] + [0] * pad,
+            self.base: [len(r.output) for r in requests] + [0] * pad,
+        }
+        for tensor, values in host.items():
+            tensor.copy_(to_device(values, tensor.device, tensor.dtype))
+        self.dq[0].zero_()
+        if draft_state and ready.draft_probs is not None:
+            self.dq[0][:n].copy_(ready.draft_probs)
+
+    def rows(self, log: OutputLog) -> sampling.SampledRows:
+        """Every request of the buffers as `sampling.SampledRows` (``mask``: which sample), its draws keyed by the
+        committed count of ``log``'s record."""
+        return sampling.SampledRows(index=self.index, temperature=self.temperature, top_k=self.top_k,
+                                    top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                                    counter=self.base + log.lengths, mask=self.sampled)  # fmt: skip
+
+    def full_vocab(self, out: ModelOutput) -> ModelOutput:
+        """A draft's logits over the target vocabulary: a draft vocabulary's (``vocab_map``) scattered into rows of
+        ``-inf``, as the eager draft's forward returns them (sampling draws from ``q`` over the target's)."""
+        if out.vocab_map is None:
+            return out
+        full = out.logits.new_full((out.logits.shape[0], self.vocab), float("-inf"))
+        full.index_copy_(1, out.vocab_map, out.logits)
+        return attrs.evolve(out, logits=full, vocab_map=None)
 
 
 @attrs.define
@@ -198,12 +260,13 @@ class _LevelPorts:
 
     kind, pairing = "forward", "shifted"
 
-    def __init__(self, step, kv_bound: int, page_size: int) -> None:
+    def __init__(self, step, kv_bound: int, page_size: int, sampled: SampledBuffers | None = None) -> None:
         self.draft, self.kv_pool = self, self
-        self._step, self._bound, self.page_size = step, kv_bound, page_size
+        self._step, self._bound, self.page_size, self._sampled = step, kv_bound, page_size, sampled
 
     def step(self, batch: ForwardBatch, parent_hidden) -> ModelOutput:
-        return self._step(batch, parent_hidden, self._bound)
+        out = self._step(batch, parent_hidden, self._bound)
+        return out if self._sampled is None else self._sampled.full_vocab(out)
 
 
 def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) -> ForwardBatch:
@@ -212,11 +275,13 @@ def _batch(rows: dict, table: torch.Tensor, page_size: int, logits_rows=None) ->
 
 # ---- coverage ----------------------------------------------------------------------------------------
 def static_covers(rec, ports) -> bool:
-    """Whether the static forms serve ``rec`` and ``ports``: plain greedy requests (`SamplingParams.plain_greedy`: no
-    logprobs, no history-dependent logits, no grammar (constrained batches run eagerly: their masks come from the
-    host), all speculating) without stop strings, all with the same stop ids (at most `MAX_STOPS`: the log holds
-    one list), no recurrent state, ports that declare static forwards, and a forward draft paired shifted or a
-    lookup draft (its proposals come from the host's token histories before the cycle: `lookup_proposals`)."""
+    """Whether the static forms serve ``rec`` and ``ports``: plain requests, greedy or sampled (`SamplingParams.plain`:
+    no logprobs, no history-dependent logits, no grammar (constrained batches run eagerly: their masks come from the
+    host), all speculating; a sampled one's `Ready` record carries the draft extend's ``q``) without stop strings,
+    all with the same stop ids (at most `MAX_STOPS`: the log holds one list), no recurrent state, ports that declare
+    static forwards, and a forward draft paired shifted or a lookup draft (its proposals come from the host's token
+    histories before the cycle: `lookup_proposals`; sampled requests only in cycles of ``S == 0``, where it proposes
+    nothing). A batch holding a sampled request needs buffers that serve sampling (`CycleBuffers` with ``vocab``)."""
     if static_forwards(ports) is None:
         return False
     if draft_kind(ports) != "lookup" and draft_pairing(ports) != "shifted":
@@ -231,34 +296,58 @@ def static_covers(rec, ports) -> bool:
     stops = {frozenset(r.sampling.stop_token_ids) for r in rec.requests}
     if len(stops) > 1 or any(len(s) > MAX_STOPS for s in stops):
         return False
-    return all(r.sampling.plain_greedy and not r.sampling.stop_strings for r in rec.requests)
+    if not all(r.sampling.plain and not r.sampling.stop_strings for r in rec.requests):
+        return False
+    sampled = any(not r.sampling.greedy for r in rec.requests)
+    if sampled and draft_kind(ports) == "lookup" and rec.config.drafts:  # sampled lookup proposals: eager only
+        return False
+    # sampled requests of a forward draft draw their depth-1 children from the extend's q (`Ready.draft_probs`)
+    return not (sampled and isinstance(rec, Ready) and rec.topk_p is not None and rec.draft_probs is None)
 
 
 # ---- draft -------------------------------------------------------------------------------------------
 def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted:
-    """`transitions.draft_tree`, greedy, over the buffers: one slot lookup for the verify rows and the draft scratch
-    (-1 for a finished request), the ``S - 1`` levels (`transitions.draft_levels`), a tree's rerank to ``N``."""
+    """`transitions.draft_tree` over the buffers: one slot lookup for the verify rows and the draft scratch (-1 for a
+    finished request), the ``S - 1`` levels (`transitions.draft_levels`), a tree's rerank to ``N``. Buffers that
+    serve sampled requests (`SampledBuffers`) draw every request's children and lay out every tree both ways: a
+    sampled request takes its draws and its level-order tree, with padding where its draft ran out of mass, and
+    the ``q`` of each verify row; a greedy one its top-K and rerank (`torch.where` per request)."""
     cfg, buf = rec.config, ctx.buffers
     S, K, N, P = cfg.num_steps, cfg.topk, cfg.num_draft_tokens, ports.kv_pool.page_size
-    B, L = buf.batch, rec.seq_lens
+    B, L, sampled = buf.batch, rec.seq_lens, buf.sampling
     slots = ctx.ops.cycle_slots(buf.table, L, rec.log.done, buf.slot_offsets, P)  # [B, N + (S - 1) K]
     verify_slots, draft_slots = slots[:, :N], slots[:, N:].view(B, max(S - 1, 0), K)
     if S == 0:  # the root alone: a plain decode step (the draft extend keeps the draft's state current)
         tree = DraftTree(tokens=rec.root_tokens[:, None], parents=buf.chain_parents, depths=buf.chain_depths)
+        probs = None if sampled is None or rec.draft_probs is None else rec.draft_probs[:, None]
         return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=tree, verify_slots=verify_slots,
-                       draft_slots=draft_slots, draft_positions=buf.no_positions, log=rec.log)  # fmt: skip
-    levels = _LevelPorts(ctx.forwards.step, ctx.kv_bound, P)
-    cands, scores, cand_parents, positions = draft_levels(
-        levels, backend, cfg, (), L, buf.table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden
+                       draft_slots=draft_slots, draft_positions=buf.no_positions, draft_probs=probs,
+                       log=rec.log)  # fmt: skip
+    levels = _LevelPorts(ctx.forwards.step, ctx.kv_bound, P, sampled)
+    rows = probs = None
+    if sampled is not None:  # q of every verify row: the root's from the draft extend, the others' drawn here
+        rows, probs = sampled.rows(rec.log), sampled.draft_probs
+        probs.zero_()
+        probs[:, 0].copy_(rec.draft_probs)
+    cands, cand_scores, cand_parents, positions = draft_levels(
+        levels, backend, cfg, (), L, buf.table, draft_slots, rec.topk_p, rec.topk_index, rec.draft_hidden, rows, probs
     )
+    padding = None
     if K == 1:
-        tree = DraftTree(tokens=torch.cat([rec.root_tokens[:, None], cands], 1), parents=buf.chain_parents,
-                         depths=buf.chain_depths)  # fmt: skip
+        tokens = torch.cat([rec.root_tokens[:, None], cands], 1)
+        parents, depths, scores = buf.chain_parents, buf.chain_depths, None
     else:  # EAGLE-2 rerank to N rows; the depths stay implicit (the verify's row op derives them)
-        tokens, parents, scores = backend.rerank_tree(rec.root_tokens, cands, scores, cand_parents, N)
-        tree = DraftTree(tokens=tokens, parents=parents, depths=None, scores=scores)
+        tokens, parents, scores = backend.rerank_tree(rec.root_tokens, cands, cand_scores, cand_parents, N)
+        depths = None
+        if sampled is not None:  # sampled requests: level order, never reranked (`sampling.level_order_tree`)
+            level = sampling.level_order_tree(rec.root_tokens, cands, cand_scores, cand_parents, N)
+            on = sampled.sampled[:, None]
+            tokens, parents, scores = (torch.where(on, s, g) for s, g in zip(level, (tokens, parents, scores)))
+    if sampled is not None:  # a draft that ran out of mass left -1: padding rows, never accepted
+        padding, tokens = tokens < 0, tokens.clamp(min=0)
+    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding)
     return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=tree, verify_slots=verify_slots,
-                   draft_slots=draft_slots, draft_positions=positions, log=rec.log)  # fmt: skip
+                   draft_slots=draft_slots, draft_positions=positions, draft_probs=probs, log=rec.log)  # fmt: skip
 
 
 def lookup_proposals(rec: Ready, ports, buffers: CycleBuffers) -> None:
@@ -370,6 +459,8 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
     # the vocabulary argmax the decode step takes (ties included): what the verify row commits
     predict = backend.greedy_predict(out.logits[: B * N]).view(B, N)
     walk = predict if ctx.walk is None else ctx.walk(rec, tokens, parents, predict)
+    if buf.sampling is not None:
+        predict, walk = _sampled_walk(rec, out.logits[: B * N], predict, walk, backend, buf.sampling)
     ctx.rows, ctx.walked = RowOutputs(predict=predict.view(-1), hidden=out.hidden), walk
     log, nxt = rec.log, buf.sets[ctx.into]
     cur = dict(L=L, done=log.done, out_len=log.lengths, cycle=log.cycle)
@@ -387,6 +478,31 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
                         prefix_lens=ext["prefix_lens"], logits_rows=ext["last"])  # fmt: skip
     return Compacted(config=cfg, requests=rec.requests, seq_lens=nxt["L"], root_tokens=nxt["root"], extend=extend,
                      kv_moves=moves, log=buf.log(ctx.into))  # fmt: skip
+
+
+def _sampled_walk(rec: Drafted, logits, predict, walk, backend, sampled: SampledBuffers):
+    """The sampled requests' verify (`sampling.verify_sampled`, every request of the buffers) as the predictions
+    and the walk `accept_commit` takes. Along its accepted path a sampled request predicts the tokens it commits
+    (each accepted child's, then the final sample at the path's last row); its walk is those predictions with -1
+    at the last row and off the path, so the greedy walk follows exactly its accepted path (each accepted child
+    is the first sibling with its token: siblings are distinct draws, padding comes after them) and stops there.
+    A greedy request keeps its own predictions and walk. Shapes: ``[B, N]`` each."""
+    cfg = rec.config
+    B, N = predict.shape
+    greedy_index = torch.zeros((B, cfg.accept_width), dtype=torch.long, device=predict.device)
+    accept_index, accept_len, merged, _ = sampling.verify_sampled(
+        sampled.rows(rec.log), rec.tree, rec.draft_probs, logits, cfg.accept_width, cfg.is_chain, greedy_index,
+        torch.ones(B, dtype=torch.long, device=predict.device), predict.reshape(-1), backend,
+    )  # fmt: skip
+    merged = merged.view(B, N)
+    base = sampled.index[:, None] * N
+    last = accept_index.gather(1, (accept_len - 1).clamp(min=0)[:, None]) - base  # [B, 1]: the path's last row
+    rows = torch.arange(N, device=predict.device)[None, :]
+    on = sampled.sampled[:, None]
+    walk = torch.where(on, torch.where(rows == last, -1, merged), walk)
+    # off its path a sampled request predicts -1: the argmax there instead (the extend's rows past the committed run
+    # still feed the draft a token, which nothing reads)
+    return torch.where(merged >= 0, merged, predict), walk
 
 
 def _move_padded(buffers, src: torch.Tensor, dst: torch.Tensor, per_request: int) -> None:
@@ -415,11 +531,19 @@ def draft_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> R
                 out_slots=ext.out_slots, prefix_lens=ext.prefix_lens, extra_slots=buf.no_extra)  # fmt: skip
     batch = _batch(rows, buf.table, ports.kv_pool.page_size, ext.logits_rows)
     out = ctx.forwards.extend(batch, ext.hidden, ctx.kv_bound)
-    nxt = buf.sets[ctx.into]
+    nxt, sampled, probs = buf.sets[ctx.into], buf.sampling, None
+    if sampled is not None:
+        out = sampled.full_vocab(out)
     backend.select_topk(out.logits, cfg.topk, out.vocab_map, out=(nxt["topk_p"], nxt["topk_index"]))
+    if sampled is not None:  # sampled requests draw their depth-1 children from q, without replacement
+        probs = sampled.dq[ctx.into]
+        drawn = sampling.draw_children(sampled.rows(rec.log), out.logits, 1, nxt["topk_p"], nxt["topk_index"], 0,
+                                       backend)  # fmt: skip
+        for target, value in zip((nxt["topk_p"], nxt["topk_index"], probs), drawn):
+            target.copy_(value)
     torch.index_select(out.hidden, 0, ext.logits_rows, out=nxt["dh"])
     return Ready(config=cfg, requests=rec.requests, seq_lens=rec.seq_lens, root_tokens=rec.root_tokens,
-                 topk_p=nxt["topk_p"], topk_index=nxt["topk_index"], draft_hidden=nxt["dh"],
+                 topk_p=nxt["topk_p"], topk_index=nxt["topk_index"], draft_hidden=nxt["dh"], draft_probs=probs,
                  log=rec.log)  # fmt: skip
 
 

@@ -193,13 +193,15 @@ class FusedCycles:
         return predict
 
     # ---- the loop -----------------------------------------------------------------------------
-    def _batch(self, batch: int, cfg: SpecConfig | None = None, ports: Ports | None = None) -> _Batch:
+    def _batch(self, batch: int, cfg: SpecConfig | None = None, ports: Ports | None = None,
+               sampled: bool = False) -> _Batch:  # fmt: skip
         """The buffers and graphs of ``batch`` requests in shape ``cfg`` over ``ports`` (None: the built config and
-        these cycles' own ports)."""
+        these cycles' own ports); ``sampled``: buffers (and graphs) that serve sampled requests beside greedy ones,
+        kept apart from the greedy ones so an all-greedy batch runs no sampling work."""
         cfg, ports = cfg or self.spec, ports or self.ports
         # whether the records carry a forward draft's state (top-K, hidden): not a lookup draft's (n-gram, `ZeroDraft`)
         state = ports.draft is self.draft and draft_kind(ports) == "forward"
-        key = (batch, cfg, ports.draft is self.draft, defers_first_level(ports))
+        key = (batch, cfg, ports.draft is self.draft, defers_first_level(ports), sampled)
         if key not in self._batches:
             hidden, dtype = (self.draft.head.config.hidden_size, self.draft.head.dtype) if state else (0, torch.float32)
             rows = batch * cfg.num_draft_tokens
@@ -207,7 +209,7 @@ class FusedCycles:
                 batch, cfg, self.table_width, hidden, dtype,
                 self.options.max_decode_steps + cfg.num_draft_tokens + 1, self.options.max_decode_steps + LOOKAHEAD + 1,
                 bucket(max(rows, self.options.min_target_rows)) or rows, self.device, draft_state=state,
-                topk_pending=key[3],
+                topk_pending=key[3], vocab=self.target.vocab_size if sampled else None,
             )  # fmt: skip
             self._batches[key] = _Batch(buffers, self.device, ports)
         return self._batches[key]
@@ -268,7 +270,7 @@ class FusedCycles:
         lens = ready.seq_lens.tolist()
         for r, length in zip(requests, lens):  # the run's pages at once: L grows by the remaining budget at most
             self.pool.allocate(r.request_id, length + max_new_tokens - len(r.output) + self.spec.reserve_len() + 1)
-        bt = self._batch(B)
+        bt = self._batch(B, sampled=_sampled(requests))
         bt.buffers.load(ready, self.pool.page_table(ids), max_new_tokens, stops, whole_run=True)
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
@@ -347,7 +349,8 @@ class FusedCycles:
             raise ValueError(f"a fused cycle takes up to {MAX_STOPS} stop token ids, got {len(stops)}")
         reserve(self.pool, ids, [length + cfg.reserve_len() for length in lens])
         limits = [r.sampling.max_new_tokens for r in requests]
-        bt = self._batch(1 << (len(requests) - 1).bit_length(), cfg, ports)  # a power of two: one graph a bucket
+        bucket_size = 1 << (len(requests) - 1).bit_length()  # a power of two: one graph a bucket (two: `_batch`)
+        bt = self._batch(bucket_size, cfg, ports, _sampled(requests))
         bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=cfg.accept_width)
         # the first row's host step (a lookup draft's proposals), before the cycle and outside its graph
         self.executor(ports).prepare(bt.buffers.ready(0, requests), bt.buffers)
@@ -488,6 +491,11 @@ class FusedCycles:
             self.replays += i + 1 if max_cycles else 0
             self.host_s, self.wait_s, self.launch_s = self.host_s + host, self.wait_s + wait, self.launch_s + launch
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _sampled(requests) -> bool:
+    """Whether a batch holds a sampled request (it runs on buffers and graphs that serve sampling)."""
+    return any(not r.sampling.greedy for r in requests)
 
 
 def _with_requests(boundary: Boundary, requests) -> Boundary:
