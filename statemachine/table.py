@@ -265,10 +265,11 @@ FUSIONS: tuple[Fusion, ...] = (
         module="speccycle.backends.cuda.cycle",
         doc="After the verify forward: the greedy walk, the cut at stop tokens and max_new_tokens, the bonus, "
         "the commit to an output log, a tree's KV moves (planned; move_kv runs them), the draft extend's rows, "
-        "and the done flags (the requests finish from them when the log is read back). Greedy requests with one "
-        "stop list and no stop strings, logprobs, grammar or history-dependent logits, every request speculating, "
-        "no recurrent state, a forward draft paired shifted or a lookup draft (its proposals from the draft row's host "
-        "step).",
+        "and the done flags (the requests finish from them when the log is read back). Greedy or sampled "
+        "requests (a sampled request's verify runs first, as the row's sampling ops, and the walk follows its "
+        "accepted path) with one stop list and no stop strings, logprobs, grammar or history-dependent logits, "
+        "every request speculating, no recurrent state, a forward draft paired shifted or a lookup draft (its "
+        "proposals from the draft row's host step; sampled requests only in cycles of S == 0).",
         static=sr.accept_commit_static,
         covers=sr.static_covers,
     ),

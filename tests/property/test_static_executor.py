@@ -1,7 +1,8 @@
 """The static executor (`statemachine.static`) against the eager table, on the real model, in checked mode.
 
-Random configs (S 0..5, K 1..3, N within bounds), batches of one to three prompts, a token budget that cuts
-runs mid-cycle and stop tokens drawn from the reply: the executor runs the fused cycles on a CPU (the graphed
+Random configs (S 0..5, K 1..3, N within bounds), batches of one to three prompts, each greedy or sampled
+(temperature, top-k, top-p, a seed), a token budget that cuts runs mid-cycle and stop tokens drawn from the
+reply: the executor runs the fused cycles on a CPU (the graphed
 executor's rows, eagerly), with every boundary of every cycle validated (`StaticExecutor.check`), and the
 eager table (`runner.generate`, checked) runs the same batch. Held equal: every request's output and finish
 reason, the committed count of every cycle, and the pages (all back in the pool). The steps the executor ran
@@ -65,9 +66,28 @@ def configs(draw) -> SpecConfig:
     return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n, page_size=16)
 
 
-def _requests(engine, count: int, max_new: int, stops: tuple[int, ...]) -> list[Request]:
-    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=stops)
-    return [Request(1000 + i, tuple(engine.chat_prompt(m)), params) for i, m in enumerate(MESSAGES[:count])]
+def _requests(engine, count: int, max_new: int, stops: tuple[int, ...], sampled=()) -> list[Request]:
+    """``sampled``: per request, None (greedy) or ``(temperature, top_k, top_p, seed)``."""
+    base = SamplingParams(max_new_tokens=max_new, stop_token_ids=stops)
+    out = []
+    for i, m in enumerate(MESSAGES[:count]):
+        draw = sampled[i] if i < len(sampled) else None
+        params = base
+        if draw is not None:
+            temperature, top_k, top_p, seed = draw
+            params = attrs.evolve(base, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        out.append(Request(1000 + i, tuple(engine.chat_prompt(m)), params))
+    return out
+
+
+# a request's sampling: greedy, or a temperature with top-k and top-p (top-k 2 often leaves a tree's node fewer
+# children than K: padding) and its seed
+SAMPLING = st.one_of(
+    st.none(),
+    st.tuples(
+        st.sampled_from([0.6, 1.0]), st.sampled_from([0, 2, 20]), st.sampled_from([1.0, 0.8]), st.integers(0, 2**40)
+    ),
+)
 
 
 def _eager(engine, config, requests, draft=None):
@@ -111,14 +131,23 @@ def _fused(engine, config, draft=None) -> FusedCycles:
 @settings(
     max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-@given(config=configs(), count=st.integers(1, 3), max_new=st.integers(1, 14), stop_at=st.integers(-1, 12))
-def test_the_static_executor_commits_what_the_table_commits(engine, config, count, max_new, stop_at):
+@given(
+    config=configs(),
+    count=st.integers(1, 3),
+    max_new=st.integers(1, 14),
+    stop_at=st.integers(-1, 12),
+    sampled=st.lists(SAMPLING, min_size=3, max_size=3),
+)
+def test_the_static_executor_commits_what_the_table_commits(engine, config, count, max_new, stop_at, sampled):
+    """Greedy, sampled and mixed batches: a sampled request draws the same numbers on both executors (its seed and
+    committed count key them), so it commits the same tokens too."""
     free = engine.pool.num_free_pages
     ar = engine.generate_autoregressive([engine.chat_prompt(MESSAGES[0])], 14)[0]
     stops = (ar[stop_at],) if stop_at >= 0 else ()  # a token the first reply reaches: its run is cut there
-    ref, ref_counts = _eager(engine, config, _requests(engine, count, max_new, stops))
+    ref, ref_counts = _eager(engine, config, _requests(engine, count, max_new, stops, sampled))
     assert engine.pool.num_free_pages == free
-    got, got_counts, run = _static(engine, config, _requests(engine, count, max_new, stops), _fused(engine, config))
+    fused = _fused(engine, config)
+    got, got_counts, run = _static(engine, config, _requests(engine, count, max_new, stops, sampled), fused)
     assert engine.pool.num_free_pages == free
     for g, r in zip(got, ref):
         assert (g.output, g.finish_reason) == (r.output, r.finish_reason)

@@ -407,3 +407,38 @@ def test_ngram_cycles_are_captured_and_lossless_on_cuda(model_path, name):
         stats = scheduler.stats
         assert stats.fused_cycles == stats.spec_cycles > 0 and stats.pipelined_cycles == 0
     assert engine.pool.num_free_pages == free
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(engines, name):
+    """A mixed batch (sampled requests with temperature, top-k, top-p and their seeds beside greedy ones) runs as the
+    captured cycle (`FusedCycles.covers` it), checked at every boundary, and unchecked, where a batch nothing joins
+    goes on from the device's state (`FusedCycles.launch_next`): every output equals the eager scheduler's (the same
+    requests without the fused cycles) token for token, the greedy one the autoregressive one; every cycle ran as
+    the captured one, the sampled batches on buffers of their own."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    engine = engines[name]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.",)]
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, seed=7),
+        SamplingParams(max_new_tokens=4),
+        SamplingParams(max_new_tokens=9, temperature=1.0, top_p=0.9, seed=11),
+    ]
+    free = engine.pool.num_free_pages
+    outputs = {}
+    for mode in ("checked", "pipelined", "eager"):
+        kwargs = {"fused_cycles": None} if mode == "eager" else {}
+        scheduler = Scheduler.from_engine(engine, checked=mode == "checked", max_batch_size=2, **kwargs)
+        ids = [scheduler.submit(p, sp) for p, sp in zip(prompts, params)]
+        scheduler.run()
+        outputs[mode] = [list(scheduler.finished[i].output) for i in ids]
+        stats = scheduler.stats
+        fused = 0 if mode == "eager" else stats.spec_cycles + stats.plain_cycles
+        assert stats.fused_cycles == fused and stats.tau > 1.0
+        assert (stats.pipelined_cycles > 0) == (mode == "pipelined")
+    assert outputs["checked"] == outputs["pipelined"] == outputs["eager"]
+    assert outputs["eager"][1] == engine.generate_autoregressive([prompts[1]], 4)[0]
+    assert {key[3] for key in engine.fused_cycles._batches} >= {True}
+    assert engine.pool.num_free_pages == free
