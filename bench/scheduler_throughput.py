@@ -12,7 +12,10 @@ once per mode:
   included, as one long-running server's would (its measurements carry over).
 
 Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
-``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. Warm-up runs
+``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. ``--sampled``: the
+share of requests that sample (every ``1/share``-th one, temperature 0.7, top-p 0.95, seeded by its index), so
+greedy and sampled requests share batches; a sampled request's output depends on the draft, so only the greedy
+ones count toward ``identical_to_ar`` (``greedy_requests``). Warm-up runs
 of every mode at every batch size and power of two below precede the timed ones (compilation, graph capture).
 
     python -m bench.scheduler_throughput --device cuda --dtype bfloat16 --draft eagle --fast \
@@ -47,6 +50,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def params_of(i: int, new_tokens: int, sampled: float) -> SamplingParams:
+    """Request ``i``'s parameters: greedy, or (every ``1 / sampled``-th request) temperature 0.7, top-p 0.95."""
+    if sampled > 0 and i % round(1 / sampled) == 0:
+        return SamplingParams(max_new_tokens=new_tokens, temperature=0.7, top_p=0.95, seed=1000 + i)
+    return SamplingParams(max_new_tokens=new_tokens)
+
+
 def run_mode(
     engine: Engine,
     mode: str,
@@ -57,18 +67,22 @@ def run_mode(
     prefill: int | None,
     per_client: int = 1,
     controller: ShapeController | None = None,
+    sampled: float = 0.0,
 ) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
     scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
-    params = SamplingParams(max_new_tokens=new_tokens)
     total = max(bs * per_client, MIN_REQUESTS if per_client > 1 else 0)
+
+    def submit(i: int) -> int:
+        return scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled))
+
     _sync(device)
     start = time.perf_counter()
-    ids = [scheduler.submit(prompts[i % len(prompts)], params) for i in range(bs)]
+    ids = [submit(i) for i in range(bs)]
     while not scheduler.idle:  # closed loop: a client submits its next request when its last one finishes
         for _ in scheduler.step():
             if len(ids) < total:
-                ids.append(scheduler.submit(prompts[len(ids) % len(prompts)], params))
+                ids.append(submit(len(ids)))
     _sync(device)
     seconds = time.perf_counter() - start
     outputs = [list(scheduler.finished[rid].output) for rid in ids]
@@ -95,6 +109,7 @@ def run_mode(
             "other": round(stats.seconds - stats.prefill_seconds - stats.cycle_seconds, 4),
         },
         "outputs": outputs,
+        "greedy": [params_of(i, new_tokens, sampled).greedy for i in range(len(ids))],
     }
 
 
@@ -150,7 +165,10 @@ def main() -> None:
         help="the Llama-3-8B shape with random bfloat16 weights and a random EAGLE-3 head on CUDA, the verify's walk "
         "forced to accept tau rows a cycle (bench.forced); outputs are then not comparable with ar's",
     )  # fmt: skip
+    parser.add_argument("--sampled", type=float, default=0.0, help="share of sampled requests (module docstring)")
     args = parser.parse_args()
+    if not 0.0 <= args.sampled <= 1.0:
+        raise SystemExit(f"--sampled is a share of the requests in [0, 1], got {args.sampled}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -191,7 +209,8 @@ def main() -> None:
     controller = ShapeController(AdaptiveSpeculation(), spec)  # one for every adaptive run, warm-up included
     for mode in modes:
         for bs in warm:
-            run_mode(engine, mode, prompts, bs, 8, args.device, args.max_prefill_tokens, controller=controller)
+            run_mode(engine, mode, prompts, bs, 8, args.device, args.max_prefill_tokens, controller=controller,
+                     sampled=args.sampled)  # fmt: skip
 
     rows = []
     for bs in batch_sizes:
@@ -199,7 +218,7 @@ def main() -> None:
             for mode in modes:
                 run_mode(
                     engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens,
-                    args.requests_per_client, controller,
+                    args.requests_per_client, controller, args.sampled,
                 )  # fmt: skip
         results = {
             mode: run_mode(
@@ -212,6 +231,7 @@ def main() -> None:
                 args.max_prefill_tokens,
                 args.requests_per_client,
                 controller,
+                args.sampled,
             )  # fmt: skip
             for mode in modes
         }
@@ -219,12 +239,14 @@ def main() -> None:
         row = {"batch_size": bs}
         for mode, r in results.items():
             outputs = ar_outputs if mode == "ar" else r.pop("outputs")
-            r["identical_to_ar"] = sum(a == b for a, b in zip(outputs, ar_outputs))
+            greedy = r.pop("greedy")
+            r["greedy_requests"] = sum(greedy)
+            r["identical_to_ar"] = sum(a == b for a, b, g in zip(outputs, ar_outputs, greedy) if g)
             if mode != "ar":
                 r["speedup_vs_ar"] = round(r["tokens_per_s"] / results["ar"]["tokens_per_s"], 3)
             row[mode] = r
         rows.append(row)
-        n = results["ar"]["requests"]
+        n = results["ar"]["greedy_requests"]
         print(
             f"bs={bs:>3} "
             + " ".join(f"{m}={row[m]['tokens_per_s']:.1f}tok/s" for m in modes)
@@ -245,6 +267,7 @@ def main() -> None:
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
         "max_prefill_tokens": args.max_prefill_tokens,
+        "sampled": args.sampled,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "num_prompts": len(prompts),
         "adaptive_policy": {
