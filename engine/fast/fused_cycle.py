@@ -26,8 +26,11 @@ the batch into the buffers of its power-of-two bucket (padding rows finished fro
 commits back; the requests that finished leave through the table's ``Ready --retire--> Ready`` row. A lookup
 draft's proposals come from the draft row's host step (`statemachine.static.StaticExecutor.prepare`: the
 requests' token histories are on the host), run before each cycle outside its graph, so its cycles run one
-`step` at a time, in `run` too. On a CPU (tests) the same executor runs eagerly. A request whose logits turn
-non-finite inside a captured cycle is not errored there (the eager verify errors it): the cycle commits the
+`step` at a time, in `run` too. The scheduler's batches may hold sampled requests (temperature, top-k, top-p,
+min-p) beside greedy ones: a batch with a sampled request runs on buffers and graphs of its own that draw, lay
+out and verify per request (`static_rows.SampledBuffers`, docs/sampling.md), and an all-greedy batch on the
+greedy ones, which do none of that work. On a CPU (tests) the same executor runs eagerly. A request whose logits
+turn non-finite inside a captured cycle is not errored there (the eager verify errors it): the cycle commits the
 argmax of its rows.
 Tested: tests/unit/test_fused_cycle.py (the engine's autoregressive output, the table's accept lengths),
 tests/property/test_static_executor.py (random configs in checked mode against the eager table).
@@ -146,7 +149,9 @@ class FusedCycles:
     def serves(self, draft, sampling, stop_token_ids=()) -> bool:
         """Whether a `generate` call can run as these fused cycles: greedy without logprobs or stop strings, at
         most `MAX_STOPS` stop token ids, and the engine's draft is the fast EAGLE draft they were built over
-        (`fast.path.accelerate` builds them for one). What the table's `accept_commit` fusion covers."""
+        (`fast.path.accelerate` builds them for one). What the table's `accept_commit` fusion covers, less sampled
+        calls: `run` serves them (tests/property/test_static_executor.py runs it so) but `generate` keeps them on
+        the table for now (docs/sampling.md)."""
         plain = sampling is None or (sampling.plain_greedy and not sampling.stop_strings)
         return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
 
@@ -154,9 +159,9 @@ class FusedCycles:
         """Whether `step` serves a `Ready` batch over ``ports`` (None: these cycles' own, the fast EAGLE draft): a
         shape of the built config's family (any ``S`` and ``N``, the same ``K`` and page size: the draft state's
         width; `batching.reshape` moves a batch between shapes), and what the table's fusion covers
-        (`static_rows.static_covers`: greedy, one stop list, no stop strings or logprobs; a forward draft paired
-        shifted or a lookup draft: n-gram, or the scheduler's no-draft `ZeroDraft`). A step's log holds one cycle,
-        so any ``max_new_tokens`` fits."""
+        (`static_rows.static_covers`: greedy or plainly sampled, one stop list, no stop strings or logprobs; a forward
+        draft paired shifted or a lookup draft: n-gram (greedy), or the scheduler's no-draft `ZeroDraft`). A step's
+        log holds one cycle, so any ``max_new_tokens`` fits."""
         ports = self.ports if ports is None else ports
         if ports.target is not self.target or ports.kv_pool is not self.pool:
             return False
