@@ -224,7 +224,8 @@ class FusedCycles:
         # committed, every read stays inside the loaded page table. The state is put back afterwards.
         buffers = bt.buffers
         saved_sets = [{k: v.clone() for k, v in s.items()} for s in buffers.sets]
-        saved_logs = [t.clone() for t in (buffers.out, buffers.hist)]
+        logs = (buffers.out, buffers.hist) + (tuple(buffers.sampling.dq) if buffers.sampling is not None else ())
+        saved_logs = [t.clone() for t in logs]  # with a sampled batch's draft q, which the cycle writes too
         for s in buffers.sets:
             s["done"].fill_(True)
         stream = torch.cuda.Stream(self.device)
@@ -238,7 +239,7 @@ class FusedCycles:
         for s, values in zip(buffers.sets, saved_sets):
             for k, v in values.items():
                 s[k].copy_(v)
-        for t, v in zip((buffers.out, buffers.hist), saved_logs):
+        for t, v in zip(logs, saved_logs):
             t.copy_(v)
         return graph
 

@@ -653,9 +653,10 @@ def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, 
 )
 def test_the_captured_cycle_serves_sampled_and_greedy_requests_in_one_batch(weights, spec):
     """`FusedCycles.step` under CUDA graphs with sampled requests (temperature, top-k, top-p, seeds) beside greedy
-    ones: the scheduler's outputs equal the eager table's (the same scheduler without the fused cycles) token for
-    token, the greedy ones are the autoregressive ones, checked at every boundary of every replay; the sampled
-    batches ran on graphs of their own, the greedy batch left at the end on the greedy ones."""
+    ones, checked at every boundary of every replay, and unchecked and pipelined (`FusedCycles.launch_next`): the
+    scheduler's outputs equal the eager table's (the same scheduler without the fused cycles) token for token, the
+    greedy ones are the autoregressive ones; the sampled batches ran on graphs of their own, the greedy request
+    left alone at the end on the greedy ones."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
@@ -664,23 +665,23 @@ def test_the_captured_cycle_serves_sampled_and_greedy_requests_in_one_batch(weig
         SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=5),
         SamplingParams(max_new_tokens=6),
         SamplingParams(max_new_tokens=9, temperature=1.0, top_p=0.9, seed=6),
-        SamplingParams(max_new_tokens=14),
+        SamplingParams(max_new_tokens=24),
     ]
     model = LlamaModel(TINY, weights, device="cuda")
     pool = PagedKVPool(num_pages=256, page_size=spec.page_size, device="cuda")
     head = EagleHead.random(EagleConfig.for_target(TINY, 1), seed=3, device="cuda")
     engine = Engine(model, pool, lambda e: EagleDraft(head, model, pool), spec, fast=True)
     outputs = {}
-    for fused in (True, False):
-        kwargs = {} if fused else {"fused_cycles": None}
-        scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3, **kwargs)
+    for mode in ("checked", "pipelined", "eager"):
+        kwargs = {"fused_cycles": None} if mode == "eager" else {}
+        scheduler = Scheduler.from_engine(engine, checked=mode == "checked", max_batch_size=3, **kwargs)
         ids = [scheduler.submit(p, sp) for p, sp in zip(prompts, params)]
         scheduler.run()
-        outputs[fused] = [list(scheduler.finished[i].output) for i in ids]
-        assert (scheduler.stats.fused_cycles > 0) == fused
-    assert outputs[True] == outputs[False]
+        outputs[mode] = [list(scheduler.finished[i].output) for i in ids]
+        assert (scheduler.stats.fused_cycles > 0) == (mode != "eager")
+    assert outputs["checked"] == outputs["pipelined"] == outputs["eager"]
     for b in (1, 3):
-        assert outputs[True][b] == engine.generate_autoregressive([prompts[b]], params[b].max_new_tokens)[0]
+        assert outputs["eager"][b] == engine.generate_autoregressive([prompts[b]], params[b].max_new_tokens)[0]
     fused = engine.fused_cycles
     assert fused.use_graphs and fused.replays > 0
     assert {key[3] for key in fused._batches} == {True, False}  # sampled batches, then the greedy one alone
