@@ -552,13 +552,13 @@ def _check_compaction(source: Accepted, result: Compacted) -> None:
 def _check_sampled_walk(b: int, source: Drafted, walk: torch.Tensor, predict: torch.Tensor, path: list[int]) -> None:
     """A sampled request's walk in a fused verify (`static_rows._sampled_walk`): its predictions along the sampled
     verify's path are its committed tokens (the accepted children, then the final sample at the path's last row),
-    its walk those with -1 at the last row and off the path; each accepted child is a real row its parent's ``q`` could
-    have drawn (``q > 0``, invariant 11)."""
+    its walk those with -2 (no token) at the last row and off the path; each accepted child is a real row its
+    parent's ``q`` could have drawn (``q > 0``, invariant 11)."""
     tree = source.tree
     N = tree.tokens.shape[1]
     rows = [f - b * N for f in path]
     last = rows[-1]
-    want = torch.full((N,), -1, dtype=torch.long)
+    want = torch.full((N,), -2, dtype=torch.long)
     for d, row in enumerate(rows[:-1]):
         want[row] = int(tree.tokens[b, rows[d + 1]])
     who = f"request {b} (sampled)"

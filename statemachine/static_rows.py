@@ -483,7 +483,7 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
 def _sampled_walk(rec: Drafted, logits, predict, walk, backend, sampled: SampledBuffers):
     """The sampled requests' verify (`sampling.verify_sampled`, every request of the buffers) as the predictions
     and the walk `accept_commit` takes. Along its accepted path a sampled request predicts the tokens it commits
-    (each accepted child's, then the final sample at the path's last row); its walk is those predictions with -1
+    (each accepted child's, then the final sample at the path's last row); its walk is those predictions with -2
     at the last row and off the path, so the greedy walk follows exactly its accepted path (each accepted child
     is the first sibling with its token: siblings are distinct draws, padding comes after them) and stops there.
     A greedy request keeps its own predictions and walk. Shapes: ``[B, N]`` each."""
@@ -499,7 +499,8 @@ def _sampled_walk(rec: Drafted, logits, predict, walk, backend, sampled: Sampled
     last = accept_index.gather(1, (accept_len - 1).clamp(min=0)[:, None]) - base  # [B, 1]: the path's last row
     rows = torch.arange(N, device=predict.device)[None, :]
     on = sampled.sampled[:, None]
-    walk = torch.where(on, torch.where(rows == last, -1, merged), walk)
+    # -2 stops the walk: no token equals it, neither a real one nor a placeholder row's -1 (`accept_commit_static`)
+    walk = torch.where(on, torch.where((rows == last) | (merged < 0), -2, merged), walk)
     # off its path a sampled request predicts -1: the argmax there instead (the extend's rows past the committed run
     # still feed the draft a token, which nothing reads)
     return torch.where(merged >= 0, merged, predict), walk
