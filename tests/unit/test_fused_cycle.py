@@ -440,5 +440,5 @@ def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(
         assert (stats.pipelined_cycles > 0) == (mode == "pipelined")
     assert outputs["checked"] == outputs["pipelined"] == outputs["eager"]
     assert outputs["eager"][1] == engine.generate_autoregressive([prompts[1]], 4)[0]
-    assert {key[3] for key in engine.fused_cycles._batches} >= {True}
+    assert any(bt.buffers.sampling is not None for bt in engine.fused_cycles._batches.values())
     assert engine.pool.num_free_pages == free
