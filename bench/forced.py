@@ -64,7 +64,8 @@ class ForcedFusedCycles(FusedCycles):
 
     The walk follows each tree's first-child path for ``a`` rows whatever the target predicted (`forced_walk`,
     inside the cycle's graph); the cycle's accept lengths sit in a static buffer per batch size, indexed by the
-    cycle counter the graph holds.
+    cycle counter the graph holds. A scheduler reloads its batch (the counter back to 0) whenever it changes, so
+    under a scheduler only an integer ``tau`` is forced exactly (each reload starts the sequence again).
     """
 
     def __init__(self, target, draft, pool, spec, options, tau: float) -> None:

@@ -202,6 +202,26 @@ def materialize(record, stop_ids: Sequence[int], width: int | None = None, copy:
     )
 
 
+def snapshot_state(record: Ready) -> Ready:
+    """The record with its state (lengths, roots, the draft's first level) cloned off the buffers now, its log as
+    it is: enqueued right after a cycle, the copies hold that cycle's state whatever the buffers hold later (a
+    reload of the same buffers by another caller before the cycle is collected)."""
+    n = len(record.requests)
+
+    def rows(t):
+        return None if t is None else t[:n].clone()
+
+    return attrs.evolve(
+        record,
+        seq_lens=rows(record.seq_lens),
+        root_tokens=rows(record.root_tokens),
+        topk_p=rows(record.topk_p),
+        topk_index=rows(record.topk_index),
+        draft_hidden=rows(record.draft_hidden),
+        draft_probs=rows(record.draft_probs),
+    )
+
+
 def materialize_ready(
     record: Ready, stop_ids: Sequence[int], width: int | None = None, copy: LogCopy | None = None
 ) -> Ready:

@@ -58,6 +58,7 @@ from ...statemachine.static import (
     copy_log,
     materialize,
     materialize_ready,
+    snapshot_state,
 )
 from ...statemachine.static_rows import MAX_STOPS, CycleBuffers
 from ...statemachine.transitions import reserve
@@ -86,6 +87,7 @@ class _Batch:
 
     def __init__(self, buffers: CycleBuffers, device, ports: Ports) -> None:
         self.buffers, self.batch, self.ports = buffers, buffers.batch, ports
+        self.loads = 0  # how often a batch was loaded into the buffers (a pipelined cycle goes on only from its own)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.captured: dict[int, tuple[Boundary, ...]] = {}
         # every cycle's "all done" flag, copied to the host by the cycle itself (a node of its graph): the
@@ -108,7 +110,10 @@ class Launched:
     batch: _Batch
     stops: list[int]
     boundaries: tuple[Boundary, ...]
-    copy: LogCopy | None  # the commits on their way to the host (None: read when collected)
+    copy: LogCopy  # the commits on their way to the host
+    state: Ready  # the cycle's resulting state, cloned off the buffers right after it (`static.snapshot_state`)
+    loads: int  # the buffers' load count when the batch was loaded (`_Batch.loads`)
+    captured: bool = False  # whether launching it captured a graph (its time is not a cycle's)
     parity: int = 0  # the buffer set the cycle read (it wrote ``1 - parity``)
     cycles: int = 1  # cycles run on the batch since it was loaded, this one included (`FusedCycles.launch_next`)
 
@@ -278,6 +283,7 @@ class FusedCycles:
             self.pool.allocate(r.request_id, length + max_new_tokens - len(r.output) + self.spec.reserve_len() + 1)
         bt = self._batch(B, sampled=_sampled(requests))
         bt.buffers.load(ready, self.pool.page_table(ids), max_new_tokens, stops, whole_run=True)
+        bt.loads += 1
         bound = self.table_width * self.page_size
         if not self.use_graphs and self.options.ops.needs_kv_bound:
             bound = max(lens) + max_new_tokens + N + 1
@@ -358,6 +364,7 @@ class FusedCycles:
         bucket_size = 1 << (len(requests) - 1).bit_length()  # a power of two: one graph a bucket (two: `_batch`)
         bt = self._batch(bucket_size, cfg, ports, _sampled(requests))
         bt.buffers.load(ready, self.pool.page_table(ids), limits, stops, columns=cfg.accept_width)
+        bt.loads += 1
         # the first row's host step (a lookup draft's proposals), before the cycle and outside its graph
         self.executor(ports).prepare(bt.buffers.ready(0, requests), bt.buffers)
         bound = self.table_width * self.page_size
@@ -373,10 +380,12 @@ class FusedCycles:
                 boundaries = bt.captured[0]
             else:
                 boundaries = self._cycle(bt, 0, bound, requests)
-            # the commits start home now: the host's work queued after the cycle does not delay them
-            copy = copy_log(bt.buffers.ready(1, requests), cfg.accept_width) if self.use_graphs else None
+            # the commits start home now (the host's work queued after the cycle does not delay them), and the
+            # state is cloned: whoever loads these buffers next cannot change what `collect` reads
+            after = bt.buffers.ready(1, requests)
+            copy, state = copy_log(after, cfg.accept_width), snapshot_state(after)
         self.steps = tuple(b.step for b in boundaries)
-        return Launched(ready, ports, bt, stops, boundaries, copy)
+        return Launched(ready, ports, bt, stops, boundaries, copy, state, bt.loads, self.captured)
 
     def launch_next(self, launched: Launched, live: Sequence[Request]) -> Launched:
         """The batch's next cycle on the device's own state, launched before the last one is collected: no reload,
@@ -387,9 +396,10 @@ class FusedCycles:
         cover the next cycle wherever the one in flight leaves them: ``L`` as the host knows it, plus the commits
         of the cycle in flight (``accept_width`` at most), plus a cycle's reservation (`transitions.reserve`: all
         or nothing). The buffers' page table is refreshed behind the cycle in flight; a request the host retired
-        meanwhile reads and writes no KV: it is done on the device (it finished there) and its table row is
-        empty. A request that finishes in the cycle in flight is done in the next one: it commits nothing.
-        """
+        meanwhile reads and writes no KV: its table row is empty (its slots are negative, skipped by the KV
+        writes and masked by the attention), and it is done on the device when it finished there. A request that
+        finishes in the cycle in flight is done in the next one: it commits nothing. Only the batch's own buffers
+        are gone on from (`can_continue`: nobody loaded them since)."""
         start = time.perf_counter()
         try:
             return self._launch_next(launched, live)
@@ -400,6 +410,8 @@ class FusedCycles:
         """Whether `launch_next` fits the launched batch's log and history buffers once more, and the cycle needs
         nothing from the host before it (no host step: a lookup draft proposes from the commits `collect` reads)."""
         cfg, buffers = launched.ready.config, launched.buffers
+        if launched.loads != launched.batch.loads:  # another batch was loaded into these buffers meanwhile
+            return False
         if self.executor(launched.ports).host_steps(launched.ready):  # the host proposes from the last commits
             return False
         width = (launched.cycles + 2) * cfg.accept_width  # the next cycle's, and the slack of the one after
@@ -429,10 +441,11 @@ class FusedCycles:
             else:
                 boundaries = self._cycle(bt, parity, bound, requests)
             cycles = launched.cycles + 1
-            width = cycles * cfg.accept_width
-            copy = copy_log(bt.buffers.ready(1 - parity, requests), width) if self.use_graphs else None
+            after = bt.buffers.ready(1 - parity, requests)
+            copy, state = copy_log(after, cycles * cfg.accept_width), snapshot_state(after)
         self.steps = tuple(b.step for b in boundaries)
-        return attrs.evolve(launched, boundaries=boundaries, copy=copy, parity=parity, cycles=cycles)
+        return attrs.evolve(launched, boundaries=boundaries, copy=copy, state=state, captured=self.captured,
+                            parity=parity, cycles=cycles)  # fmt: skip
 
     def collect(self, launched: Launched, checked: bool = False) -> tuple[Ready, list[int]]:
         """A launched cycle's result: its commits read back in one copy (waits for the GPU), as `step` returns
@@ -443,9 +456,8 @@ class FusedCycles:
             requests, cfg = launched.ready.requests, launched.ready.config
             if checked:
                 self.executor(launched.ports).check([_with_requests(b, requests) for b in launched.boundaries])
-            ready = launched.buffers.ready(1 - launched.parity, requests)
             width = launched.cycles * cfg.accept_width
-            ready = materialize_ready(ready, launched.stops, width=width, copy=launched.copy)  # one copy
+            ready = materialize_ready(launched.state, launched.stops, width=width, copy=launched.copy)
             return ready, [len(new.output) - len(old.output) for new, old in zip(ready.requests, requests)]
         finally:
             self.run_s += time.perf_counter() - start

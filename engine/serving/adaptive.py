@@ -149,7 +149,6 @@ class ShapeController:
         self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
         self._window: dict[tuple[int, SpecConfig], deque] = {}
         self._tau_sums: dict[SpecConfig, tuple[float, float]] = {}  # decayed sums of committed tokens, of verifies
-        self.overhead: dict[int, float] = {}  # bucket -> EMA of a step's seconds besides its cycle
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
         self.since_probe: dict[int, int] = {}
@@ -173,10 +172,10 @@ class ShapeController:
         return self.seconds[(bucket, shape)]
 
     def score(self, shape: SpecConfig, bucket: int) -> float:
-        """Committed tokens per request and second of ``shape`` at a bucket: ``tau / (t + the step's other work)``
-        (retiring, the loop: the same whatever the shape, so a deeper shape's longer cycle costs less in relative
-        terms than its cycle time alone says; a cycle's time includes streaming its tokens)."""
-        return self.tau[shape] / max(self._seconds(bucket, shape) + self.overhead.get(bucket, 0.0), 1e-12)
+        """Committed tokens per request and second of ``shape`` at a bucket: ``tau / t``, ``t`` the time a step of
+        the shape takes there (the scheduler records a step's whole wall time: its host work and the GPU's overlap,
+        so no part of it is the same whatever the shape)."""
+        return self.tau[shape] / max(self._seconds(bucket, shape), 1e-12)
 
     def best(self, batch_size: int) -> SpecConfig | None:
         """The shape of the highest measured `score` at this batch size (None: nothing measured there yet); the
@@ -192,12 +191,6 @@ class ShapeController:
             top = held
         self.incumbent[bucket] = top
         return top
-
-    def record_overhead(self, batch_size: int, seconds: float) -> None:
-        """Fold in a step's work besides its cycle and its prefill (retiring, the loop) at this batch size."""
-        bucket, w = batch_bucket(batch_size), self.policy.ema_weight
-        old = self.overhead.get(bucket)
-        self.overhead[bucket] = seconds if old is None else (1 - w) * old + w * seconds
 
     def choose(self, batch_size: int) -> SpecConfig:
         """The shape of the next cycle at this batch size."""

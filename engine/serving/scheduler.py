@@ -207,14 +207,14 @@ class Scheduler:
         self.running: Ready | None = None
         self.finished: dict[int, Request] = {}
         self.stats = SchedulerStats()
-        self._cycle_seconds: float | None = None  # this step's cycle time (the controller weighs the rest too)
-        self._cycle_batch = 0
+        self._cycles: list[tuple] = []  # this step's cycles (shape, batch size, counts, timed), for the controller
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._admit_one = False
         self._admitted: Ready | None = None  # this step's admitted requests until they join the running batch
         # a graphed cycle left on the GPU by the last step (`_advance`): (Launched, shape, batch size, host seconds)
         self._inflight = None
+        self._in_cycle = False  # admitting while the running batch's cycle is on the GPU
         self.pipeline = pipeline
         self._shape: SpecConfig | None = None  # this step's cycle's shape, once chosen
         self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
@@ -319,8 +319,9 @@ class Scheduler:
         Overlap: when the graphed executor covers the running batch, its cycle is launched first and the host
         admits the waiting requests (validation, records, the prefill's launches) while the GPU runs it; the
         cycle's commits are collected after, and the admitted requests join the batch for the next cycle. A cycle
-        the table runs eagerly comes after the admission, over the joined batch."""
-        start, prefill_before = time.perf_counter(), self.stats.prefill_seconds
+        the table runs eagerly comes after the admission, over the joined batch. Checked mode collects (and checks)
+        the cycle before it admits: the checks read the cycle's buffers, which the prefill's forwards reuse."""
+        start = time.perf_counter()
         finished: list[Request] = []
         in_flight: list[Request] = []
         self._stepping = True
@@ -331,17 +332,23 @@ class Scheduler:
             if self._inflight is None:
                 self._apply_cancels(finished)
                 launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
+                cycled = launched is not None  # () too: the pool refused its pages, no cycle this step
+                if launched and self.checked:  # the checks read buffers an admission's forwards reuse: no overlap
+                    self._collect(launched, finished)
+                    launched = ()
                 admitted = False
+                self._in_cycle = bool(launched)
                 try:
                     admitted = self._admit(finished, in_flight)
                 finally:
+                    self._in_cycle = False
                     if launched and not (self._pipelines(launched) and not admitted and not self._can_join()):
                         self._collect(launched, finished)
                     elif launched:  # nothing to join: leave it running, the next step goes on from it
                         self._inflight = launched
                 self._join()
                 self._publish()
-                if launched is None and self.num_running:
+                if not cycled and self.num_running:
                     self._cycle(finished)
                     self._publish()
             if self._cancels and self._inflight is not None:  # cancelled from this step's callbacks: settle first
@@ -357,15 +364,20 @@ class Scheduler:
             self.stats.steps += 1
             seconds = time.perf_counter() - start
             self.stats.seconds += seconds
-            if self.controller is not None and self._cycle_seconds is not None:  # a prefill is a request's, once
-                other = seconds - self._cycle_seconds - (self.stats.prefill_seconds - prefill_before)
-                self.controller.record_overhead(self._cycle_batch, max(other, 0.0))
-            self._cycle_seconds = None
+            if self.controller is not None:
+                # A cycle's cost is its step's wall time: with the admission under the cycle and the cycles
+                # pipelined, the host's and the GPU's work overlap and no part of the step is another shape's. The
+                # controller keeps the least of a shape's recent times, which leaves out the steps that admitted.
+                for shape, batch_size, counts, timed in self._cycles:
+                    self.controller.record(shape, batch_size, seconds / len(self._cycles), counts, timed)
+            self._cycles.clear()
         return finished
 
     def _admit(self, finished: list[Request], in_flight: list[Request]) -> bool:
         """Prefill the waiting requests that fit (they join the batch at `_join`); whether any was prefilled."""
         reserve = self._reserve_len()
+        if self._in_cycle and self.running is not None:  # L is one cycle behind: that cycle commits up to its width
+            reserve += self.running.config.accept_width
         budget = self.ports.kv_pool.num_free_pages - self._growth(self.running, reserve)
         batch: list[Request] = []
         prefill_tokens = 0
@@ -521,8 +533,8 @@ class Scheduler:
         launched, shape, batch_size, _ = self._inflight
         nxt = None
         if not self._can_join() and not self._cancels and self._pipelines(self._inflight):
-            if (self.controller.choose(self.num_running) if self.controller else self.config) == shape:
-                self._shape = shape
+            self._shape = self.controller.choose(self.num_running) if self.controller else self.config  # once a step
+            if self._shape == shape:
                 start = time.perf_counter()
                 try:
                     nxt = self.fused_cycles.launch_next(launched, self.running.requests)
@@ -565,7 +577,7 @@ class Scheduler:
         self.running = ready
         self.stats.fused_cycles += 1
         seconds += time.perf_counter() - start  # the cycle's own host time and wait, not the admission's between
-        self._record(shape, batch_size, seconds, counts, timed=not self.fused_cycles.captured)
+        self._record(shape, batch_size, seconds, counts, timed=not launched.captured)
 
     def _cycle(self, finished: list[Request]) -> None:
         """The running batch's cycle after the admission: launched and collected at once when the graphed executor
@@ -617,10 +629,8 @@ class Scheduler:
         else:
             self.stats.plain_cycles += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
-        self._cycle_seconds, self._cycle_batch = seconds, batch_size
         self.stats.cycle_seconds += seconds
-        if self.controller is not None:
-            self.controller.record(shape, batch_size, seconds, counts, timed)
+        self._cycles.append((shape, batch_size, counts, timed))  # to the controller at the step's end
 
     def _to_ready(self, record, finished: list[Request]) -> Ready:
         """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""

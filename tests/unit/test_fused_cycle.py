@@ -442,3 +442,28 @@ def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(
     assert outputs["eager"][1] == engine.generate_autoregressive([prompts[1]], 4)[0]
     assert any(bt.buffers.sampling is not None for bt in engine.fused_cycles._batches.values())
     assert engine.pool.num_free_pages == free
+
+
+def test_two_schedulers_over_one_engine_keep_their_pipelined_cycles_apart(engines):
+    """Two schedulers share one engine's graphed executor, so one bucket's buffers: while the first keeps a cycle
+    in flight (pipelined), the second loads the same buffers. The first must not go on from them (their load count
+    changed): it collects from the state it cloned after its cycle and reloads. Both outputs are autoregressive."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    engine = engines["chain"]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES]
+    ar = [engine.generate_autoregressive([p], 12)[0] for p in prompts]
+    free = engine.pool.num_free_pages
+    first, second = Scheduler.from_engine(engine), Scheduler.from_engine(engine)
+    a = first.submit(prompts[0], SamplingParams(max_new_tokens=12))
+    first.step()
+    first.step()
+    assert first._inflight is not None  # its cycle stays in flight past the step
+    b = second.submit(prompts[1], SamplingParams(max_new_tokens=12))
+    while not first.idle or not second.idle:
+        for scheduler in (first, second):
+            if not scheduler.idle:
+                scheduler.step()
+    assert list(first.finished[a].output) == ar[0] and list(second.finished[b].output) == ar[1]
+    assert engine.pool.num_free_pages == free
