@@ -116,6 +116,9 @@ class AdaptiveSpeculation:
     * ``ema_weight``: weight of the newest cycle in the moving averages (of the step's other work; of a shape's
       committed tokens per request, per `TAU_REQUESTS` request-verifies).
     * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
+    * ``probe_cycles``: cycles a probe runs in a row. A scheduler that pipelines its cycles pays a reload on every
+      change of shape, so a probe's first cycle costs more than the shape does; its next ones run pipelined like
+      the incumbent's, and the least of a shape's recent times is what the scores compare.
     * ``margin``: how much higher another shape must score before the batch moves to it.
     """
 
@@ -124,6 +127,7 @@ class AdaptiveSpeculation:
     ema_weight: float = attrs.field(default=0.3, validator=_check_fraction)
     probe_every: int = attrs.field(default=32, validator=_check_count)
     margin: float = attrs.field(default=0.03, validator=_check_margin)
+    probe_cycles: int = attrs.field(default=3, validator=_check_count)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -157,6 +161,7 @@ class ShapeController:
         self.current: SpecConfig | None = None  # the shape of the last cycle (explored, probed or chosen)
         self.incumbent: dict[int, SpecConfig] = {}  # bucket -> the shape the last choice by score ran
         self.chosen: dict[SpecConfig, int] = {c: 0 for c in self.shapes}
+        self._probing: dict[int, tuple[SpecConfig, int]] = {}  # bucket -> (the probed shape, its cycles left)
 
     @property
     def reserve_shape(self) -> SpecConfig:
@@ -196,13 +201,20 @@ class ShapeController:
         """The shape of the next cycle at this batch size."""
         bucket = batch_bucket(batch_size)
         pick = next((c for c in self.shapes if c not in self.tau or not self._timed((bucket, c))), None)
-        if pick is None:
+        probing = self._probing.pop(bucket, None)
+        if pick is None and probing is not None:  # a probe runs `probe_cycles` cycles in a row
+            pick, left = probing
+            if left > 1:
+                self._probing[bucket] = (pick, left - 1)
+        elif pick is None:
             self.since_probe[bucket] = self.since_probe.get(bucket, 0) + 1
             pick = self.best(batch_size)
             if self.since_probe[bucket] >= self.policy.probe_every and len(self.shapes) > 1:
                 self.since_probe[bucket] = 0
                 others = [c for c in self.shapes if c != pick]
                 pick = min(others, key=lambda c: self.last.get((bucket, c), -1))
+                if self.policy.probe_cycles > 1:
+                    self._probing[bucket] = (pick, self.policy.probe_cycles - 1)
         if pick != self.current:
             self.switches += self.current is not None
             self.current = pick

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
 from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
@@ -34,7 +36,7 @@ def test_the_family_of_a_chain_and_of_a_tree():
 
 
 def test_each_shape_is_measured_then_the_fastest_runs_and_probes_follow_the_load():
-    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0, probe_every=5), CHAIN)
+    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0, probe_every=5, probe_cycles=1), CHAIN)
 
     def tau(c):
         return min(c.num_steps + 1, 3)  # the draft's first two tokens are accepted, the third never
@@ -61,9 +63,26 @@ def test_each_shape_is_measured_then_the_fastest_runs_and_probes_follow_the_load
 
 
 def test_bad_policies_are_refused():
-    for bad in (dict(ema_weight=0), dict(probe_every=0), dict(cost=3.0), dict(shapes=(CHAIN, SpecConfig(2, 2, 4)))):
+    bads = (dict(ema_weight=0), dict(probe_every=0), dict(probe_cycles=0), dict(cost=3.0))
+    bads += (dict(shapes=(CHAIN, SpecConfig(2, 2, 4))),)
+    for bad in bads:
         with pytest.raises(ValueError, match="AdaptiveSpeculation"):
             AdaptiveSpeculation(**bad)
+
+
+def test_a_probe_runs_its_shape_several_cycles_in_a_row():
+    """A pipelining scheduler reloads its batch on every change of shape: a probe runs ``probe_cycles`` cycles in
+    a row, so its shape is timed on pipelined cycles too, like the incumbent's, then the best shape comes back."""
+    controller = ShapeController(AdaptiveSpeculation(probe_every=6, probe_cycles=3), CHAIN)
+    tau = {3: 3, 2: 3, 1: 2, 0: 1}
+    seconds = {3: 1.2, 2: 1.0, 1: 0.8, 0: 0.5}  # S2 is best
+    shapes = drive(controller, 1, lambda c: tau[c.num_steps], lambda c, bs: seconds[c.num_steps], 40)
+    ran = [s.num_steps for s in shapes]
+    after = ran[8:]  # after each shape ran twice
+    runs = [(a, len(list(g))) for a, g in itertools.groupby(after)]
+    probes = [(shape, n) for shape, n in runs if shape != 2]
+    assert probes and all(n == 3 for _, n in probes)  # each probe: three cycles of its shape in a row
+    assert after.count(2) == len(after) - 3 * len(probes)
 
 
 def test_a_fixed_cost_model_moves_the_batch_between_shapes_losslessly():
@@ -84,7 +103,7 @@ def test_a_fixed_cost_model_moves_the_batch_between_shapes_losslessly():
 
 def test_probes_and_exploration_do_not_hold_the_batch_off_the_best_shape():
     """The margin keeps the bucket's incumbent (the last shape chosen by score), never the shape a probe ran."""
-    controller = ShapeController(AdaptiveSpeculation(probe_every=8), CHAIN)
+    controller = ShapeController(AdaptiveSpeculation(probe_every=8, probe_cycles=1), CHAIN)
     tau = {3: 3, 2: 3, 1: 2, 0: 1}
     seconds = {3: 1.2, 2: 1.0, 1: 0.69, 0: 0.34}  # scores 2.5, 3.0, 2.90, 2.94: S2 is best by 2%
     ran = [

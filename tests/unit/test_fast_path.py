@@ -642,7 +642,10 @@ def test_the_scheduler_replays_the_captured_cycle_as_its_batch_changes(weights, 
     assert [list(scheduler.finished[i].output) for i in ids] == ar
     assert (scheduler.stats.pipelined_cycles > 0) == (not checked)
     fused = engine.fused_cycles
-    assert fused.use_graphs and fused.replays > 0 and {4, 2, 1} <= {key[0] for key in fused._batches}
+    # checked: each step reloads the batch into the bucket of its size; pipelined: a finished request's row stays,
+    # done, until a request joins, so the batch need not reach the bucket of one
+    buckets = {key[0] for key in fused._batches}
+    assert fused.use_graphs and fused.replays > 0 and ({4, 2, 1} if checked else {4, 2}) <= buckets
     assert pool.num_free_pages == pool.num_pages
 
 
