@@ -152,6 +152,10 @@ def speed(engine, max_new_tokens: int) -> dict:
         totals["unmasked_verifies"] += unmasked_stats.verifies
         totals["unmasked_committed"] += unmasked_stats.committed
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "text"}), flush=True)
+    errors = [r for r in rows if r.get("finish_reason") == "error"]
+    if not totals["tokens"] or not totals["reference_tokens"]:
+        raise SystemExit(f"no constrained output to time: {len(errors)} of {len(rows)} requests errored (is llguidance "
+                         "installed? pip install 'speccycle[grammar]')")  # fmt: skip
     return {
         "prompts": rows,
         "identical": sum(r["identical"] for r in rows),
