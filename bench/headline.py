@@ -14,7 +14,7 @@ README's results table or in the results index page is typed by hand: both are r
 in its file. A key path is
 a tuple: a string picks a key of an object, an int an item of a list, a dict the one item of a list whose
 fields equal it (none or several is an error), and `"*"` every item of a list, which the value's `reduce`
-(`min`, `max`, `len`) turns into one number. The device, date and commit of a row are the file's own
+(`min`, `max`, `len`, `sum`) turns into one number. The device, date and commit of a row are the file's own
 (`device`, `date`, `commit`; a file without a date gives the `YYYYMMDD` of its name).
 """
 
@@ -44,7 +44,7 @@ class Value:
 
     path: tuple[Step, ...]
     fmt: str = ""
-    reduce: str | None = None  # min, max or len over the items a "*" step gives
+    reduce: str | None = None  # min, max, len or sum over the items a "*" step gives
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,22 @@ HEADLINES: tuple[Headline, ...] = (
         values={**_bench_values(), "tau": Value(("tau",), ".3f")},
     ),
     Headline(
-        what="`speccycle bench --draft none`, the control (autoregressive against itself): "
-        "{prompts} prompts x {tokens} tokens",
-        figure="**{speedup}x** ({spec} / {ar} tokens/s); {identical}/{prompts} identical",
-        file="speccycle_bench-H200-20261127-afe006d-cold-none.json",
-        values=_bench_values(),
+        what="the continuous-batching scheduler (CUDA graphs, admission under the cycle, pipelined cycles), "
+        "SmolLM2-135M bf16 with the shipped EAGLE-3 head (chain S4), closed loop, {tokens} tokens a request",
+        figure="speculative over autoregressive **{r1}x** at 1 client ({spec1} / {ar1} tokens/s), {r4}x at 4, "
+        "{r16}x at 16, {r64}x at 64, {r256}x at 256 ({spec256} / {ar256}); {identical} requests identical",
+        file="scheduler_throughput-H200-20261127-b8c9a73-chain-S4.json",
+        values={
+            "tokens": Value(("max_new_tokens",), "d"),
+            **{
+                f"r{n}": Value(("rows", {"batch_size": n}, "spec", "speedup_vs_ar"), ".2f") for n in (1, 4, 16, 64, 256)
+            },
+            "spec1": Value(("rows", {"batch_size": 1}, "spec", "tokens_per_s"), ",.1f"),
+            "ar1": Value(("rows", {"batch_size": 1}, "ar", "tokens_per_s"), ",.1f"),
+            "spec256": Value(("rows", {"batch_size": 256}, "spec", "tokens_per_s"), ",.1f"),
+            "ar256": Value(("rows", {"batch_size": 256}, "ar", "tokens_per_s"), ",.1f"),
+            "identical": Value(("rows", "*", "spec", "identical_to_ar"), ",d", reduce="sum"),
+        },
     ),
     Headline(
         what="SmolLM2-135M bf16, batch 1, {prompts} prompts x {tokens} tokens: autoregressive on the fast path "
@@ -308,11 +319,11 @@ def read_value(data: dict, value: Value):
     raw = lookup(data, value.path)
     if value.reduce is None:
         if isinstance(raw, list):
-            raise KeyError("a [*] path needs a reduce (min, max, len)")
+            raise KeyError("a [*] path needs a reduce (min, max, len, sum)")
         return raw
     if not isinstance(raw, list) or not raw:
         raise KeyError(f"{value.reduce} needs a non-empty [*] path")
-    return {"min": min, "max": max, "len": len}[value.reduce](raw)
+    return {"min": min, "max": max, "len": len, "sum": sum}[value.reduce](raw)
 
 
 def short_device(device: str) -> str:
