@@ -10,11 +10,11 @@ batch size ``B``. Throughput is ``B * tau_c / t_c(B)``, so the cycle runs
 while the forward is bound by reading the weights, and the draft's levels add their own forwards. Both are
 measured on the running machine: `ShapeController` keeps a moving average of each shape's committed tokens
 per request (over every batch size, forgetting per request-verify; a greedy chain's cycle also tells what
-every shallower chain would have committed), each shape's cycle time per batch bucket (powers of two, the
-graphed executor's buckets: the least of its recent cycles there, since noise only adds to a wall clock),
-and a step's other work per bucket (retiring, the loop; not the prefills, which a request pays once). A pair
-not measured yet runs first (twice: the first run of a shape at a bucket captures its graph, and is not
-timed); every ``probe_every`` cycles at a bucket the shape measured longest ago runs once, so the estimates
+every shallower chain would have committed), and each shape's time per batch bucket (powers of two, the
+graphed executor's buckets): the least of the recent wall times of the steps that ran it there (noise only
+adds to a wall clock; the least leaves out the steps that also admitted). A pair not measured yet runs first
+(twice: the first run of a shape at a bucket captures its graph, and is not timed); every ``probe_every``
+cycles at a bucket the shape measured longest ago runs ``probe_cycles`` cycles in a row, so the estimates
 follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
 higher. A fixed cost model (``cost``) replaces the timings, for tests and for engines that know theirs.
 
@@ -113,8 +113,8 @@ class AdaptiveSpeculation:
     * ``shapes``: the menu, one family (the same ``K`` and page size); None: `shape_family` of the scheduler's
       config.
     * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
-    * ``ema_weight``: weight of the newest cycle in the moving averages (of the step's other work; of a shape's
-      committed tokens per request, per `TAU_REQUESTS` request-verifies).
+    * ``ema_weight``: weight of the newest cycle in the moving average of a shape's committed tokens per
+      request (per `TAU_REQUESTS` request-verifies).
     * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
     * ``probe_cycles``: cycles a probe runs in a row. A scheduler that pipelines its cycles pays a reload on every
       change of shape, so a probe's first cycle costs more than the shape does; its next ones run pipelined like
