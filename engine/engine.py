@@ -32,7 +32,7 @@ from .greedy import greedy_decode
 from .memory.kv_pool import PagedKVPool
 from .models.catalog import NAMED_MODELS, build_model, named_model_path
 from .models.llama import LlamaModel
-from .stepping import GenerationStats, run_batch
+from .stepping import GenerationStats, check_batch_fits, run_batch
 from .weights.weights_gguf import LlamaConfig, default_model_path, load_gguf
 
 DRAFTS = ("ngram", "layerskip", "eagle", "model", "none")
@@ -254,13 +254,8 @@ class Engine:
         """The batch's pages at their longest (prompt, ``max_new_tokens``, a cycle's reservation, each request's
         last page partly used) fit the pool: `generate` has no retraction (the `Scheduler` has), so a batch that
         could run out of pages mid-run is refused before it starts."""
-        page, margin = self.pool.page_size, 2 * self.spec.reserve_len("aligned")
-        need = sum(-(-(len(p) + max_new_tokens + margin) // page) for p in prompts)
-        if need > self.pool.num_pages:
-            raise ValueError(
-                f"{len(prompts)} prompt(s) with max_new_tokens={max_new_tokens} may need {need} KV pages and the pool "
-                f"has {self.pool.num_pages}: raise kv_tokens, lower max_new_tokens or send fewer prompts at once"
-            )
+        advice = "raise kv_tokens, lower max_new_tokens or send fewer prompts at once"
+        check_batch_fits(self.pool, self.spec, prompts, max_new_tokens, advice)
 
     # ---- decoding ----------------------------------------------------------------------------
     def generate(

@@ -35,6 +35,19 @@ class GenerationStats:
         return self.committed / self.verifies if self.verifies else 0.0
 
 
+def check_batch_fits(pool, config, prompts, max_new_tokens: int, advice: str) -> None:
+    """Refuse, before it starts, a batch whose pages at their longest (prompt, ``max_new_tokens``, a cycle's
+    reservation, each request's last page partly used) could outgrow ``pool``: `run_batch` has no retraction (the
+    `Scheduler` has). ``advice``: what to do, ending the one-line error."""
+    page, margin = pool.page_size, 2 * config.reserve_len("aligned")
+    need = sum(-(-(len(p) + max_new_tokens + margin) // page) for p in prompts)
+    if need > pool.num_pages:
+        raise ValueError(
+            f"{len(prompts)} prompt(s) with max_new_tokens={max_new_tokens} may need {need} KV pages and the pool "
+            f"has {pool.num_pages}: {advice}"
+        )
+
+
 def run_batch(
     record: Admitted,
     ports: Ports,

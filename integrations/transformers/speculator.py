@@ -25,7 +25,7 @@ from ...core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from ...engine.drafters.eagle import EagleDraft, EagleHead
 from ...engine.drafters.ngram import NgramDraft
 from ...engine.memory.kv_pool import PagedKVPool
-from ...engine.stepping import GenerationStats, run_batch
+from ...engine.stepping import GenerationStats, check_batch_fits, run_batch
 from .ports import EagleTargetParts, TransformersDraft, TransformersTarget, text_config
 
 DRAFTS = ("ngram", "model", "eagle")
@@ -103,13 +103,8 @@ class TransformersSpeculator:
         ``max_new_tokens``; equal to the model's own greedy ``generate`` token for token."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("pass at least one prompt, each a non-empty list of token ids")
-        page, margin = self.pool.page_size, 2 * self.config.reserve_len("aligned")
-        need = sum(-(-(len(p) + max_new_tokens + margin) // page) for p in prompts)
-        if need > self.pool.num_pages:
-            raise ValueError(
-                f"{len(prompts)} prompt(s) with max_new_tokens={max_new_tokens} may need {need} KV pages and the pool "
-                f"has {self.pool.num_pages}: build the speculator with a larger kv_tokens or send fewer tokens"
-            )
+        advice = "build the speculator with a larger kv_tokens or send fewer tokens"
+        check_batch_fits(self.pool, self.config, prompts, max_new_tokens, advice)
         params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids)
         ids = [next(self._ids) for _ in prompts]
         record = Admitted(
