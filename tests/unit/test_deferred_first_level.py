@@ -24,27 +24,11 @@ from speccycle.engine.kernels.fused_ops import TorchOps
 from speccycle.engine.memory.kv_pool import PagedKVPool
 from speccycle.engine.models.llama import LlamaModel, random_llama_weights
 from speccycle.engine.serving.adaptive import no_draft_shape, shape_family
-from speccycle.engine.weights.weights_gguf import LlamaConfig
 from speccycle.statemachine import run_cycle, step
 from speccycle.statemachine.batching import reshape
 from speccycle.statemachine.checks import InvariantViolation, check_record
+from speccycle.testing.configs import TINY_LLAMA as TINY
 
-TINY = LlamaConfig(
-    architecture="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position=256,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
 TREE = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=4)
 PROMPTS = ((5, 9, 14, 3, 22, 7, 9, 14), (11, 4, 30), (8, 8, 17, 40, 2 + 1, 61))
 # EAGLE-1, EAGLE-3 with its own LM head over a draft vocabulary, over the target's LM head, with two layers

@@ -33,24 +33,8 @@ from speccycle.engine.kernels.fused_ops import FoldedNormOps, TorchOps, TritonOp
 from speccycle.engine.memory.kv_pool import PagedKVPool
 from speccycle.engine.models.llama import LlamaModel, random_llama_weights
 from speccycle.engine.models.target import LlamaTarget
-from speccycle.engine.weights.weights_gguf import LlamaConfig
+from speccycle.testing.configs import TINY_LLAMA as TINY
 
-TINY = LlamaConfig(
-    architecture="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position=256,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
 ATOL, RTOL = 1e-4, 1e-4  # float32, values up to ~20: reduction orders and rsqrt differ
 OPS = [TorchOps]
 if triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
