@@ -76,6 +76,7 @@ def run_mode(
     def submit(i: int) -> int:
         return scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled))
 
+    switches = controller.switches if controller is not None else 0
     _sync(device)
     start = time.perf_counter()
     ids = [submit(i) for i in range(bs)]
@@ -100,7 +101,12 @@ def run_mode(
         "spec_cycles": stats.spec_cycles,
         "plain_cycles": stats.plain_cycles,
         "fused_cycles": stats.fused_cycles,
-        "shapes": {f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}": n for c, n in stats.shapes.items()},
+        "pipelined_cycles": stats.pipelined_cycles,
+        "captures": stats.captures,  # graph captures inside the timed run (their time counts)
+        "prefills": stats.prefills,
+        "switches": (controller.switches - switches) if mode == "adaptive" and controller is not None else 0,
+        "first_levels": stats.first_levels,
+        "shapes": {_name(c): n for c, n in stats.shapes.items()},
         "retractions": stats.retractions,
         # where the steps' wall time went: admissions (prefills), cycles, the rest (streaming, retiring, the loop)
         "step_seconds": {
@@ -111,6 +117,10 @@ def run_mode(
         "outputs": outputs,
         "greedy": [params_of(i, new_tokens, sampled).greedy for i in range(len(ids))],
     }
+
+
+def _name(c: SpecConfig) -> str:
+    return f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}"
 
 
 def scale_engine(spec: SpecConfig, kv_tokens: int, tau: float) -> Engine:
@@ -275,7 +285,17 @@ def main() -> None:
             "probe_every": policy.probe_every,
             "margin": policy.margin,
         },
-        "adaptive_shapes": [f"S{c.num_steps}K{c.topk}N{c.num_draft_tokens}" for c in controller.shapes],
+        "adaptive_shapes": [_name(c) for c in controller.shapes],
+        # the adaptive controller at the end: each shape's committed tokens per request, and per batch bucket each
+        # shape's cycle time (ms) and the incumbent
+        "adaptive_state": {
+            "tau": {_name(c): round(t, 3) for c, t in controller.tau.items()},
+            "cycle_ms": {
+                b: {_name(c): round(1e3 * t, 3) for (bb, c), t in sorted(controller.seconds.items(), key=str) if bb == b}
+                for b in sorted({b for b, _ in controller.seconds})
+            },
+            "incumbent": {b: _name(c) for b, c in sorted(controller.incumbent.items())},
+        },
         "rows": rows,
     }
     path = write_result("scheduler_throughput", payload, args.device)

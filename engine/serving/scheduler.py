@@ -80,6 +80,7 @@ class SchedulerStats:
     first_levels: int = 0  # moves from S == 0 to a shape that drafts that computed a deferred top-K (first_level row)
     fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
     pipelined_cycles: int = 0  # of those, launched from the device's state before the last one was collected
+    captures: int = 0  # of those, cycles whose launch captured their graph (a bucket and shape's first, per parity)
     verifies: int = 0  # request-verifies in speculative cycles
     accepted: int = 0  # tokens those verifies accepted (bonus included)
     committed: int = 0  # output tokens committed, prefill included
@@ -576,6 +577,7 @@ class Scheduler:
             ready = attrs.evolve(ready, retired=())
         self.running = ready
         self.stats.fused_cycles += 1
+        self.stats.captures += launched.captured
         seconds += time.perf_counter() - start  # the cycle's own host time and wait, not the admission's between
         self._record(shape, batch_size, seconds, counts, timed=not launched.captured)
 
