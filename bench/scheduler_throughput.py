@@ -217,6 +217,11 @@ def main() -> None:
     # (a batch shrinks as its requests finish; the fused cycles capture one graph a power of two)
     warm = sorted({1 << k for bs in batch_sizes for k in range(bs.bit_length())} | set(batch_sizes))
     controller = ShapeController(AdaptiveSpeculation(), spec)  # one for every adaptive run, warm-up included
+    captures = {}
+    for mode in modes:  # every shape's graphs at every bucket, as a server captures them before it serves
+        speculation = {"ar": "off", "spec": "on", "adaptive": controller}[mode]
+        scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=max(batch_sizes))
+        captures[mode] = scheduler.warm_up(warm)
     for mode in modes:
         for bs in warm:
             run_mode(engine, mode, prompts, bs, 8, args.device, args.max_prefill_tokens, controller=controller,
@@ -286,6 +291,7 @@ def main() -> None:
             "margin": policy.margin,
         },
         "adaptive_shapes": [_name(c) for c in controller.shapes],
+        "warm_up_captures": captures,  # graphs `Scheduler.warm_up` captured per mode before the runs
         # the adaptive controller at the end: each shape's committed tokens per request, and per batch bucket each
         # shape's cycle time (ms) and the incumbent
         "adaptive_state": {

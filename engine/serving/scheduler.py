@@ -65,7 +65,7 @@ from ...core.ports import (
 from ...statemachine import step as run_step
 from ...statemachine.batching import merge_ready, reshape, select_ready
 from ...statemachine.transitions import first_level_due
-from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, no_draft_shape
+from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, batch_bucket, no_draft_shape
 
 Speculation = Literal["on", "off", "adaptive"]
 
@@ -239,6 +239,54 @@ class Scheduler:
         if engine.draft is None:
             kwargs["speculation"] = "off"
         return cls(ports, engine.spec, **kwargs)
+
+    def warm_up(self, batch_sizes: Sequence[int] | None = None, prompt_len: int = 16) -> int:
+        """Capture, before serving, the CUDA graphs a run would otherwise capture inside its first steps (tens of
+        milliseconds each, paid by the requests of that step; without graphs, the lazy initialization and kernel
+        compilation): for every shape this scheduler may run (the
+        adaptive controller's menu, or its config) and every batch bucket of ``batch_sizes`` (None: the powers of
+        two up to ``max_batch_size``'s bucket), a batch of ``prompt_len``-token requests runs at least four cycles
+        of the shape, so its graphs of both parities (a pipelined cycle reads the other set) exist. Returns the
+        graphs captured. Stats, the controller's measurements and the prefix cache are left as they were; sampled
+        batches capture their own graphs on first use. Raises `ValueError` on a scheduler with requests."""
+        if not self.idle:
+            raise ValueError("warm_up needs an idle scheduler: call it before submitting requests")
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+            raise ValueError(f"prompt_len={prompt_len!r} must be an int >= 1")
+        if batch_sizes is None:
+            top = batch_bucket(self.max_batch_size)
+            batch_sizes = [1 << k for k in range(top.bit_length())]
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+            raise ValueError(f"batch_sizes={list(batch_sizes)!r} must hold ints >= 1")
+        buckets = sorted({batch_bucket(b) for b in batch_sizes})
+        shapes = self.controller.shapes if self.controller is not None else (self.config,)
+        vocab = target_vocab_size(self.ports)
+        prompt = tuple(1 + i % (vocab - 1) for i in range(prompt_len)) if vocab > 1 else (0,) * prompt_len
+        saved = self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish
+        captures = 0
+        try:
+            self.controller, self.prefix_cache, self.on_tokens, self.on_finish = None, False, None, None
+            for shape in shapes:
+                self.config = shape  # every cycle and prefill in this shape
+                for bucket in buckets:
+                    self.stats = SchedulerStats()
+                    # no stop ids: every request runs its whole budget, at least four cycles of up to S + 1 tokens
+                    sampling = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
+                    ids = []
+                    for _ in range(min(bucket, self.max_batch_size)):
+                        request_id = next(self._ids)
+                        self._arrival[request_id], self._sent[request_id] = len(self._arrival), 0
+                        self.waiting.append(Request(request_id, prompt, sampling))
+                        ids.append(request_id)
+                    self.run()
+                    captures += self.stats.captures
+                    for request_id in ids:
+                        self.finished.pop(request_id, None)
+                        self._arrival.pop(request_id, None)
+                        self._sent.pop(request_id, None)
+        finally:
+            self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish = saved
+        return captures
 
     # ---- queue -------------------------------------------------------------------------------
     @property
