@@ -9,10 +9,12 @@ batch size ``B``. Throughput is ``B * tau_c / t_c(B)``, so the cycle runs
 ``t_c(B)`` grows with ``B`` faster for deep shapes: a verify of ``B * N`` rows stays as cheap as ``B`` rows only
 while the forward is bound by reading the weights, and the draft's levels add their own forwards. Both are
 measured on the running machine: `ShapeController` keeps a moving average of each shape's committed tokens
-per request (over every batch size, forgetting per request-verify; a greedy chain's cycle also tells what
-every shallower chain would have committed), and each shape's time per batch bucket (powers of two, the
-graphed executor's buckets): the least of the recent wall times of the steps that ran it there (noise only
-adds to a wall clock; the least leaves out the steps that also admitted). A pair not measured yet runs first
+per request (over every batch size, forgetting per request-verify; for a chain, of each draft depth's chance
+to be accepted once the one before was, which every chain's cycles tell up to their depth: a shallow shape's
+estimate sharpens with every deeper cycle, a deep one's needs only its last depth from its own), and each
+shape's time per batch bucket (powers of two, the graphed executor's buckets): the least of the recent wall
+times of the steps that ran it there (noise only adds to a wall clock; the least leaves out the steps that
+also admitted), and no less than the time of a shape it contains (fewer levels and rows). A pair not measured yet runs first
 (twice: the first run of a shape at a bucket captures its graph, and is not timed); every ``probe_every``
 cycles at a bucket the shape measured longest ago runs ``probe_cycles`` cycles in a row, so the estimates
 follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
@@ -153,6 +155,8 @@ class ShapeController:
         self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
         self._window: dict[tuple[int, SpecConfig], deque] = {}
         self._tau_sums: dict[SpecConfig, tuple[float, float]] = {}  # decayed sums of committed tokens, of verifies
+        # a greedy chain's draft depth d -> decayed counts of request-verifies that reached it, that accepted it
+        self._depth_sums: dict[int, tuple[float, float]] = {}
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
         self.since_probe: dict[int, int] = {}
@@ -172,9 +176,15 @@ class ShapeController:
         return self.policy.cost is not None or key in self.seconds
 
     def _seconds(self, bucket: int, shape: SpecConfig) -> float:
+        """A cycle's time of ``shape`` at a bucket: the fixed cost model's, or the measured one, made no less than
+        that of any measured shape it contains (no more draft levels, no more verify rows): a deeper shape does the
+        shallower one's work and more, so a lucky minimum cannot make it look cheaper."""
         if self.policy.cost is not None:
             return float(self.policy.cost(shape, bucket))
-        return self.seconds[(bucket, shape)]
+        return max(
+            t for (b, c), t in self.seconds.items()
+            if b == bucket and c.num_steps <= shape.num_steps and c.num_draft_tokens <= shape.num_draft_tokens
+        )  # fmt: skip
 
     def score(self, shape: SpecConfig, bucket: int) -> float:
         """Committed tokens per request and second of ``shape`` at a bucket: ``tau / t``, ``t`` the time a step of
@@ -230,7 +240,7 @@ class ShapeController:
         last `TIMING_AGE` cycles: what a wall clock adds to a shape's work at a bucket (the tail of a prefill
         launched before it, a host pause) only adds, while the work itself grows slowly with the contexts. A
         greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth ``S'`` would, so its
-        committed counts give every shallower chain's too: ``min(count, S' + 1)``."""
+        committed counts tell every chain's acceptance up to depth ``S`` (`_record_chain`)."""
         key = (batch_bucket(batch_size), shape)
         runs = self.runs.get(key, 0) + 1
         self.runs[key], self.last[key] = runs, self.cycles
@@ -243,13 +253,43 @@ class ShapeController:
             self.seconds[key] = min(fresh) if fresh else seconds
         if not shape.drafts or not committed:
             return
-        same = [shape]
-        if shape.is_chain:
-            same = [c for c in self.shapes if c.drafts and c.is_chain and c.num_steps <= shape.num_steps]
         keep = (1 - self.policy.ema_weight) ** (len(committed) / TAU_REQUESTS)
-        for c in same:
-            total, count = self._tau_sums.get(c, (0.0, 0.0))
-            total = keep * total + sum(min(n, c.num_steps + 1) for n in committed)
-            count = keep * count + len(committed)
-            self._tau_sums[c] = (total, count)
-            self.tau[c] = total / count
+        if shape.is_chain:
+            self._record_chain(shape.num_steps, committed, keep)
+            return
+        total, count = self._tau_sums.get(shape, (0.0, 0.0))
+        total, count = keep * total + sum(committed), keep * count + len(committed)
+        self._tau_sums[shape] = (total, count)
+        self.tau[shape] = total / count
+
+    def _record_chain(self, depth: int, committed: Sequence[int], keep: float) -> None:
+        """A greedy chain's verify that commits ``n`` tokens accepted its first ``n - 1`` drafts and rejected the
+        next (or drafted no further: ``n == depth + 1``). Per draft depth ``d``, the share of the verifies that
+        reached ``d`` and accepted it estimates ``a_d``, the chance to accept ``d`` once ``d - 1`` was; every
+        chain of the family then commits ``tau(S) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_S`` a cycle on average.
+        A chain of depth ``S`` tells about depths up to ``S`` only (a full acceptance is censored past it): a
+        deeper chain's ``tau`` is known once a chain of its depth ran, and every cycle sharpens the shallower."""
+        for d in range(1, depth + 1):
+            reached, accepted = self._depth_sums.get(d, (0.0, 0.0))
+            reached = keep * reached + sum(n >= d for n in committed)
+            accepted = keep * accepted + sum(n >= d + 1 for n in committed)
+            self._depth_sums[d] = (reached, accepted)
+        for c in self.shapes:
+            if c.drafts and c.is_chain:
+                tau = self._chain_tau(c.num_steps)
+                if tau is not None:
+                    self.tau[c] = tau
+
+    def _chain_tau(self, depth: int) -> float | None:
+        """``1 + sum_d prod_{j <= d} a_j`` up to ``depth`` (`_record_chain`); None while a depth it needs was
+        never reached."""
+        tau = survive = 1.0
+        for d in range(1, depth + 1):
+            if survive == 0.0:
+                break  # no verify got this far: the deeper terms are zero
+            reached, accepted = self._depth_sums.get(d, (0.0, 0.0))
+            if reached <= 0.0:
+                return None
+            survive *= accepted / reached
+            tau += survive
+        return tau

@@ -136,3 +136,64 @@ def test_the_scheduler_refuses_shapes_of_another_family():
     config = SpecConfig(num_steps=3, page_size=4)
     with pytest.raises(ValueError, match="page_size"):
         Scheduler(ports, config, speculation=AdaptiveSpeculation(shapes=(SpecConfig(3), SpecConfig(0))))
+
+
+def test_a_chains_acceptance_per_depth_gives_every_chains_tau():
+    """Counts 1..S + 1 of a depth-S chain estimate each depth's acceptance; shallower chains follow from them, a
+    deeper one only once a chain of its depth ran."""
+    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0), CHAIN)
+    s3, s2, s1 = controller.shapes[:3]
+    controller.record(s2, 4, 1.0, [1, 2, 3, 3])  # depth 1: 4 reached, 3 accepted; depth 2: 3 reached, 2 accepted
+    a1, a2 = 3 / 4, 2 / 3
+    assert controller.tau[s1] == pytest.approx(1 + a1)
+    assert controller.tau[s2] == pytest.approx(1 + a1 + a1 * a2) == pytest.approx((1 + 2 + 3 + 3) / 4)
+    assert s3 not in controller.tau  # depth 3 never reached: unknown, explored first
+    assert controller.choose(4) == s3
+    controller.record(s3, 4, 1.0, [4, 4, 1, 2])  # the same requests' window: decayed fully (ema_weight 1)
+    assert controller.tau[s3] == pytest.approx(1 + 3 / 4 + 3 / 4 * 2 / 3 + 3 / 4 * 2 / 3 * 2 / 2)
+    assert controller.tau[s3] == pytest.approx((4 + 4 + 1 + 2) / 4)
+
+
+def test_no_draft_gets_to_zero_acceptance_past_a_depth_nobody_accepts():
+    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0), CHAIN)
+    controller.record(controller.shapes[2], 2, 1.0, [1, 1])  # S1 rejected every time: deeper chains add nothing
+    assert [controller.tau.get(c) for c in controller.shapes] == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_a_deeper_shape_never_looks_cheaper_than_a_shape_it_contains():
+    controller = ShapeController(AdaptiveSpeculation(), CHAIN)
+    s3, s2, s1, s0 = controller.shapes
+    for shape, seconds in ((s0, 2.0), (s1, 3.0), (s2, 1.0)):  # S2's time a lucky low: it does S1's work and more
+        for _ in range(2):
+            controller.record(shape, 8, seconds, [1] * 8)
+    assert [controller._seconds(8, c) for c in (s0, s1, s2)] == [2.0, 3.0, 3.0]
+
+
+def test_warm_up_runs_every_shape_at_every_bucket_and_leaves_the_scheduler_as_it_was():
+    pool = FingerprintPool(num_pages=400, page_size=1)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, agreement=0.3), kv_pool=pool)
+    scheduler = Scheduler(ports, CHAIN, speculation="adaptive", max_batch_size=3)
+    ran = []
+    original = Scheduler.run
+
+    def run(self):
+        done = original(self)
+        ran.append((self.config, len(done), self.stats.spec_cycles + self.stats.plain_cycles))
+        return done
+
+    Scheduler.run = run
+    try:
+        assert scheduler.warm_up() == 0  # no graphed executor: nothing captured
+    finally:
+        Scheduler.run = original
+    assert [(c, n) for c, n, _ in ran] == [(c, n) for c in scheduler.controller.shapes for n in (1, 2, 3)]
+    assert all(cycles >= 4 for _, _, cycles in ran)
+    assert scheduler.stats.steps == 0 and scheduler.controller.cycles == 0 and not scheduler.finished
+    assert pool.num_free_pages == 400
+    assert [len(r.output) for r in scheduler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))] == [5]
+    scheduler.submit([1, 2])
+    with pytest.raises(ValueError, match="idle scheduler"):
+        scheduler.warm_up()
+    with pytest.raises(ValueError, match="batch_sizes"):
+        Scheduler(ports, CHAIN, speculation="on").warm_up([0])
