@@ -467,3 +467,26 @@ def test_two_schedulers_over_one_engine_keep_their_pipelined_cycles_apart(engine
                 scheduler.step()
     assert list(first.finished[a].output) == ar[0] and list(second.finished[b].output) == ar[1]
     assert engine.pool.num_free_pages == free
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_path):
+    """`Scheduler.warm_up` captures each shape's graphs at each bucket (both parities) before serving: the adaptive
+    run after it captures nothing, pipelines, and gives the autoregressive outputs; every page goes back."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    spec = SpecConfig(num_steps=3, topk=1, page_size=16)
+    engine = Engine.load(model_path, draft="eagle", spec=spec, device="cuda", dtype=torch.float32, fast=True,
+                         kv_tokens=8192)  # fmt: skip
+    prompts = [engine.chat_prompt(m) for m in MESSAGES]
+    ar = [engine.generate_autoregressive([p], NEW_TOKENS)[0] for p in prompts]
+    free = engine.pool.num_free_pages
+    scheduler = Scheduler.from_engine(engine, speculation="adaptive", max_batch_size=4)
+    assert scheduler.warm_up() == 2 * len(scheduler.controller.shapes) * 3  # buckets 1, 2, 4; two parities each
+    assert scheduler.warm_up() == 0  # all there already
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == ar
+    assert scheduler.stats.captures == 0 and scheduler.stats.pipelined_cycles > 0
+    assert engine.pool.num_free_pages == free
