@@ -13,8 +13,8 @@ per request (over every batch size, forgetting per request-verify; for a chain, 
 to be accepted once the one before was, which every chain's cycles tell up to their depth: a shallow shape's
 estimate sharpens with every deeper cycle, a deep one's needs only its last depth from its own), and each
 shape's time per batch bucket (powers of two, the graphed executor's buckets): the least of the recent wall
-times of the steps that ran it there (noise only adds to a wall clock; the least leaves out the steps that
-also admitted), and no less than the time of a shape it contains (fewer levels and rows). A pair not measured yet runs first
+times of the steps that ran it there and prefilled no request (noise only adds to a wall clock; a prefill
+costs the same whatever the shape), and no less than the time of a shape it contains (fewer levels and rows). A pair not measured yet runs first
 (twice: the first run of a shape at a bucket captures its graph, and is not timed); every ``probe_every``
 cycles at a bucket the shape measured longest ago runs ``probe_cycles`` cycles in a row, so the estimates
 follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
@@ -174,6 +174,10 @@ class ShapeController:
 
     def _timed(self, key) -> bool:
         return self.policy.cost is not None or key in self.seconds
+
+    def timed(self, shape: SpecConfig, batch_size: int) -> bool:
+        """Whether ``shape`` has a cycle time at ``batch_size``'s bucket (measured, or the fixed cost model's)."""
+        return self._timed((batch_bucket(batch_size), shape))
 
     def _seconds(self, bucket: int, shape: SpecConfig) -> float:
         """A cycle's time of ``shape`` at a bucket: the fixed cost model's, or the measured one, made no less than

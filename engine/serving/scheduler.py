@@ -218,6 +218,7 @@ class Scheduler:
         self._in_cycle = False  # admitting while the running batch's cycle is on the GPU
         self.pipeline = pipeline
         self._shape: SpecConfig | None = None  # this step's cycle's shape, once chosen
+        self._prefilled = False  # this step prefilled (its cycles are not timed for the controller)
         self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
         self._cancels: dict[int, None] = {}  # ids cancelled during a step, in call order
         self._published: dict[int, int] = {}  # request id -> pages below its L when it last published
@@ -376,6 +377,7 @@ class Scheduler:
         self._stepping = True
         try:
             self._shape = None
+            self._prefilled = False
             if self._inflight is not None:  # last step left its cycle on the GPU: go on from the device's state
                 self._advance(finished)
             if self._inflight is None:
@@ -415,9 +417,12 @@ class Scheduler:
             self.stats.seconds += seconds
             if self.controller is not None:
                 # A cycle's cost is its step's wall time: with the admission under the cycle and the cycles
-                # pipelined, the host's and the GPU's work overlap and no part of the step is another shape's. The
-                # controller keeps the least of a shape's recent times, which leaves out the steps that admitted.
+                # pipelined, the host's and the GPU's work overlap and no part of the step is another shape's. A
+                # step that prefilled is timed only for a shape not timed yet at its bucket (a load where every
+                # step prefills still measures each shape once): its prefill costs the same whatever the shape,
+                # and at a high load it would be most of the time the controller compares.
                 for shape, batch_size, counts, timed in self._cycles:
+                    timed = timed and (not self._prefilled or not self.controller.timed(shape, batch_size))
                     self.controller.record(shape, batch_size, seconds / len(self._cycles), counts, timed)
             self._cycles.clear()
         return finished
@@ -471,6 +476,7 @@ class Scheduler:
             return False
         in_flight += batch
         self.stats.prefills += 1
+        self._prefilled = True
         start = time.perf_counter()
         try:
             # a prefix cache hit: the pool lends each request the pages of its longest cached prefix first
