@@ -197,3 +197,31 @@ def test_warm_up_runs_every_shape_at_every_bucket_and_leaves_the_scheduler_as_it
         scheduler.warm_up()
     with pytest.raises(ValueError, match="batch_sizes"):
         Scheduler(ports, CHAIN, speculation="on").warm_up([0])
+
+
+def test_a_step_that_prefilled_times_only_a_shape_without_a_time():
+    """An admission's prefill costs the same whatever the shape: its step's time goes to the controller only for a
+    shape that has no time at the bucket yet."""
+    pool = FingerprintPool(num_pages=512, page_size=1)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, agreement=0.6), kv_pool=pool)
+    controller = ShapeController(AdaptiveSpeculation(), CHAIN)
+    scheduler = Scheduler(ports, CHAIN, speculation=controller, max_batch_size=4)
+    seen, original = [], controller.record
+
+    def record(shape, batch_size, seconds, committed, timed=True):
+        seen.append((timed, controller.timed(shape, batch_size), scheduler.stats.prefills))
+        original(shape, batch_size, seconds, committed, timed)
+
+    controller.record = record
+    steps = []  # (whether the step prefilled, its records)
+    for i in range(40):
+        if i % 3 == 0:
+            scheduler.submit([1 + i % 7, 2, 3], SamplingParams(max_new_tokens=6))
+        before, count = scheduler.stats.prefills, len(seen)
+        scheduler.step()
+        steps.append((scheduler.stats.prefills > before, seen[count:]))
+    scheduler.run()
+    prefilled = [r for admitted, records in steps if admitted for r in records]
+    assert prefilled and all(not timed or not had for timed, had, _ in prefilled)
+    assert any(timed for admitted, records in steps if not admitted for timed, _, _ in records)
