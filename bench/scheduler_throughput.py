@@ -297,7 +297,7 @@ def main() -> None:
         "adaptive_state": {
             "tau": {_name(c): round(t, 3) for c, t in controller.tau.items()},
             "cycle_ms": {
-                b: {_name(c): round(1e3 * t, 3) for (bb, c), t in sorted(controller.seconds.items(), key=str) if bb == b}
+                b: {_name(c): round(1e3 * t, 3) for (bb, c), t in controller.seconds.items() if bb == b}
                 for b in sorted({b for b, _ in controller.seconds})
             },
             "incumbent": {b: _name(c) for b, c in sorted(controller.incumbent.items())},

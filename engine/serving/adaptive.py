@@ -14,10 +14,10 @@ to be accepted once the one before was, which every chain's cycles tell up to th
 estimate sharpens with every deeper cycle, a deep one's needs only its last depth from its own), and each
 shape's time per batch bucket (powers of two, the graphed executor's buckets): the least of the recent wall
 times of the steps that ran it there and prefilled no request (noise only adds to a wall clock; a prefill
-costs the same whatever the shape), and no less than the time of a shape it contains (fewer levels and rows). A pair not measured yet runs first
-(twice: the first run of a shape at a bucket captures its graph, and is not timed); every ``probe_every``
-cycles at a bucket the shape measured longest ago runs ``probe_cycles`` cycles in a row, so the estimates
-follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
+costs the same whatever the shape), and no less than the time of a shape it contains (fewer levels and
+rows). A pair not measured yet runs first (twice: the first run of a shape at a bucket captures its graph, and
+is not timed); every ``probe_every`` cycles at a bucket the shape measured longest ago runs ``probe_cycles``
+cycles in a row, so the estimates follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
 higher. A fixed cost model (``cost``) replaces the timings, for tests and for engines that know theirs.
 
 Every shape is the table's cycle: ``S == 0`` verifies the root alone (a plain decode step) and a forward draft
