@@ -17,8 +17,9 @@ times of the steps that ran it there and prefilled no request (noise only adds t
 costs the same whatever the shape), and no less than the time of a shape it contains (fewer levels and
 rows). A pair not measured yet runs first (twice: the first run of a shape at a bucket captures its graph, and
 is not timed); every ``probe_every`` cycles at a bucket the shape measured longest ago runs ``probe_cycles``
-cycles in a row, so the estimates follow the load; the batch moves off the bucket's incumbent shape only for one that scores ``margin``
-higher. A fixed cost model (``cost``) replaces the timings, for tests and for engines that know theirs.
+cycles in a row, so the estimates follow the load; the batch moves off the bucket's incumbent shape only for one
+that scores ``margin`` higher. A fixed cost model (``cost``) replaces the timings, for tests and for engines
+that know theirs.
 
 Every shape is the table's cycle: ``S == 0`` verifies the root alone (a plain decode step) and a forward draft
 still extends over the committed token, so a later cycle of a deeper shape finds its state current
