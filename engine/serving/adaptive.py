@@ -14,10 +14,11 @@ to be accepted once the one before was, which every chain's cycles tell up to th
 estimate sharpens with every deeper cycle, a deep one's needs only its last depth from its own), and each
 shape's time per batch bucket (powers of two, the graphed executor's buckets): the least of the recent wall
 times of the steps that ran it there and prefilled no request (noise only adds to a wall clock; a prefill
-costs the same whatever the shape), and no less than the time of a shape it contains (fewer levels and
-rows). A pair not measured yet runs first (twice: the first run of a shape at a bucket captures its graph, and
-is not timed); every ``probe_every`` cycles at a bucket the shape measured longest ago runs ``probe_cycles``
-cycles in a row, so the estimates follow the load; the batch moves off the bucket's incumbent shape only for one
+costs the same whatever the shape). A pair not measured yet runs first (twice: the first run of a shape at a
+bucket captures its graph, and is not timed); every ``probe_every`` cycles at a bucket the shape measured
+longest ago runs ``probe_cycles`` cycles in a row, so the estimates follow the load (while the bucket's
+incumbent holds, the gap doubles after each probe, up to `MAX_PROBE_GAP` times ``probe_every``: a probe of a
+worse shape costs); the batch moves off the bucket's incumbent shape only for one
 that scores ``margin`` higher. A fixed cost model (``cost``) replaces the timings, for tests and for engines
 that know theirs.
 
@@ -118,7 +119,9 @@ class AdaptiveSpeculation:
     * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
     * ``ema_weight``: weight of the newest cycle in the moving average of a shape's committed tokens per
       request (per `TAU_REQUESTS` request-verifies).
-    * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago).
+    * ``probe_every``: cycles at a batch bucket between two probes (a probe runs the shape measured longest ago)
+      while its incumbent is new; each probe that leaves the incumbent in place doubles the gap, up to
+      `MAX_PROBE_GAP` times.
     * ``probe_cycles``: cycles a probe runs in a row. A scheduler that pipelines its cycles pays a reload on every
       change of shape, so a probe's first cycle costs more than the shape does; its next ones run pipelined like
       the incumbent's, and the least of a shape's recent times is what the scores compare.
@@ -143,6 +146,7 @@ TIMING_AGE = 256  # ... taken within the controller's last 256 cycles (contexts 
 # a shape's tau forgets with every TAU_REQUESTS request-verifies as an EMA does with every cycle: a cycle of one
 # request (committed counts from 1 to S + 1) moves it as little as 1/TAU_REQUESTS of a cycle of that many
 TAU_REQUESTS = 32
+MAX_PROBE_GAP = 8  # a bucket whose incumbent holds probes at least every 8 * probe_every cycles
 
 
 class ShapeController:
@@ -161,6 +165,7 @@ class ShapeController:
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
         self.since_probe: dict[int, int] = {}
+        self.probe_gap: dict[int, int] = {}  # bucket -> cycles between its probes (doubles while the incumbent holds)
         self.cycles = 0
         self.switches = 0
         self.current: SpecConfig | None = None  # the shape of the last cycle (explored, probed or chosen)
@@ -181,15 +186,9 @@ class ShapeController:
         return self._timed((batch_bucket(batch_size), shape))
 
     def _seconds(self, bucket: int, shape: SpecConfig) -> float:
-        """A cycle's time of ``shape`` at a bucket: the fixed cost model's, or the measured one, made no less than
-        that of any measured shape it contains (no more draft levels, no more verify rows): a deeper shape does the
-        shallower one's work and more, so a lucky minimum cannot make it look cheaper."""
         if self.policy.cost is not None:
             return float(self.policy.cost(shape, bucket))
-        return max(
-            t for (b, c), t in self.seconds.items()
-            if b == bucket and c.num_steps <= shape.num_steps and c.num_draft_tokens <= shape.num_draft_tokens
-        )  # fmt: skip
+        return self.seconds[(bucket, shape)]
 
     def score(self, shape: SpecConfig, bucket: int) -> float:
         """Committed tokens per request and second of ``shape`` at a bucket: ``tau / t``, ``t`` the time a step of
@@ -209,6 +208,8 @@ class ShapeController:
         held = self.incumbent.get(bucket)
         if held in scored and self.score(top, bucket) < (1 + self.policy.margin) * self.score(held, bucket):
             top = held
+        if top != held:  # a new incumbent: probe at the base rate again
+            self.probe_gap[bucket] = self.policy.probe_every
         self.incumbent[bucket] = top
         return top
 
@@ -224,8 +225,10 @@ class ShapeController:
         elif pick is None:
             self.since_probe[bucket] = self.since_probe.get(bucket, 0) + 1
             pick = self.best(batch_size)
-            if self.since_probe[bucket] >= self.policy.probe_every and len(self.shapes) > 1:
+            gap = self.probe_gap.get(bucket, self.policy.probe_every)
+            if self.since_probe[bucket] >= gap and len(self.shapes) > 1:
                 self.since_probe[bucket] = 0
+                self.probe_gap[bucket] = min(2 * gap, MAX_PROBE_GAP * self.policy.probe_every)
                 others = [c for c in self.shapes if c != pick]
                 pick = min(others, key=lambda c: self.last.get((bucket, c), -1))
                 if self.policy.probe_cycles > 1:

@@ -56,9 +56,9 @@ def test_each_shape_is_measured_then_the_fastest_runs_and_probes_follow_the_load
     ran = drive(controller, 64, tau, large, 12)
     assert ran[:8] == [c for c in controller.shapes for _ in range(2)]  # a new bucket is measured again
     assert set(ran[8:]) == {controller.shapes[-1]}  # no draft: 1 token at cost 1 beats 2 at 2.5, 3 at 4
-    ran = drive(controller, 64, tau, large, 10)
-    probes = [c for c in ran if c != controller.shapes[-1]]  # every fifth cycle: the shape measured longest ago
-    assert probes == list(controller.shapes[:2])
+    ran = drive(controller, 64, tau, large, 15)
+    probes = [c for c in ran if c != controller.shapes[-1]]  # the shape measured longest ago, after 5 then 10 cycles
+    assert probes == list(controller.shapes[:2]) and controller.probe_gap[64] == 20
     assert batch_bucket(3) == batch_bucket(4) == 4 and batch_bucket(64) == 64
 
 
@@ -109,7 +109,24 @@ def test_probes_and_exploration_do_not_hold_the_batch_off_the_best_shape():
     ran = [
         s.num_steps for s in drive(controller, 1, lambda c: tau[c.num_steps], lambda c, bs: seconds[c.num_steps], 88)
     ]
-    assert ran[8:].count(2) == 70  # every cycle after the exploration but the ten probes
+    assert ran[8:].count(2) == 77  # every cycle after the exploration but the probes after 8, 16 and 32 more
+
+
+def test_probes_back_off_while_the_incumbent_holds_and_come_back_when_the_load_changes():
+    controller = ShapeController(AdaptiveSpeculation(probe_every=4, probe_cycles=1), CHAIN)
+    tau = {3: 3, 2: 3, 1: 2, 0: 1}
+    seconds = {3: 1.2, 2: 1.0, 1: 0.8, 0: 0.5}  # S2 is best: 3.0 a second against 2.5, 2.5, 2.0
+    ran = drive(controller, 1, lambda c: tau[c.num_steps], lambda c, bs: seconds[c.num_steps], 8 + 200)
+    probe_at = [i for i, c in enumerate(ran[8:]) if c.num_steps != 2]
+    gaps = [b - a for a, b in zip(probe_at, probe_at[1:])]
+    assert gaps[:4] == [8, 16, 32, 32] and max(gaps) == 32  # doubling from 4 up to the cap, 8 * 4
+    assert controller.probe_gap[1] == 32
+    slower = {3: 1.2, 2: 2.0, 1: 0.8, 0: 0.5}  # the load changes: S2 is now the worst (1.5 a second)
+    for _ in range(40):  # its window of times fills with the new ones: S3 (2.5 a second) takes over
+        drive(controller, 1, lambda c: tau[c.num_steps], lambda c, bs: slower[c.num_steps], 1)
+        if controller.incumbent[1].num_steps != 2:
+            break
+    assert controller.incumbent[1].num_steps == 3 and controller.probe_gap[1] <= 8  # back to the base rate
 
 
 def test_a_reshape_to_a_shallower_shape_gives_the_deeper_reservation_back():
@@ -158,15 +175,6 @@ def test_no_draft_gets_to_zero_acceptance_past_a_depth_nobody_accepts():
     controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0), CHAIN)
     controller.record(controller.shapes[2], 2, 1.0, [1, 1])  # S1 rejected every time: deeper chains add nothing
     assert [controller.tau.get(c) for c in controller.shapes] == [1.0, 1.0, 1.0, 1.0]
-
-
-def test_a_deeper_shape_never_looks_cheaper_than_a_shape_it_contains():
-    controller = ShapeController(AdaptiveSpeculation(), CHAIN)
-    s3, s2, s1, s0 = controller.shapes
-    for shape, seconds in ((s0, 2.0), (s1, 3.0), (s2, 1.0)):  # S2's time a lucky low: it does S1's work and more
-        for _ in range(2):
-            controller.record(shape, 8, seconds, [1] * 8)
-    assert [controller._seconds(8, c) for c in (s0, s1, s2)] == [2.0, 3.0, 3.0]
 
 
 def test_warm_up_runs_every_shape_at_every_bucket_and_leaves_the_scheduler_as_it_was():
