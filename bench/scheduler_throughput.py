@@ -12,6 +12,9 @@ once per mode:
   included, as one long-running server's would (its measurements carry over).
 
 Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
+``--budget-spread F`` gives the requests budgets spread evenly over ``max_new_tokens * [1 - F, 1 + F]`` (the same
+per request index in every mode): with one budget for all, autoregressive requests of a prompt finish in the
+same step, so its admissions come in few large prefills, while speculation spreads them.
 ``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. ``--sampled``: the
 share of requests that sample (every ``1/share``-th one, temperature 0.7, top-p 0.95, seeded by its index), so
 greedy and sampled requests share batches; a sampled request's output depends on the draft, so only the greedy
@@ -50,11 +53,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def params_of(i: int, new_tokens: int, sampled: float) -> SamplingParams:
+def budget_of(i: int, new_tokens: int, spread: float) -> int:
+    """Request ``i``'s ``max_new_tokens``: ``new_tokens``, or with ``spread`` > 0 spread evenly over
+    ``new_tokens * [1 - spread, 1 + spread]`` by a fixed hash of ``i`` (the same in every mode)."""
+    u = (i * 2654435761 % 2**32) / 2**32
+    return max(1, round(new_tokens * (1 - spread + 2 * spread * u)))
+
+
+def params_of(i: int, new_tokens: int, sampled: float, spread: float = 0.0) -> SamplingParams:
     """Request ``i``'s parameters: greedy, or (every ``1 / sampled``-th request) temperature 0.7, top-p 0.95."""
+    budget = budget_of(i, new_tokens, spread)
     if sampled > 0 and i % round(1 / sampled) == 0:
-        return SamplingParams(max_new_tokens=new_tokens, temperature=0.7, top_p=0.95, seed=1000 + i)
-    return SamplingParams(max_new_tokens=new_tokens)
+        return SamplingParams(max_new_tokens=budget, temperature=0.7, top_p=0.95, seed=1000 + i)
+    return SamplingParams(max_new_tokens=budget)
 
 
 def run_mode(
@@ -68,13 +79,14 @@ def run_mode(
     per_client: int = 1,
     controller: ShapeController | None = None,
     sampled: float = 0.0,
+    spread: float = 0.0,
 ) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
     scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
     total = max(bs * per_client, MIN_REQUESTS if per_client > 1 else 0)
 
     def submit(i: int) -> int:
-        return scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled))
+        return scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled, spread))
 
     switches = controller.switches if controller is not None else 0
     _sync(device)
@@ -115,7 +127,7 @@ def run_mode(
             "other": round(stats.seconds - stats.prefill_seconds - stats.cycle_seconds, 4),
         },
         "outputs": outputs,
-        "greedy": [params_of(i, new_tokens, sampled).greedy for i in range(len(ids))],
+        "greedy": [params_of(i, new_tokens, sampled, spread).greedy for i in range(len(ids))],
     }
 
 
@@ -176,9 +188,17 @@ def main() -> None:
         "forced to accept tau rows a cycle (bench.forced); outputs are then not comparable with ar's",
     )  # fmt: skip
     parser.add_argument("--sampled", type=float, default=0.0, help="share of sampled requests (module docstring)")
+    parser.add_argument(
+        "--budget-spread",
+        type=float,
+        default=0.0,
+        help="spread each request's max_new_tokens evenly over max_new_tokens * [1 - F, 1 + F], F < 1 (0: the same)",
+    )
     args = parser.parse_args()
     if not 0.0 <= args.sampled <= 1.0:
         raise SystemExit(f"--sampled is a share of the requests in [0, 1], got {args.sampled}")
+    if not 0.0 <= args.budget_spread < 1.0:
+        raise SystemExit(f"--budget-spread is a fraction in [0, 1), got {args.budget_spread}")
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -194,7 +214,8 @@ def main() -> None:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p["text"]}]) for p in items]
     longest = max(len(p) for p in prompts)
     per_request = args.page_size * math.ceil(
-        (longest + args.max_new_tokens + 2 * spec.reserve_len("aligned")) / args.page_size
+        (longest + round(args.max_new_tokens * (1 + args.budget_spread)) + 2 * spec.reserve_len("aligned"))
+        / args.page_size
     )
     # every request in flight fits at once: this measures batching, not retraction
     kv_tokens = max(batch_sizes) * per_request + 4 * per_request
@@ -233,7 +254,7 @@ def main() -> None:
             for mode in modes:
                 run_mode(
                     engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens,
-                    args.requests_per_client, controller, args.sampled,
+                    args.requests_per_client, controller, args.sampled, args.budget_spread,
                 )  # fmt: skip
         results = {
             mode: run_mode(
@@ -247,6 +268,7 @@ def main() -> None:
                 args.requests_per_client,
                 controller,
                 args.sampled,
+                args.budget_spread,
             )  # fmt: skip
             for mode in modes
         }
@@ -281,6 +303,7 @@ def main() -> None:
         "graphed_executor": engine.fused_cycles is not None,
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
+        "budget_spread": args.budget_spread,
         "max_prefill_tokens": args.max_prefill_tokens,
         "sampled": args.sampled,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
