@@ -14,7 +14,9 @@ once per mode:
 Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
 ``--budget-spread F`` gives the requests budgets spread evenly over ``max_new_tokens * [1 - F, 1 + F]`` (the same
 per request index in every mode): with one budget for all, autoregressive requests of a prompt finish in the
-same step, so its admissions come in few large prefills, while speculation spreads them.
+same step, so its admissions come in few large prefills, while speculation spreads them. ``--repeats R`` runs
+the modes of a load ``R`` times, interleaved, and reports the run of the median tokens/s (every run's figure
+beside it; an output counts as identical when every run gave the ``ar`` one).
 ``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. ``--sampled``: the
 share of requests that sample (every ``1/share``-th one, temperature 0.7, top-p 0.95, seeded by its index), so
 greedy and sampled requests share batches; a sampled request's output depends on the draft, so only the greedy
@@ -189,6 +191,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--sampled", type=float, default=0.0, help="share of sampled requests (module docstring)")
     parser.add_argument(
+        "--repeats", type=int, default=1, help="timed runs of each mode a load, interleaved: the median"
+    )
+    parser.add_argument(
         "--budget-spread",
         type=float,
         default=0.0,
@@ -197,6 +202,8 @@ def main() -> None:
     args = parser.parse_args()
     if not 0.0 <= args.sampled <= 1.0:
         raise SystemExit(f"--sampled is a share of the requests in [0, 1], got {args.sampled}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats is a count >= 1, got {args.repeats}")
     if not 0.0 <= args.budget_spread < 1.0:
         raise SystemExit(f"--budget-spread is a fraction in [0, 1), got {args.budget_spread}")
     if args.threads:
@@ -256,29 +263,40 @@ def main() -> None:
                     engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens,
                     args.requests_per_client, controller, args.sampled, args.budget_spread,
                 )  # fmt: skip
-        results = {
-            mode: run_mode(
-                engine,
-                mode,
-                prompts,
-                bs,
-                args.max_new_tokens,
-                args.device,
-                args.max_prefill_tokens,
-                args.requests_per_client,
-                controller,
-                args.sampled,
-                args.budget_spread,
-            )  # fmt: skip
-            for mode in modes
-        }
-        ar_outputs = results["ar"].pop("outputs")
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for _ in range(args.repeats):  # the modes interleaved, so a drift of the machine touches each alike
+            for mode in modes:
+                runs[mode].append(
+                    run_mode(
+                        engine,
+                        mode,
+                        prompts,
+                        bs,
+                        args.max_new_tokens,
+                        args.device,
+                        args.max_prefill_tokens,
+                        args.requests_per_client,
+                        controller,
+                        args.sampled,
+                        args.budget_spread,
+                    )  # fmt: skip
+                )
+        results = {}
+        for mode, done in runs.items():  # the run of the median tokens/s, with every run's figure beside it
+            ranked = sorted(done, key=lambda r: r["tokens_per_s"])
+            results[mode] = dict(ranked[(len(ranked) - 1) // 2], runs_tokens_per_s=[r["tokens_per_s"] for r in done])
+        ar_outputs = results["ar"]["outputs"]
         row = {"batch_size": bs}
         for mode, r in results.items():
-            outputs = ar_outputs if mode == "ar" else r.pop("outputs")
+            r.pop("outputs")
             greedy = r.pop("greedy")
             r["greedy_requests"] = sum(greedy)
-            r["identical_to_ar"] = sum(a == b for a, b, g in zip(outputs, ar_outputs, greedy) if g)
+            # a greedy request counts when every run of the mode gave the ar output (ar's runs: each other's)
+            r["identical_to_ar"] = sum(
+                all(run["outputs"][j] == ar for run in runs[mode])
+                for j, (ar, g) in enumerate(zip(ar_outputs, greedy))
+                if g
+            )
             if mode != "ar":
                 r["speedup_vs_ar"] = round(r["tokens_per_s"] / results["ar"]["tokens_per_s"], 3)
             row[mode] = r
@@ -304,6 +322,7 @@ def main() -> None:
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
         "budget_spread": args.budget_spread,
+        "repeats": args.repeats,
         "max_prefill_tokens": args.max_prefill_tokens,
         "sampled": args.sampled,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
