@@ -99,12 +99,12 @@ if triton is not None:
         request = tl.load(row_request_ptr + row, mask=ok, other=0).to(tl.int32)
         total = tl.minimum(tl.load(prefix_ptr + row, mask=ok, other=0), table_width * page_size).to(tl.int32)
         chunk_keys, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
-        out_lines = out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         # a row without keys: the rows kernel's one empty chunk, zeros (stored by program 0, which holds chunk 0).
         # Masks as row-count limits (the interpreter turns a block mask & a scalar condition into int32).
         zero_rows = tl.where(first_chunk == 0, rows_per_block, 0)
         empty = ok & (total == 0) & (local < zero_rows)
-        tl.store(out_lines, tl.zeros([BLOCK_L, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=empty[:, None] & d_ok)
+        tl.store(out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 tl.zeros([BLOCK_L, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=empty[:, None] & d_ok)  # fmt: skip
         part_row = (row.to(tl.int64) * num_heads + heads) * chunk_bound  # [row, head, 0] of the scratch
         offs = tl.arange(0, BLOCK_N)
         big = 1 << 30
@@ -164,7 +164,8 @@ if triton is not None:
                     acc = tl.where(takes[:, None], acc_new, acc)
                 out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
                 single = live & (row_chunks == 1)
-                tl.store(out_lines, out.to(out_ptr.dtype.element_ty), mask=single[:, None] & d_ok)
+                tl.store(out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=single[:, None] & d_ok)  # fmt: skip
                 # several chunks: the chunk's partial state, at [row, head, chunk] of the [T, H, chunk_bound] scratch
                 part = part_row + chunk
                 split = live & (row_chunks > 1)
