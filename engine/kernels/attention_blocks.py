@@ -21,12 +21,17 @@ sees exactly the blocks, columns and operations of its row in the rows kernel, a
 query and the keys only. A padding row (``prefix_len = 0``) stores zeros, the rows kernel's empty chunk.
 
 What the rows kernel and this one share is the arithmetic; the product's ``M`` (``block_lines`` against the rows
-kernel's 16 lines) is not. On a GPU the tensor-core products keep a line's bits whatever ``M`` as long as the warps
-do not cut the key dimension (the tile kernel gave the same bits at 16, 32 and 64 lines,
-bench/results/attention_bench-H100-tile-lines-*.json; warps are what change a kernel's bits,
-``attention_tiles.COMBINE_WARPS``); the default runs the rows kernel's warps, one at heads of 64, whose ``M`` of 32
-takes Hopper's warp-level ``mma`` as the rows kernel does (the warp-group one needs 4 warps and 64 lines). The tests
-hold the two kernels bitwise equal on the GPU (tests/kernels/test_attention_blocks.py).
+kernel's 16 lines) is not. A tensor-core product computes each line from its own operands, so a line keeps its bits
+whatever ``M`` as long as the instruction and the warps' split of the key dimension stay (warps are what change a
+kernel's bits: ``attention_tiles.COMBINE_WARPS``; the tile kernel gave the same bits at 16, 32 and 64 lines,
+bench/results/attention_bench-H100-tile-lines-*.json). Compiled for ``sm_90`` (Triton 3.9, no GPU), both kernels at
+one warp (the rows kernel's at heads of 64, `default_num_warps`) take the same ``mma.sync.m16n8k16`` in the same
+one-warp layout, the P V product accumulating onto ``acc * alpha`` in both, and reduce a line's scores in the same
+layout; float32 takes the same FMA layouts (a line's 32 scores over 8 threads of 4). At 64 lines and 4 warps Hopper
+would take the warp-group ``wgmma`` instead. Registers (bfloat16, 32 lines, one warp, 3 stages): 255 and 284 / 288
+bytes of spill stores / loads against the rows kernel's 247 and none (bench/results/kernel_registers-blocks-*.json):
+the selection above holds a second accumulator. On a GPU the tests require the two kernels bitwise equal
+(tests/kernels/test_attention_blocks.py, SmolLM2's shape included), and so does ``attention_bench --parts prefill``.
 
 **Only where it pays, decided on the host.** A batch with extra-slot columns (a verify's, a draft level's) takes the
 rows kernel: the host sees ``M`` in the shapes. The fast path calls this for prefill forwards only
