@@ -28,8 +28,8 @@ share them).
   against the query blocks of `engine.kernels.attention_blocks` (``blocks`` and its launch variants,
   ``--prefill-variants``): the 13 prompts of a serving run (44 .. 767 tokens, 2,367 rows) and 3 prompts of
   about 90, from position 0, page tables ``tight`` and ``wide``; µs per call as in ``time``, each variant's
-  output checked bit for bit against the rows kernel's in bfloat16 and float32 (a failure if it differs) and
-  against the torch twin.
+  output checked bit for bit against the rows kernel's in bfloat16 and float32 (with the merge in the same
+  place: ``-2k`` against the rows kernel's ``split-2k``; a failure if it differs) and against the torch twin.
 
     python -m bench.attention_bench --out $OUT                  # both parts, a few minutes
     python -m bench.attention_bench --out $OUT --parts time --variants single,split --models smollm2
@@ -381,11 +381,13 @@ def prefill_part(variants, tables) -> list[dict]:
             for dtype in (torch.float32, torch.bfloat16):  # bits in both dtypes; time in bfloat16 (the last)
                 case = prefill_case(prompts, table, dtype, gen)
                 rows = attend(case["args"], VARIANTS["split"])
+                rows_2k = attend(case["args"], VARIANTS["split-2k"])  # the merge by the combine kernel: its own bits
                 reference = twin(case["args"], case["keys"])
                 tag = str(dtype)[6:]
                 for variant in variants:
-                    got = attend(case["args"], VARIANTS["split" if variant == "rows" else variant])
-                    same = torch.equal(got, rows)
+                    options = VARIANTS["split" if variant == "rows" else variant]
+                    got = attend(case["args"], options)
+                    same = torch.equal(got, rows_2k if options.get("fused_combine") is False else rows)
                     row["same_bits_as_rows"][f"{variant} {tag}"] = same
                     if not same:
                         FAILURES.append(f"prefill {name} {table} {variant} {tag}: not the rows kernel's bits")

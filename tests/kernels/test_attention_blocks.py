@@ -6,7 +6,8 @@ blocks that straddle two prompts, padding rows (``prefix_len = 0``) among and af
 query groups of 1 and 3. Each is held to `attention_triton.paged_attention_rows_triton` (`assert_same_bits`: bit for
 bit on a GPU, and for bfloat16 under the interpreter, whose float32 products of other shapes differ in the last
 places) and to the torch twin within the kernel tests' tolerances. The launch choices (lines a block, programs, the
-merge's place) change no bit; rows with extra slots are the rows kernel's. On a GPU also SmolLM2's shape at the
+merge's place: the rows kernel's own merge in either place) change no bit; rows with extra slots are the rows
+kernel's. On a GPU also SmolLM2's shape at the
 default constants, the benchmark's 13 prompts and a prompt of grown chunks, eager and replayed in a graph.
 
 Runs on CPU under ``TRITON_INTERPRET=1`` (CI) and on a GPU as is.
@@ -112,14 +113,19 @@ def test_blocks_give_the_rows_kernel_bits_on_random_prefills(dtype, heads, page_
     assert torch.count_nonzero(blocks[padding]) == 0
 
 
-def test_lines_programs_and_the_merge_change_no_bit(dtype=torch.bfloat16):
+def test_lines_and_programs_change_no_bit_and_the_second_kernels_merge_is_the_rows_kernels(dtype=torch.bfloat16):
+    """Launch choices keep the bits; the merge by `attention_triton`'s combine kernel (``fused_combine=False``) gives
+    the rows kernel's rows merged by that kernel (the two merges reduce in other layouts on a GPU: each is held to its
+    own)."""
     options = SPLITS["grown"]
     args, _ = prefill_case(3, 4, 6, 2, 16, [(0, 14), (40, 12), (0, 1)], dtype)
     base = paged_attention_blocks_triton(*args, 4, **options)
-    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1), dict(programs=2),
-                   dict(fused_combine=False)):  # fmt: skip
+    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1), dict(programs=2)):
         got = paged_attention_blocks_triton(*args, 4, **options, **launch)
         assert_same_bits(got, base, dtype, launch, DEVICE)
+    two_kernels = paged_attention_blocks_triton(*args, 4, **options, fused_combine=False)
+    rows_two_kernels = paged_attention_rows_triton(*args, 4, **options, fused_combine=False, programs_per_row=ONE)
+    assert_same_bits(two_kernels, rows_two_kernels, dtype, "the merge by the combine kernel", DEVICE)
     assert counters_are_zero()
 
 
@@ -151,8 +157,10 @@ def test_smollm2_prefills_on_the_gpu_are_bitwise_the_rows_kernel(dtype):
     rows = paged_attention_rows_triton(*args, 16)
     blocks = paged_attention_blocks_triton(*args, 16)
     assert torch.equal(blocks, rows)
-    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1), dict(fused_combine=False)):
+    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1)):
         assert torch.equal(paged_attention_blocks_triton(*args, 16, **launch), rows), launch
+    two_kernels = paged_attention_rows_triton(*args, 16, fused_combine=False)
+    assert torch.equal(paged_attention_blocks_triton(*args, 16, fused_combine=False), two_kernels)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = paged_attention_blocks_triton(*args, 16)
