@@ -142,11 +142,14 @@ VARIANTS = {
     "blocks-p32": dict(kernel="blocks", programs=32),
     "blocks-2k": dict(kernel="blocks", fused_combine=False),
     "blocks-s1": dict(kernel="blocks", num_stages=1),
+    "blocks-zeros": dict(kernel="blocks", select_state=False),  # one accumulator: zero products keep a line's state
+    "blocks-zeros-s1": dict(kernel="blocks", select_state=False, num_stages=1),
 }
 # a prefill's prompts (``prefill`` part): a serving run's 13 prompts, and 3 of about 90 tokens
 PREFILLS = {"13prompts": (44, 44, 47, 66, 73, 78, 81, 85, 85, 93, 233, 671, 767), "3x90": (88, 90, 92)}
 PREFILL_VARIANTS = (
     "rows", "blocks", "blocks-l16", "blocks-l64", "blocks-p1", "blocks-p2", "blocks-p8", "blocks-2k", "blocks-s1",
+    "blocks-zeros", "blocks-zeros-s1",
 )  # fmt: skip
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs

@@ -29,8 +29,10 @@ one warp (the rows kernel's at heads of 64, `default_num_warps`) take the same `
 one-warp layout, the P V product accumulating onto ``acc * alpha`` in both, and reduce a line's scores in the same
 layout; float32 takes the same FMA layouts (a line's 32 scores over 8 threads of 4). At 64 lines and 4 warps Hopper
 would take the warp-group ``wgmma`` instead. Registers (bfloat16, 32 lines, one warp, 3 stages): 255 and 284 / 288
-bytes of spill stores / loads against the rows kernel's 247 and none (bench/results/kernel_registers-blocks-*.json):
-the selection above holds a second accumulator. On a GPU the tests require the two kernels bitwise equal
+bytes of spill stores / loads against the rows kernel's 247 and none
+(bench/results/kernel_registers-blocks-20261127-*.json): the selection above holds a second accumulator
+(``select_state=False`` keeps a line past its keys as the product's addend instead: 140 / 144 bytes,
+bench/results/kernel_registers-blocks-zeros-*.json). On a GPU the tests require the two kernels bitwise equal
 (tests/kernels/test_attention_blocks.py, SmolLM2's shape included), and so does ``attention_bench --parts prefill``.
 
 **Only where it pays, decided on the host.** A batch with extra-slot columns (a verify's, a draft level's) takes the
@@ -82,7 +84,7 @@ if triton is not None:
         stride_pt, page_size, table_width, num_heads, chunk_bound, scale, num_rows, rows_per_block,
         GROUP: tl.constexpr, BLOCK_L: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, LOW_PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_C: tl.constexpr,
+        UPCAST: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_C: tl.constexpr, SELECT_STATE: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(block, KV head, p)``: program ``p`` runs chunks ``p, p + P, ...`` of each segment of the
         block's rows (module docstring); with ``FUSED_COMBINE`` the last of a row's programs merges its chunks."""
@@ -153,6 +155,11 @@ if triton is not None:
                     alpha = tl.exp(m_i - m_safe)
                     p = tl.exp(s - m_safe[:, None])
                     l_new = l_i * alpha + tl.sum(p, axis=1)
+                    # the lines whose row's keys reach this block take it; the others keep their state
+                    takes = live & (total > start)
+                    if not SELECT_STATE:  # the others' accumulator as the product's addend, times 1, plus zeros
+                        p = tl.where(takes[:, None], p, 0.0)
+                        alpha = tl.where(takes, alpha, 1.0)
                     if LOW_PRECISION:  # probabilities rounded to the value dtype for the tensor cores
                         p_low = p.to(v.dtype)
                         if UPCAST:
@@ -162,11 +169,9 @@ if triton is not None:
                     else:
                         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
                     acc_new = acc * alpha[:, None] + pv
-                    # the lines whose row's keys reach this block take it; the others keep their state
-                    takes = live & (total > start)
                     m_i = tl.where(takes, m_new, m_i)
                     l_i = tl.where(takes, l_new, l_i)
-                    acc = tl.where(takes[:, None], acc_new, acc)
+                    acc = tl.where(takes[:, None], acc_new, acc) if SELECT_STATE else acc_new
                 out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
                 single = live & (row_chunks == 1)
                 tl.store(out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -216,6 +221,7 @@ def paged_attention_blocks_triton(
     num_warps: int | None = None,
     num_stages: int | None = NUM_STAGES,
     maxnreg: int | None = None,
+    select_state: bool = True,
 ) -> torch.Tensor:
     """The query-block kernel; `attention_triton.paged_attention_rows_triton`'s contract and bits.
 
@@ -223,8 +229,12 @@ def paged_attention_blocks_triton(
     ``max_chunks``, ``block_n`` and ``num_warps`` (default `default_num_warps`, the rows kernel's) set the bits: a row
     equals the rows kernel's row for the same four. ``block_lines`` (a power of two, at least 16 and the query heads
     of a KV head), ``programs`` (per block and KV head; default `default_programs_per_row` over the blocks),
-    ``fused_combine`` (False: `attention_triton`'s combine kernel merges, a second launch), ``num_stages`` and
-    ``maxnreg`` move work only.
+    ``fused_combine`` (False: `attention_triton`'s combine kernel merges, a second launch, and a row gets that
+    kernel's bits: the rows kernel's with ``fused_combine=False``), ``num_stages`` and ``maxnreg`` move work only.
+    ``select_state``: a line whose row's keys end before a block keeps its accumulator by a selection (True, exact by
+    construction, a second accumulator held across the product) or as the addend of the product, its probabilities
+    zeroed and its rescale 1 (False, one accumulator: exact where the tensor cores add zero products exactly, which
+    ``attention_bench --parts prefill`` checks as ``blocks-zeros``).
     """
     if triton is None:
         raise RuntimeError("paged_attention_blocks_triton needs triton: pip install triton, or use the torch path")
@@ -286,7 +296,8 @@ def paged_attention_blocks_triton(
         1.0 / math.sqrt(head_dim), num_rows, rows_per_block,
         GROUP=group, BLOCK_L=block_lines, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=chunk,
         MAX_CHUNKS=max_chunks, LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", FUSED_COMBINE=fused, BLOCK_C=block_c, num_warps=warps,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", FUSED_COMBINE=fused, BLOCK_C=block_c,
+        SELECT_STATE=select_state, num_warps=warps,
         **launch_options(num_stages, maxnreg),
     )  # fmt: skip
     if chunk_bound > 1 and not fused:  # the rows kernel's second-launch merge (no extra column: the table as pointer)

@@ -88,9 +88,10 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                 }
                 block_signature.update(num_rows=i32, rows_per_block=i32)
                 block = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "BLOCK_M")}
-                block.update(BLOCK_L=blocks.BLOCK_LINES)
+                block.update(BLOCK_L=blocks.BLOCK_LINES, SELECT_STATE=True)
                 block_aligned = tuple(a for a in aligned if a in block_signature)
-                out.append((blocks._paged_attention_block_kernel, block_signature, [block], block_aligned))
+                out.append((blocks._paged_attention_block_kernel, block_signature,
+                            [block, {**block, "SELECT_STATE": False}], block_aligned))  # fmt: skip
             combine = dict(HEAD_DIM=dim, BLOCK_D=dim, BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS),
                            BLOCK_M=block_m, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)  # fmt: skip
             combine = {**combine, "page_size": 1} if page_one else combine

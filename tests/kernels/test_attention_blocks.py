@@ -120,7 +120,8 @@ def test_lines_and_programs_change_no_bit_and_the_second_kernels_merge_is_the_ro
     options = SPLITS["grown"]
     args, _ = prefill_case(3, 4, 6, 2, 16, [(0, 14), (40, 12), (0, 1)], dtype)
     base = paged_attention_blocks_triton(*args, 4, **options)
-    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1), dict(programs=2)):
+    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1), dict(programs=2),
+                   dict(select_state=False)):  # fmt: skip
         got = paged_attention_blocks_triton(*args, 4, **options, **launch)
         assert_same_bits(got, base, dtype, launch, DEVICE)
     two_kernels = paged_attention_blocks_triton(*args, 4, **options, fused_combine=False)
