@@ -134,7 +134,7 @@ VARIANTS = {
     "tiles-w8": dict(kernel="tiles", num_warps=8),
     # the query blocks of a prefill's rows (engine/kernels/attention_blocks.py; the rows kernel's bits), launch choices
     "blocks": dict(kernel="blocks"),
-    "blocks-l16": dict(kernel="blocks", block_lines=16),
+    "blocks-l32": dict(kernel="blocks", block_lines=32),
     "blocks-l64": dict(kernel="blocks", block_lines=64),
     "blocks-p1": dict(kernel="blocks", programs=1),
     "blocks-p2": dict(kernel="blocks", programs=2),
@@ -144,12 +144,13 @@ VARIANTS = {
     "blocks-s1": dict(kernel="blocks", num_stages=1),
     "blocks-zeros": dict(kernel="blocks", select_state=False),  # one accumulator: zero products keep a line's state
     "blocks-zeros-s1": dict(kernel="blocks", select_state=False, num_stages=1),
+    "blocks-l32-zeros": dict(kernel="blocks", block_lines=32, select_state=False),
 }
 # a prefill's prompts (``prefill`` part): a serving run's 13 prompts, and 3 of about 90 tokens
 PREFILLS = {"13prompts": (44, 44, 47, 66, 73, 78, 81, 85, 85, 93, 233, 671, 767), "3x90": (88, 90, 92)}
 PREFILL_VARIANTS = (
-    "rows", "blocks", "blocks-l16", "blocks-l64", "blocks-p1", "blocks-p2", "blocks-p8", "blocks-2k", "blocks-s1",
-    "blocks-zeros", "blocks-zeros-s1",
+    "rows", "blocks", "blocks-l32", "blocks-l64", "blocks-p1", "blocks-p2", "blocks-p8", "blocks-2k", "blocks-s1",
+    "blocks-zeros", "blocks-zeros-s1", "blocks-l32-zeros",
 )  # fmt: skip
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs

@@ -20,20 +20,22 @@ the row's state as it was (selected, not recomputed), a row without chunk ``c`` 
 sees exactly the blocks, columns and operations of its row in the rows kernel, and a line's products depend on its own
 query and the keys only. A padding row (``prefix_len = 0``) stores zeros, the rows kernel's empty chunk.
 
-What the rows kernel and this one share is the arithmetic; the product's ``M`` (``block_lines`` against the rows
-kernel's 16 lines) is not. A tensor-core product computes each line from its own operands, so a line keeps its bits
-whatever ``M`` as long as the instruction and the warps' split of the key dimension stay (warps are what change a
-kernel's bits: ``attention_tiles.COMBINE_WARPS``; the tile kernel gave the same bits at 16, 32 and 64 lines,
+What the rows kernel and this one share is the arithmetic, and at the default 16 lines the products' shapes too
+(the rows kernel's 16 lines hold one row's heads, these 5 rows'); other ``block_lines`` change ``M``. A tensor-core
+product computes each line from its own operands, so a line keeps its bits whatever ``M`` as long as the instruction
+and the warps' split of the key dimension stay (warps are what change a kernel's bits: ``attention_tiles.
+COMBINE_WARPS``; the tile kernel gave the same bits at 16, 32 and 64 lines,
 bench/results/attention_bench-H100-tile-lines-*.json). Compiled for ``sm_90`` (Triton 3.9, no GPU), both kernels at
 one warp (the rows kernel's at heads of 64, `default_num_warps`) take the same ``mma.sync.m16n8k16`` in the same
 one-warp layout, the P V product accumulating onto ``acc * alpha`` in both, and reduce a line's scores in the same
 layout; float32 takes the same FMA layouts (a line's 32 scores over 8 threads of 4). At 64 lines and 4 warps Hopper
-would take the warp-group ``wgmma`` instead. Registers (bfloat16, 32 lines, one warp, 3 stages): 255 and 284 / 288
-bytes of spill stores / loads against the rows kernel's 247 and none
-(bench/results/kernel_registers-blocks-20261127-*.json): the selection above holds a second accumulator
-(``select_state=False`` keeps a line past its keys as the product's addend instead: 140 / 144 bytes,
-bench/results/kernel_registers-blocks-zeros-*.json). On a GPU the tests require the two kernels bitwise equal
-(tests/kernels/test_attention_blocks.py, SmolLM2's shape included), and so does ``attention_bench --parts prefill``.
+would take the warp-group ``wgmma`` instead. Registers (bfloat16, one warp, 3 stages): 254 and no spill at 16 lines
+(bench/results/kernel_registers-blocks-l16-*.json); 255 and 284 / 288 bytes of spill stores / loads at 32, the
+selection above holding a second accumulator (bench/results/kernel_registers-blocks-l32-2*.json; with
+``select_state=False``, a line past its keys kept as the product's addend instead, 140 / 144 bytes:
+kernel_registers-blocks-l32-zeros-*.json); the rows kernel 247 and none. On a GPU the tests require the two kernels
+bitwise equal (tests/kernels/test_attention_blocks.py, SmolLM2's shape included), and so does ``attention_bench
+--parts prefill``.
 
 **Only where it pays, decided on the host.** A batch with extra-slot columns (a verify's, a draft level's) takes the
 rows kernel: the host sees ``M`` in the shapes. The fast path calls this for prefill forwards only
@@ -71,8 +73,15 @@ if triton is not None:
 
     from .attention_triton import _merge_chunks, _paged_attention_combine_kernel, _row_chunks
 
-# Lines of a query block: 10 rows of SmolLM2's 3 query heads per KV head (30 of the 32 lines), one warp.
-BLOCK_LINES = 32
+# Lines of a query block: 5 rows of SmolLM2's 3 query heads per KV head (15 of the 16 lines), one warp. The tile
+# kernel's measured width (`attention_tiles.TILE_LINES`: 32 and 64 lines were slower on an H100,
+# bench/results/attention_bench-H100-tile-lines-*): a short prompt's rows have one or two chunks, so a block's
+# programs are few and wider blocks leave multiprocessors idle; and one warp holds 16 lines without spilling
+# (module docstring). At 32 lines (5f60f9e, H200, the scheduler, one run each) prefill steps took 0.378 s against the
+# rows kernel's 0.354 at 64 clients and 1.019 against 1.180 at 256 (autoregressive mode; tokens/s 22,045 / 40,376
+# against 24,026 / 40,091; bench/results/scheduler_throughput-H200-20261127-5f60f9e-prefill-*.json). 16 lines
+# unmeasured on a GPU: ``attention_bench --parts prefill`` times 16, 32 and 64.
+BLOCK_LINES = 16
 
 
 if triton is not None:

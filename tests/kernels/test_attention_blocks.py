@@ -120,7 +120,7 @@ def test_lines_and_programs_change_no_bit_and_the_second_kernels_merge_is_the_ro
     options = SPLITS["grown"]
     args, _ = prefill_case(3, 4, 6, 2, 16, [(0, 14), (40, 12), (0, 1)], dtype)
     base = paged_attention_blocks_triton(*args, 4, **options)
-    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1), dict(programs=2),
+    for launch in (dict(block_lines=32), dict(block_lines=64), dict(programs=1), dict(programs=2),
                    dict(select_state=False)):  # fmt: skip
         got = paged_attention_blocks_triton(*args, 4, **options, **launch)
         assert_same_bits(got, base, dtype, launch, DEVICE)
@@ -158,7 +158,7 @@ def test_smollm2_prefills_on_the_gpu_are_bitwise_the_rows_kernel(dtype):
     rows = paged_attention_rows_triton(*args, 16)
     blocks = paged_attention_blocks_triton(*args, 16)
     assert torch.equal(blocks, rows)
-    for launch in (dict(block_lines=16), dict(block_lines=64), dict(programs=1)):
+    for launch in (dict(block_lines=32), dict(block_lines=64), dict(programs=1)):
         assert torch.equal(paged_attention_blocks_triton(*args, 16, **launch), rows), launch
     two_kernels = paged_attention_rows_triton(*args, 16, fused_combine=False)
     assert torch.equal(paged_attention_blocks_triton(*args, 16, fused_combine=False), two_kernels)
