@@ -422,14 +422,16 @@ def _sampling_for(sampling: SamplingParams, engine_params: SamplingParams, index
 
 def _shared_sampling(sampling, count: int) -> tuple[SamplingParams | None, list[SamplingParams] | None]:
     """``(shared, per_request)``: one `SamplingParams` for every prompt, or a list with one per prompt (then
-    ``shared`` is the first that is not plain greedy, which the fast paths read to refuse the call, else None)."""
+    ``shared`` is the one the fast paths read to serve or refuse the call: the first that is not plain (history-
+    dependent logits, logprobs, a grammar) or has stop strings, else the first that samples, else None)."""
     if sampling is None or isinstance(sampling, SamplingParams):
         return sampling, None
     per_request = list(sampling)
     if len(per_request) != count or not all(isinstance(sp, SamplingParams) for sp in per_request):
         raise ValueError(f"sampling is one SamplingParams or a list of {count} (one per prompt)")
-    plain = [sp for sp in per_request if not sp.plain_greedy]
-    return (plain[0] if plain else None), per_request
+    refused = [sp for sp in per_request if not sp.plain or sp.stop_strings]
+    sampled = [sp for sp in per_request if not sp.greedy]
+    return (refused or sampled or [None])[0], per_request
 
 
 def _tokenizer(path: Path):

@@ -152,13 +152,16 @@ class FusedCycles:
         self.run_s = 0.0
 
     def serves(self, draft, sampling, stop_token_ids=()) -> bool:
-        """Whether a `generate` call can run as these fused cycles: greedy without logprobs or stop strings, at
-        most `MAX_STOPS` stop token ids, and the engine's draft is the fast EAGLE draft they were built over
-        (`fast.path.accelerate` builds them for one). What the table's `accept_commit` fusion covers, less sampled
-        calls: `run` serves them (tests/property/test_static_executor.py runs it so) but `generate` keeps them on
-        the table for now (docs/sampling.md)."""
-        plain = sampling is None or (sampling.plain_greedy and not sampling.stop_strings)
-        return plain and len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
+        """Whether a `generate` call can run as these fused cycles: greedy, or sampled from the raw logits after
+        temperature, min-p, top-k and top-p (`SamplingParams.plain`; with a forward draft: a lookup draft's cycles
+        serve sampled requests only where it proposes nothing), without logprobs or stop strings, at most
+        `MAX_STOPS` stop token ids, and the engine's draft is the one they were built over (`fast.path.accelerate`
+        builds them for one). What the table's `accept_commit` fusion covers."""
+        if sampling is not None and not (sampling.plain and not sampling.stop_strings):
+            return False
+        if sampling is not None and not sampling.greedy and draft_kind(self.ports) != "forward":
+            return False
+        return len(set(stop_token_ids)) <= MAX_STOPS and draft is self.draft
 
     def covers(self, ready: Ready, ports: Ports | None = None) -> bool:
         """Whether `step` serves a `Ready` batch over ``ports`` (None: these cycles' own, the fast EAGLE draft): a

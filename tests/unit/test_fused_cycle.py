@@ -490,3 +490,32 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     assert [list(scheduler.finished[i].output) for i in ids] == ar
     assert scheduler.stats.captures == 0 and scheduler.stats.pipelined_cycles > 0
     assert engine.pool.num_free_pages == free
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_sampled_generate_runs_the_fused_cycles_and_draws_what_the_table_draws(engines, name):
+    """`Engine.generate` with temperature, top-k, top-p and seeds (one for every prompt, then one per prompt beside a
+    greedy one) runs as the fused cycles, and every output equals the eager table's draw for draw: both take the
+    counter-based generator at the same counters. A penalty beside them keeps the call on the table."""
+    from speccycle.core.config import SamplingParams
+
+    engine = engines[name]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES]
+    calls = (
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+        [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, seed=9)],
+    )
+    for sampling in calls:
+        before = engine.fused_cycles.run_s
+        fused, _ = engine.generate(prompts, 12, sampling=sampling)
+        assert engine.fused_cycles.run_s > before, "the sampled call did not run as the fused cycles"
+        keep, engine.fused_cycles = engine.fused_cycles, None
+        try:
+            reference, _ = engine.generate(prompts, 12, sampling=sampling)
+        finally:
+            engine.fused_cycles = keep
+        assert [list(r.output) for r in fused] == [list(r.output) for r in reference]
+    before = engine.fused_cycles.run_s
+    penalty = [SamplingParams(temperature=1.0, seed=1), SamplingParams(presence_penalty=1.0)]
+    engine.generate(prompts, 4, sampling=penalty)
+    assert engine.fused_cycles.run_s == before
