@@ -24,16 +24,9 @@ share them).
   with holes in a 64-column extra buffer), a row alone equals the row among 16 rows and padding rows,
   1 program per row equals the default launch, eager equals graph replay; bfloat16 and float32, at
   lengths that split into one, several and grown chunks.
-* ``prefill`` (not in the default parts): a prefill's call at SmolLM2's shape, the rows kernel (``rows``)
-  against the query blocks of `engine.kernels.attention_blocks` (``blocks`` and its launch variants,
-  ``--prefill-variants``): the 13 prompts of a serving run (44 .. 767 tokens, 2,367 rows) and 3 prompts of
-  about 90, from position 0, page tables ``tight`` and ``wide``; µs per call as in ``time``, each variant's
-  output checked bit for bit against the rows kernel's in bfloat16 and float32 (with the merge in the same
-  place: ``-2k`` against the rows kernel's ``split-2k``; a failure if it differs) and against the torch twin.
 
     python -m bench.attention_bench --out $OUT                  # both parts, a few minutes
     python -m bench.attention_bench --out $OUT --parts time --variants single,split --models smollm2
-    python -m bench.attention_bench --out $OUT --parts prefill  # the query blocks against the rows kernel
 
 Writes ``attention_bench-<date>.json`` into ``--out`` (default bench/results); exits 1 if a bitwise
 check fails or an output differs from the twin beyond tolerance.
@@ -132,26 +125,7 @@ VARIANTS = {
     "tiles-b64-c128": dict(kernel="tiles", block_n=64, chunk=128),
     "tiles-w2": dict(kernel="tiles", num_warps=2),
     "tiles-w8": dict(kernel="tiles", num_warps=8),
-    # the query blocks of a prefill's rows (engine/kernels/attention_blocks.py; the rows kernel's bits), launch choices
-    "blocks": dict(kernel="blocks"),
-    "blocks-l32": dict(kernel="blocks", block_lines=32),
-    "blocks-l64": dict(kernel="blocks", block_lines=64),
-    "blocks-p1": dict(kernel="blocks", programs=1),
-    "blocks-p2": dict(kernel="blocks", programs=2),
-    "blocks-p8": dict(kernel="blocks", programs=8),
-    "blocks-p32": dict(kernel="blocks", programs=32),
-    "blocks-2k": dict(kernel="blocks", fused_combine=False),
-    "blocks-s1": dict(kernel="blocks", num_stages=1),
-    "blocks-zeros": dict(kernel="blocks", select_state=False),  # one accumulator: zero products keep a line's state
-    "blocks-zeros-s1": dict(kernel="blocks", select_state=False, num_stages=1),
-    "blocks-l32-zeros": dict(kernel="blocks", block_lines=32, select_state=False),
 }
-# a prefill's prompts (``prefill`` part): a serving run's 13 prompts, and 3 of about 90 tokens
-PREFILLS = {"13prompts": (44, 44, 47, 66, 73, 78, 81, 85, 85, 93, 233, 671, 767), "3x90": (88, 90, 92)}
-PREFILL_VARIANTS = (
-    "rows", "blocks", "blocks-l32", "blocks-l64", "blocks-p1", "blocks-p2", "blocks-p8", "blocks-2k", "blocks-s1",
-    "blocks-zeros", "blocks-zeros-s1", "blocks-l32-zeros",
-)  # fmt: skip
 FAILURES: list[str] = []
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny contexts) sets "cpu" and skips the timing graphs
 
@@ -202,18 +176,13 @@ def rows_case(model: str, rows: str, ctx: int, table: str, dtype, gen) -> dict:
 
 
 def attend(args, options=None, **kwargs):
-    """One call of the variant: ``kernel="tiles"`` the tile kernel (`engine.kernels.attention_tiles`), ``"blocks"`` the
-    query blocks (`engine.kernels.attention_blocks`), else the rows kernel."""
-    from speccycle.engine.kernels.attention_blocks import paged_attention_blocks_triton
+    """One call of the variant: ``kernel="tiles"`` the tile kernel (`engine.kernels.attention_tiles`), else the rows
+    kernel."""
     from speccycle.engine.kernels.attention_tiles import paged_attention_tiles_triton
     from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton
 
     options = {**(options or {}), **kwargs}
     kernel = options.pop("kernel", "rows")
-    if kernel == "blocks":
-        if "programs_per_row" in options:
-            options["programs"] = options.pop("programs_per_row")
-        return paged_attention_blocks_triton(*args, PAGE, **options)
     if kernel == "tiles":
         if "programs_per_row" in options:
             options["programs"] = options.pop("programs_per_row")
@@ -263,12 +232,11 @@ def time_part(models, variants, contexts, rows_cases, tables) -> list[dict]:
 
 def compiled_kernels() -> list[dict]:
     """Registers, spills and shared memory of every compiled attention kernel (occupancy: what limits it)."""
-    from speccycle.engine.kernels import attention_blocks, attention_tiles, attention_triton
+    from speccycle.engine.kernels import attention_tiles, attention_triton
 
     out = []
     for module, name in ((attention_tiles, "_paged_attention_tile_kernel"),
-                         (attention_triton, "_paged_attention_kernel"),
-                         (attention_blocks, "_paged_attention_block_kernel")):  # fmt: skip
+                         (attention_triton, "_paged_attention_kernel")):  # fmt: skip
         kernel = getattr(module, name, None)
         for caches in getattr(kernel, "device_caches", {}).values():
             for compiled in caches[0].values():
@@ -346,73 +314,6 @@ def bitwise_case(model: str, dtype, length: int, variants, gen, results: list[di
         del graph
 
 
-def prefill_case(prompts, table: str, dtype, gen) -> dict:
-    """A prefill's call at SmolLM2's shape: prompt ``b`` of ``prompts[b]`` tokens from position 0, rows causal, pages
-    scattered over the cache; ``wide``: every request's table as wide as `WIDE_KEYS` (an engine's static table)."""
-    heads, kv_heads, dim = MODELS["smollm2"]
-    pages = [-(-n // PAGE) for n in prompts]
-    width = max(pages) if table == "tight" else -(-WIDE_KEYS // PAGE)
-    perm = torch.randperm(sum(pages), generator=gen)
-    page_table = torch.full((len(prompts), width), -1, dtype=torch.long)
-    start = 0
-    for b, n in enumerate(pages):
-        page_table[b, :n] = perm[start : start + n]
-        start += n
-    slots = sum(pages) * PAGE
-    k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
-    row_request = torch.cat([torch.full((n,), b, dtype=torch.long) for b, n in enumerate(prompts)])
-    prefix = torch.cat([torch.arange(1, n + 1) for n in prompts])
-    q = torch.randn(len(prefix), heads, dim, generator=gen).to(dtype)
-    args = (q, k_cache, v_cache, row_request, prefix, torch.empty((len(prefix), 0), dtype=torch.long), page_table)
-    return dict(args=tuple(t.to(DEVICE) for t in args), keys=max(prompts))
-
-
-def prefill_part(variants, tables) -> list[dict]:
-    """µs per call of each variant on a prefill's rows; every variant's bits against the rows kernel's."""
-    out = []
-    gen = torch.Generator().manual_seed(2)
-    for name, prompts in PREFILLS.items():
-        for table in tables:
-            row = {
-                "prompts": name,
-                "rows": sum(prompts),
-                "table": table,
-                "us": {},
-                "max_err": {},
-                "same_bits_as_rows": {},
-            }
-            for dtype in (torch.float32, torch.bfloat16):  # bits in both dtypes; time in bfloat16 (the last)
-                case = prefill_case(prompts, table, dtype, gen)
-                rows = attend(case["args"], VARIANTS["split"])
-                rows_2k = attend(case["args"], VARIANTS["split-2k"])  # the merge by the combine kernel: its own bits
-                reference = twin(case["args"], case["keys"])
-                tag = str(dtype)[6:]
-                for variant in variants:
-                    options = VARIANTS["split" if variant == "rows" else variant]
-                    got = attend(case["args"], options)
-                    same = torch.equal(got, rows_2k if options.get("fused_combine") is False else rows)
-                    row["same_bits_as_rows"][f"{variant} {tag}"] = same
-                    if not same:
-                        FAILURES.append(f"prefill {name} {table} {variant} {tag}: not the rows kernel's bits")
-                    err = (got.float() - reference).abs().max().item()
-                    row["max_err"][f"{variant} {tag}"] = err
-                    if not err <= (1e-4 if dtype == torch.float32 else 2e-2):
-                        FAILURES.append(f"prefill {name} {table} {variant} {tag}: max error {err:.3g}")
-                del reference
-            for variant in variants:
-                options = VARIANTS["split" if variant == "rows" else variant]
-                row["us"][variant] = round(graph_us(attend, case["args"], options), 2) if DEVICE == "cuda" else 0.0
-            if row["us"].get("rows") and row["us"].get("blocks"):
-                row["speedup"] = round(row["us"]["rows"] / row["us"]["blocks"], 2)
-            say(f"prefill {name:10s} {sum(prompts):5d} rows {table:5s}",
-                "  ".join(f"{k} {v:8.2f}" for k, v in row["us"].items()))  # fmt: skip
-            out.append(row)
-            del case
-            torch.cuda.empty_cache()
-    return out
-
-
 def bitwise_part(models, variants) -> list[dict]:
     results: list[dict] = []
     gen = torch.Generator().manual_seed(1)
@@ -433,8 +334,6 @@ def main() -> None:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
     parser.add_argument("--tables", default="tight,wide")
-    parser.add_argument("--prefill-variants", default=",".join(PREFILL_VARIANTS),
-                        help="the prefill part's variants: rows (the rows kernel) and blocks*")  # fmt: skip
     parser.add_argument(
         "--bitwise-variants",
         default=None,
@@ -447,9 +346,8 @@ def main() -> None:
 
     models = args.models.split(",")
     variants = args.variants.split(",")
-    prefill_variants = args.prefill_variants.split(",")
-    for name in (*models, *variants, *prefill_variants):
-        if name not in MODELS and name not in VARIANTS and name != "rows":
+    for name in (*models, *variants):
+        if name not in MODELS and name not in VARIANTS:
             raise SystemExit(f"unknown model or variant {name!r}: models {list(MODELS)}, variants {list(VARIANTS)}")
     payload = {
         "defaults": dict(
@@ -467,13 +365,6 @@ def main() -> None:
         payload["total_us_by_variant"] = totals
         say("total us over all cases:", totals)
         payload["compiled"] = compiled_kernels()
-    if "prefill" in parts:
-        payload["prefill"] = prefill_part(prefill_variants, args.tables.split(","))
-        payload["prefill_total_us_by_variant"] = {
-            name: round(sum(r["us"][name] for r in payload["prefill"]), 1) for name in prefill_variants
-        }
-        say("prefill: total us over all cases:", payload["prefill_total_us_by_variant"])
-        payload["compiled"] = payload.get("compiled", []) + compiled_kernels()
     if "bitwise" in parts:
         checked = [v for v in ("single", "split", "tiles") if v in variants] or variants[:1]
         if args.bitwise_variants:

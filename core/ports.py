@@ -66,9 +66,6 @@ class ForwardBatch:
     page_size: int
     request_ids: tuple[int, ...]  # [bs] engine ids, for drafters that keep per-request state
     logits_rows: torch.Tensor | None = None  # [R] int64 rows whose logits are needed; None: all rows
-    # A hint, never a contract: a forward may take an attention that shares key blocks between a request's consecutive
-    # rows (the same bits as row by row); the cycle's forwards leave it False.
-    prefill: bool = False  # a prefill's batch: each request's consecutive positions, causal, no extra slot
 
     @property
     def num_rows(self) -> int:

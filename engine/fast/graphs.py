@@ -7,8 +7,7 @@
    into a static ``[max_requests, W]`` buffer (``W`` pages: the whole pool), the fed hidden states
    into a static ``[max_rows, F]`` buffer;
 2. the forward runs over views of those buffers: on CUDA a graph captured for the key
-   ``(Tb, M, Rb, hidden in?, prefill?)`` (``Rb``: the bucket of the logits rows, 0 for all rows; a prefill's
-   forward takes its own attention, `RowInputs.prefill`) is replayed
+   ``(Tb, M, Rb, hidden in?)`` (``Rb``: the bucket of the logits rows, 0 for all rows) is replayed
    (captured on first use), otherwise (or with ``graphs=False``) the same function runs eagerly on
    the same buffers;
 3. the outputs (``logits [R, V]``, ``hidden [T, F]``) are cloned out of the graph's memory.
@@ -81,7 +80,6 @@ class RowInputs:
     page_size: int
     kv_bound: int  # bound on prefix_lens (the torch attention gathers this many positions)
     logits_rows: torch.Tensor | None  # [R] int64 rows whose logits are wanted; None: all rows
-    prefill: bool = False  # the rows of a prefill (`ForwardBatch.prefill`): the forward takes ``ops.prefill_attention``
 
 
 # compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
@@ -206,7 +204,6 @@ def batch_inputs(batch: ForwardBatch, kv_bound: int) -> RowInputs:
         page_size=batch.page_size,
         kv_bound=kv_bound,
         logits_rows=batch.logits_rows,
-        prefill=batch.prefill,
     )
 
 
@@ -274,9 +271,8 @@ class ForwardGraphs:
         self.eager_calls = 0
 
     # ---- layout ----------------------------------------------------------------------------------
-    def _views(self, rows: int, extra: int, logit_rows: int, prefill: bool = False) -> RowInputs:
-        """Views of the packed buffer for ``rows`` rows, ``extra`` extra slots, ``logit_rows`` logits rows (0: all);
-        ``prefill``: `RowInputs.prefill`."""
+    def _views(self, rows: int, extra: int, logit_rows: int) -> RowInputs:
+        """Views of the packed buffer for ``rows`` rows, ``extra`` extra slots, ``logit_rows`` logits rows (0: all)."""
         p = self.packed
         extra_view = p[5 * rows : 5 * rows + rows * extra].view(rows, extra)
         end = 5 * rows + rows * extra
@@ -292,7 +288,6 @@ class ForwardGraphs:
             page_size=self.page_size,
             kv_bound=bound,
             logits_rows=p[end : end + logit_rows] if logit_rows else None,
-            prefill=prefill,
         )
 
     def fits(self, batch: ForwardBatch, rows: bool = True) -> bool:
@@ -379,12 +374,12 @@ class ForwardGraphs:
         if logit_rows is None or logit_rows > rows:
             return self._eager(batch, hidden_in, reduce)
         self._load(batch, rows, logit_rows, hidden_in)
-        inputs = self._views(rows, m, logit_rows, batch.prefill)
+        inputs = self._views(rows, m, logit_rows)
         if not self.use_graphs and self.needs_kv_bound:  # no capture: a tight bound is allowed
             inputs = attrs.evolve(inputs, kv_bound=max(1, int(batch.prefix_lens.max())))
         hidden = None if self.hidden is None or hidden_in is None else self.hidden[:rows]
         if self.use_graphs:
-            key = (rows, m, logit_rows, hidden is not None, reduce, batch.prefill)
+            key = (rows, m, logit_rows, hidden is not None, reduce)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(inputs, hidden, reduce)
             graph, logits, out_hidden, summary, reduced = self._graphs[key]

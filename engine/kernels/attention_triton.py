@@ -14,9 +14,7 @@ position (prefix ``L + d + 1``) therefore see the same keys in the same blocks, 
 does the same arithmetic: their outputs are bitwise equal. That is what lets greedy speculative
 decoding reproduce autoregressive decoding in bfloat16 (together with GEMMs of one shape, see
 `engine.fast.graphs`). A program handles the ``H / Hkv`` query heads of one KV head (Hugging Face's
-``repeat_kv`` order) of one row, so a row's result never depends on the other rows. A prefill's rows may instead
-go through `attention_blocks`, which loads each key block once for a block of a prompt's rows and keeps, line by
-line, this kernel's blocks, chunks, masking and merge: the same bits.
+``repeat_kv`` order) of one row, so a row's result never depends on the other rows.
 
 **Split keys (flash decoding).** One program per (row, KV head) walking all keys leaves a GPU idle at
 batch 1 (3 programs for SmolLM2). So the virtual sequence is cut into chunks of ``chunk_keys`` keys,

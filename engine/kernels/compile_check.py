@@ -22,7 +22,6 @@ import sys
 import triton
 
 from ...backends.cuda.compile_specs import TARGETS, compile_kernel, cycle_specs, kernel_specs, require_compiled
-from . import attention_blocks as blocks
 from . import attention_tiles as tiles
 from . import attention_triton as attention
 from . import decode_step, int8_linear, linear_triton
@@ -81,17 +80,6 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
             tile_aligned = tuple(a for a in aligned if a != "counter_ptr")
             out.append((tiles._paged_attention_tile_kernel, tile_signature, tile_sets,
                         (*tile_aligned, "num_heads") if heads % 16 == 0 else tile_aligned))  # fmt: skip
-            if dim == 64 and block_m == 16 and not page_one:
-                # the query blocks of a prefill's rows (engine/kernels/attention_blocks.py), where the rows kernel runs
-                block_signature = {
-                    k: v for k, v in signature.items() if k not in ("extra_ptr", "stride_et", "num_extra")
-                }
-                block_signature.update(num_rows=i32, rows_per_block=i32)
-                block = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "BLOCK_M")}
-                block.update(BLOCK_L=blocks.BLOCK_LINES, SELECT_STATE=True)
-                block_aligned = tuple(a for a in aligned if a in block_signature)
-                out.append((blocks._paged_attention_block_kernel, block_signature,
-                            [block, {**block, "SELECT_STATE": False}], block_aligned))  # fmt: skip
             combine = dict(HEAD_DIM=dim, BLOCK_D=dim, BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS),
                            BLOCK_M=block_m, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS)  # fmt: skip
             combine = {**combine, "page_size": 1} if page_one else combine

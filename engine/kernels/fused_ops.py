@@ -32,7 +32,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention_blocks import paged_attention_blocks_triton
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
@@ -683,33 +682,6 @@ def triton_attention():
     )
 
 
-# A prefill's attention (`ForwardBatch.prefill`) where the engine takes the rows kernel: ``blocks``
-# (`attention_blocks`: a block of a prompt's rows loads each key block once, the rows kernel's bits) or ``rows``.
-PREFILL_ATTENTION = ("blocks", "rows")
-
-
-def paged_attention_prefill_auto(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size,
-                                 kv_bound=None):  # fmt: skip
-    """A prefill's attention under ``auto``: `attention_tiles` for heads of `TILES_MIN_HEAD_DIM` or more (its
-    default launch already puts a prefill's rows in tiles), `attention_blocks` below (the rows kernel's bits)."""
-    large = q.shape[-1] >= TILES_MIN_HEAD_DIM
-    kernel = paged_attention_tiles_triton if large else paged_attention_blocks_triton
-    return kernel(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
-
-
-def triton_prefill_attention():
-    """The fast path's attention for prefill forwards: ``SPECCYCLE_PREFILL_ATTENTION=blocks`` (the default) takes
-    `attention_blocks` wherever `triton_attention` takes the rows kernel, bit for bit its rows; ``rows`` takes
-    `triton_attention`'s kernel, as every other forward. Read once, at import; the cycle's forwards never use it."""
-    kernel = triton_attention()
-    choice = os.environ.get("SPECCYCLE_PREFILL_ATTENTION", "blocks")
-    if choice not in PREFILL_ATTENTION:
-        raise ValueError(f"SPECCYCLE_PREFILL_ATTENTION={choice!r}: choose one of {', '.join(PREFILL_ATTENTION)}")
-    if choice == "rows" or kernel is paged_attention_tiles_triton:
-        return kernel
-    return paged_attention_prefill_auto if kernel is paged_attention_auto else paged_attention_blocks_triton
-
-
 class TorchOps:
     """The fast forward's ops in plain torch (any device; sync-free, so also graph-capturable)."""
 
@@ -719,7 +691,6 @@ class TorchOps:
     rope_write_kv = staticmethod(rope_write_kv_torch)
     silu_mul = staticmethod(silu_mul_torch)
     attention = staticmethod(paged_attention_rows_torch)
-    prefill_attention = staticmethod(paged_attention_rows_torch)  # a prefill's forward (`RowInputs.prefill`)
     linear = staticmethod(linear_torch)
     norm_linear = staticmethod(norm_linear_torch)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_torch)
@@ -739,7 +710,6 @@ class TritonOps(TorchOps):
     rope_write_kv = staticmethod(rope_write_kv_triton)
     silu_mul = staticmethod(silu_mul_triton)
     attention = staticmethod(triton_attention())
-    prefill_attention = staticmethod(triton_prefill_attention())
     linear = staticmethod(linear_rows)  # row-invariant up to linear_triton.MAX_ROWS rows, F.linear above
     norm_linear = staticmethod(norm_linear_rows)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)

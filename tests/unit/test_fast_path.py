@@ -29,17 +29,10 @@ from speccycle.engine.fast.path import (
     accelerate,
 )
 from speccycle.engine.greedy import extend_batch, greedy_decode
-from speccycle.engine.kernels.fused_ops import (
-    FoldedNormOps,
-    TorchOps,
-    TritonOps,
-    paged_attention_prefill_auto,
-    triton_available,
-)
+from speccycle.engine.kernels.fused_ops import FoldedNormOps, TorchOps, TritonOps, triton_available
 from speccycle.engine.memory.kv_pool import PagedKVPool
 from speccycle.engine.models.llama import LlamaModel, random_llama_weights
 from speccycle.engine.models.target import LlamaTarget
-from speccycle.testing.bits import assert_same_bits
 from speccycle.testing.configs import TINY_LLAMA as TINY
 
 ATOL, RTOL = 1e-4, 1e-4  # float32, values up to ~20: reduction orders and rsqrt differ
@@ -132,28 +125,6 @@ def test_fast_target_equals_reference(weights, ops, page_size):
     ref_kv = torch.stack([torch.stack(kv) for kv in ref.kv])
     fast_kv = torch.stack([torch.stack(kv) for kv in fast.kv])
     torch.testing.assert_close(fast_kv, ref_kv, atol=ATOL, rtol=RTOL)  # padding rows wrote nothing
-
-
-@pytest.mark.skipif(TritonOps not in OPS, reason="the Triton kernels run on a GPU or under TRITON_INTERPRET=1")
-def test_a_prefill_takes_the_query_blocks_and_keeps_the_bits(weights):
-    """A prefill forward (`ForwardBatch.prefill`) goes through `attention_blocks` and gives the logits, features and
-    KV the rows kernel gave it: a bfloat16 target, so bit for bit under the interpreter too (`testing.bits`); 22 rows
-    of a prompt after a cached one, in chunks of 16 and 6 rows, and the decode row after them."""
-    if not {"SPECCYCLE_ATTENTION", "SPECCYCLE_PREFILL_ATTENTION"} & set(os.environ):
-        assert TritonOps.prefill_attention is paged_attention_prefill_auto  # heads of 8: the query blocks
-    outs = []
-    for prefill in (False, True):
-        pool = PagedKVPool(num_pages=32, page_size=4)
-        target = LlamaTarget.from_weights(TINY, weights, pool, dtype=torch.bfloat16, feature_layers=(0, 2, 3))
-        fast = FastTarget(target, pool, FastOptions("cpu", graphs=False, ops=TritonOps, max_rows=16))
-        first = fast.forward(extend_batch(pool, [0], [tokens_of(1, 7)], [0], prefill=prefill))
-        rows = fast.forward(extend_batch(pool, [1, 0], [tokens_of(2, 15), tokens_of(3, 7)], [0, 7],
-                                         last_logits_only=False, prefill=prefill))  # fmt: skip
-        decode = fast.forward(extend_batch(pool, [1, 0], [[5], [6]], [15, 14]))
-        outs.append((first.logits, rows.logits, rows.hidden, decode.logits, torch.stack([torch.stack(kv) for kv in
-                                                                                        fast.kv])))  # fmt: skip
-    for got, want in zip(*outs):
-        assert_same_bits(got, want, torch.bfloat16, "prefill through the query blocks", "cpu")
 
 
 def test_static_buffers_leave_inputs_and_reset_padding(weights):
