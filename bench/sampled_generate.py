@@ -4,8 +4,8 @@ Each call samples every prompt (temperature ``--temperature``, top-p ``--top-p``
 the engine's EAGLE draft; the fused run (`FusedCycles.serves` takes a plainly sampled call) and the table (the
 same engine with its fused cycles set aside) draw with one counter-based generator at the same counters, so
 their outputs agree until the two compute a token's probabilities in other last bits (the run reports how many
-agree, and where the others part). Per batch size (the first ``b`` prompts of the shipped 13 in one call): a warm-up call of each,
-then ``--repeats`` timed calls of each, interleaved; tokens/s of the median call.
+agree, and where the others part). Per batch size (the first ``b`` prompts of the shipped 13 in one call): a
+warm-up call of each, then ``--repeats`` timed calls of each, interleaved; tokens/s of the median call.
 
     python -m speccycle.bench.sampled_generate --device cuda --dtype bfloat16 --batch-sizes 1,13
     .venv/bin/python -m bench.sampled_generate --batch-sizes 1 --max-new-tokens 16 --repeats 1   # CPU, small
