@@ -142,7 +142,9 @@ def batch_bucket(batch_size: int) -> int:
 
 
 TIMING_WINDOW = 8  # a shape's cycle time at a bucket: the least of its last 8 cycles there
-TIMING_AGE = 256  # ... taken within the controller's last 256 cycles (contexts grow: old minima go stale)
+# ... taken within the controller's last 256 cycles (contexts grow: old minima go stale), times the bucket's probe
+# backoff (a shape probed every 8 * probe_every cycles keeps the times of its last probes)
+TIMING_AGE = 256
 # a shape's tau forgets with every TAU_REQUESTS request-verifies as an EMA does with every cycle: a cycle of one
 # request (committed counts from 1 to S + 1) moves it as little as 1/TAU_REQUESTS of a cycle of that many
 TAU_REQUESTS = 32
@@ -245,10 +247,10 @@ class ShapeController:
         False for a cycle whose time is not its shape's cost (it captured a graph).
 
         A cycle's time is the least of the bucket's last `TIMING_WINDOW` cycles of the shape taken within the
-        last `TIMING_AGE` cycles: what a wall clock adds to a shape's work at a bucket (the tail of a prefill
-        launched before it, a host pause) only adds, while the work itself grows slowly with the contexts. A
-        greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth ``S'`` would, so its
-        committed counts tell every chain's acceptance up to depth ``S`` (`_record_chain`)."""
+        last `TIMING_AGE` cycles (times the bucket's probe backoff): what a wall clock adds to a shape's work at a
+        bucket (the tail of a prefill launched before it, a host pause) only adds, while the work itself grows
+        slowly with the contexts. A greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth
+        ``S'`` would, so its committed counts tell every chain's acceptance up to depth ``S`` (`_record_chain`)."""
         key = (batch_bucket(batch_size), shape)
         runs = self.runs.get(key, 0) + 1
         self.runs[key], self.last[key] = runs, self.cycles
@@ -257,7 +259,8 @@ class ShapeController:
         if runs >= 2 and timed:  # a shape's first run at a bucket compiles or captures: not its cost
             window = self._window.setdefault(key, deque(maxlen=TIMING_WINDOW))
             window.append((self.cycles, seconds))
-            fresh = [t for when, t in window if self.cycles - when <= TIMING_AGE]
+            backoff = self.probe_gap.get(key[0], self.policy.probe_every) / self.policy.probe_every
+            fresh = [t for when, t in window if self.cycles - when <= TIMING_AGE * backoff]
             self.seconds[key] = min(fresh) if fresh else seconds
         if not shape.drafts or not committed:
             return

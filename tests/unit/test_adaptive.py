@@ -233,3 +233,20 @@ def test_a_step_that_prefilled_times_only_a_shape_without_a_time():
     prefilled = [r for admitted, records in steps if admitted for r in records]
     assert prefilled and all(not timed or not had for timed, had, _ in prefilled)
     assert any(timed for admitted, records in steps if not admitted for timed, _, _ in records)
+
+
+def test_a_backed_off_probe_keeps_the_times_of_the_probes_before_it():
+    """Probes every 8 * probe_every cycles: a probe's one slow cycle (a reload, a host pause) does not become its
+    shape's time while the earlier probes' times are within the backed-off age."""
+    controller = ShapeController(AdaptiveSpeculation(probe_every=32), CHAIN)
+    s3, s0 = controller.shapes[0], controller.shapes[-1]
+    for _ in range(2):
+        controller.record(s3, 1, 1.0, [4])
+    controller.probe_gap[1] = 8 * 32  # backed off to the cap
+    for _ in range(300):  # more than TIMING_AGE cycles of the incumbent
+        controller.record(s0, 1, 0.5, [1])
+    controller.record(s3, 1, 5.0, [4])
+    assert controller.seconds[(1, s3)] == 1.0
+    controller.probe_gap[1] = 32  # no backoff: the old time has aged out
+    controller.record(s3, 1, 6.0, [4])
+    assert controller.seconds[(1, s3)] == 5.0
