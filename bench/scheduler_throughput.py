@@ -15,8 +15,8 @@ Tokens/s is new tokens over wall time (EOS may end a request early; the count is
 ``--budget-spread F`` gives the requests budgets spread evenly over ``max_new_tokens * [1 - F, 1 + F]`` (the same
 per request index in every mode): with one budget for all, autoregressive requests of a prompt finish in the
 same step, so its admissions come in few large prefills, while speculation spreads them. ``--repeats R`` runs
-the modes of a load ``R`` times, interleaved, and reports the run of the median tokens/s (every run's figure
-beside it; an output counts as identical when every run gave the ``ar`` one).
+the modes of a load ``R`` times, interleaved, and reports the median tokens/s (of two runs: their mean), every
+run's figure beside it (an output counts as identical when every run gave the ``ar`` one).
 ``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. ``--sampled``: the
 share of requests that sample (every ``1/share``-th one, temperature 0.7, top-p 0.95, seeded by its index), so
 greedy and sampled requests share batches; a sampled request's output depends on the draft, so only the greedy
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -282,9 +283,14 @@ def main() -> None:
                     )  # fmt: skip
                 )
         results = {}
-        for mode, done in runs.items():  # the run of the median tokens/s, with every run's figure beside it
+        for mode, done in runs.items():  # the median run's record, its tokens/s the median of every run's
             ranked = sorted(done, key=lambda r: r["tokens_per_s"])
-            results[mode] = dict(ranked[(len(ranked) - 1) // 2], runs_tokens_per_s=[r["tokens_per_s"] for r in done])
+            figures = [r["tokens_per_s"] for r in done]
+            results[mode] = dict(
+                ranked[(len(ranked) - 1) // 2],
+                tokens_per_s=round(statistics.median(figures), 2),
+                runs_tokens_per_s=figures,
+            )
         ar_outputs = results["ar"]["outputs"]
         row = {"batch_size": bs}
         for mode, r in results.items():
