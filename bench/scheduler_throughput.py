@@ -16,7 +16,8 @@ Tokens/s is new tokens over wall time (EOS may end a request early; the count is
 per request index in every mode): with one budget for all, autoregressive requests of a prompt finish in the
 same step, so its admissions come in few large prefills, while speculation spreads them. ``--repeats R`` runs
 the modes of a load ``R`` times, interleaved, and reports the median tokens/s (of two runs: their mean), every
-run's figure beside it (an output counts as identical when every run gave the ``ar`` one).
+run's figure beside it (an output counts as identical when every run gave the ``ar`` one); the record's other
+fields (seconds, cycles, shapes) are its lower median run's.
 ``identical_to_ar`` counts requests whose output equals the ``ar`` mode's token for token. ``--sampled``: the
 share of requests that sample (every ``1/share``-th one, temperature 0.7, top-p 0.95, seeded by its index), so
 greedy and sampled requests share batches; a sampled request's output depends on the draft, so only the greedy

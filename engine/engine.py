@@ -310,7 +310,7 @@ class Engine:
             requests=tuple(Request(rid, tuple(p), sp) for rid, p, sp in zip(ids, prompts, per_prompt)),
         )
         stops = per_prompt[0].stop_token_ids if per_prompt else params.stop_token_ids  # EOS ids and the caller's
-        fused = self._fused_for(sampling, checked, on_step, stops)
+        fused = self._fused_for(_fused_sampling(per_prompt), checked, on_step, stops)
         if fused is not None:  # the device's ports for the prefill and the first draft extend
             ports, backend = self._device_ports(), self.backend
         else:
@@ -330,7 +330,7 @@ class Engine:
     def _fused_for(self, sampling, checked: bool, on_step, stop_token_ids):
         """The fused cycles (`engine.fast.fused_cycle`) when they serve this call (checked or not); not with
         ``on_step``, which sees every record of every cycle on the host."""
-        if self.fused_cycles is None or on_step is not None:
+        if self.fused_cycles is None or on_step is not None or sampling is False:
             return None
         return self.fused_cycles if self.fused_cycles.serves(self.draft, sampling, stop_token_ids) else None
 
@@ -422,16 +422,26 @@ def _sampling_for(sampling: SamplingParams, engine_params: SamplingParams, index
 
 def _shared_sampling(sampling, count: int) -> tuple[SamplingParams | None, list[SamplingParams] | None]:
     """``(shared, per_request)``: one `SamplingParams` for every prompt, or a list with one per prompt (then
-    ``shared`` is the one the fast paths read to serve or refuse the call: the first that is not plain (history-
-    dependent logits, logprobs, a grammar) or has stop strings, else the first that samples, else None)."""
+    ``shared`` is the first that is not plain greedy, which the host control plane reads to refuse the call, else
+    None; the fused cycles read the whole list: `_fused_sampling`)."""
     if sampling is None or isinstance(sampling, SamplingParams):
         return sampling, None
     per_request = list(sampling)
     if len(per_request) != count or not all(isinstance(sp, SamplingParams) for sp in per_request):
         raise ValueError(f"sampling is one SamplingParams or a list of {count} (one per prompt)")
-    refused = [sp for sp in per_request if not sp.plain or sp.stop_strings]
-    sampled = [sp for sp in per_request if not sp.greedy]
-    return (refused or sampled or [None])[0], per_request
+    plain = [sp for sp in per_request if not sp.plain_greedy]
+    return (plain[0] if plain else None), per_request
+
+
+def _fused_sampling(per_prompt: Sequence[SamplingParams]) -> SamplingParams | None | bool:
+    """What `FusedCycles.serves` reads of a call's per-prompt parameters: False when one run of the fused cycles
+    cannot hold them all (a request the static forms refuse, stop strings, or stop ids that differ between
+    prompts: the run loads one stop list), else the first that samples, else None (all plain greedy)."""
+    if any(not sp.plain or sp.stop_strings for sp in per_prompt):
+        return False
+    if len({frozenset(sp.stop_token_ids) for sp in per_prompt}) > 1:
+        return False
+    return next((sp for sp in per_prompt if not sp.greedy), None)
 
 
 def _tokenizer(path: Path):

@@ -16,8 +16,9 @@ inputs. The capture keeps the boundaries it crossed: `FusedCycles.steps` are the
 holds them equal to the table's rows), and in checked mode every boundary is validated after each replay
 (`StaticExecutor.check`; the records' tensors then hold that replay's values).
 
-Where it runs: `engine.Engine.generate` takes it for greedy calls without logprobs or stop strings on the
-fast path with a fast EAGLE draft or an n-gram draft, chain or tree (`FusedCycles.serves`: what the table's
+Where it runs: `engine.Engine.generate` takes it for greedy calls, and plainly sampled ones with a fast EAGLE
+draft (temperature, top-k, top-p, min-p), without logprobs or stop strings and with one stop list, on the fast
+path with a fast EAGLE draft or an n-gram draft, chain or tree (`FusedCycles.serves`: what the table's
 `accept_commit` fusion covers), checked or not; the prefill and the first draft extend run through
 `statemachine.step`, the loop (`FusedCycles.run`) starts from their `Ready` record, and the requests retire
 through the table's ``retire`` row from the record `statemachine.static.materialize` makes of the log. The

@@ -164,6 +164,7 @@ class ShapeController:
         self._tau_sums: dict[SpecConfig, tuple[float, float]] = {}  # decayed sums of committed tokens, of verifies
         # a greedy chain's draft depth d -> decayed counts of request-verifies that reached it, that accepted it
         self._depth_sums: dict[int, tuple[float, float]] = {}
+        self._chains_ran: set[int] = set()  # depths of the chains that ran
         self.runs: dict[tuple[int, SpecConfig], int] = {}
         self.last: dict[tuple[int, SpecConfig], int] = {}  # (bucket, shape) -> the cycle it last ran in
         self.since_probe: dict[int, int] = {}
@@ -285,22 +286,24 @@ class ShapeController:
             reached = keep * reached + sum(n >= d for n in committed)
             accepted = keep * accepted + sum(n >= d + 1 for n in committed)
             self._depth_sums[d] = (reached, accepted)
+        self._chains_ran.add(depth)
         for c in self.shapes:
             if c.drafts and c.is_chain:
-                tau = self._chain_tau(c.num_steps)
+                tau = self._chain_tau(c.num_steps, partial=c.num_steps in self._chains_ran)
                 if tau is not None:
                     self.tau[c] = tau
 
-    def _chain_tau(self, depth: int) -> float | None:
-        """``1 + sum_d prod_{j <= d} a_j`` up to ``depth`` (`_record_chain`); None while a depth it needs was
-        never reached."""
+    def _chain_tau(self, depth: int, partial: bool = False) -> float | None:
+        """``1 + sum_d prod_{j <= d} a_j`` up to ``depth`` (`_record_chain`). A depth no verify has reached: None
+        (the shape is explored first), or with ``partial`` (a chain of this depth ran, and never got that far)
+        the sum up to it, a lower bound that follows the shallower depths' estimates."""
         tau = survive = 1.0
         for d in range(1, depth + 1):
             if survive == 0.0:
                 break  # no verify got this far: the deeper terms are zero
             reached, accepted = self._depth_sums.get(d, (0.0, 0.0))
             if reached <= 0.0:
-                return None
+                return tau if partial else None
             survive *= accepted / reached
             tau += survive
         return tau

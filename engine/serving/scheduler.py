@@ -244,11 +244,12 @@ class Scheduler:
     def warm_up(self, batch_sizes: Sequence[int] | None = None, prompt_len: int = 16) -> int:
         """Capture, before serving, the CUDA graphs a run would otherwise capture inside its first steps (tens of
         milliseconds each, paid by the requests of that step; without graphs, the lazy initialization and kernel
-        compilation): for every shape this scheduler may run (the
-        adaptive controller's menu, or its config) and every batch bucket of ``batch_sizes`` (None: the powers of
-        two up to ``max_batch_size``'s bucket), a batch of ``prompt_len``-token requests runs at least four cycles
-        of the shape, so its graphs of both parities (a pipelined cycle reads the other set) exist. Returns the
-        graphs captured. Stats, the controller's measurements and the prefix cache are left as they were; sampled
+        compilation): for every shape this scheduler may run (the adaptive controller's menu, or its config) and
+        every batch bucket of ``batch_sizes`` (None: the powers of two up to ``max_batch_size``'s bucket), a batch
+        of ``prompt_len``-token requests, admitted in one prefill, runs at least four cycles of the shape, so its
+        graphs of both parities (a pipelined cycle reads the other set) exist; a pool too small for a bucket's
+        batch warms what fits. Returns the graphs captured. Stats, callbacks, the controller's measurements and
+        the prefix cache are left as they were, and if a step raises, no warm-up request stays behind; sampled
         batches capture their own graphs on first use. Raises `ValueError` on a scheduler with requests."""
         if not self.idle:
             raise ValueError("warm_up needs an idle scheduler: call it before submitting requests")
@@ -257,37 +258,57 @@ class Scheduler:
         if batch_sizes is None:
             top = batch_bucket(self.max_batch_size)
             batch_sizes = [1 << k for k in range(top.bit_length())]
-        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
-            raise ValueError(f"batch_sizes={list(batch_sizes)!r} must hold ints >= 1")
-        buckets = sorted({batch_bucket(b) for b in batch_sizes})
+        try:
+            values = list(batch_sizes)
+            sizes = [operator.index(b) for b in values if not isinstance(b, bool)]
+        except TypeError:
+            values, sizes = [None], []
+        if not sizes or len(sizes) != len(values) or min(sizes) < 1:
+            raise ValueError(f"batch_sizes={batch_sizes!r} must be a non-empty sequence of ints >= 1")
+        buckets = sorted({batch_bucket(b) for b in sizes})
         shapes = self.controller.shapes if self.controller is not None else (self.config,)
         vocab = target_vocab_size(self.ports)
         prompt = tuple(1 + i % (vocab - 1) for i in range(prompt_len)) if vocab > 1 else (0,) * prompt_len
-        saved = self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish
-        captures = 0
+        saved = (self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish,
+                 self.max_prefill_tokens)  # fmt: skip
+        captures, ids = 0, set()
         try:
             self.controller, self.prefix_cache, self.on_tokens, self.on_finish = None, False, None, None
+            self.max_prefill_tokens = None  # each bucket's batch in one prefill, so it runs whole
             for shape in shapes:
                 self.config = shape  # every cycle and prefill in this shape
                 for bucket in buckets:
                     self.stats = SchedulerStats()
                     # no stop ids: every request runs its whole budget, at least four cycles of up to S + 1 tokens
                     sampling = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
-                    ids = []
                     for _ in range(min(bucket, self.max_batch_size)):
                         request_id = next(self._ids)
+                        if request_id in self._arrival:
+                            raise ValueError(f"request id {request_id} is already in use: request ids must be unique")
                         self._arrival[request_id], self._sent[request_id] = len(self._arrival), 0
                         self.waiting.append(Request(request_id, prompt, sampling))
-                        ids.append(request_id)
+                        ids.add(request_id)
                     self.run()
                     captures += self.stats.captures
-                    for request_id in ids:
-                        self.finished.pop(request_id, None)
-                        self._arrival.pop(request_id, None)
-                        self._sent.pop(request_id, None)
+                    self._forget(ids)
+                    ids.clear()
         finally:
-            self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish = saved
+            if ids:  # a step raised: its requests errored (pages freed); the rest leave the queue too
+                self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+                for request_id in ids:
+                    self._free(request_id)
+                self._forget(ids)
+            (self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish,
+             self.max_prefill_tokens) = saved  # fmt: skip
         return captures
+
+    def _forget(self, request_ids) -> None:
+        """Drop every trace of requests the caller never saw (`warm_up`'s)."""
+        for request_id in request_ids:
+            self.finished.pop(request_id, None)
+            self._arrival.pop(request_id, None)
+            self._sent.pop(request_id, None)
+            self._published.pop(request_id, None)
 
     # ---- queue -------------------------------------------------------------------------------
     @property
@@ -476,7 +497,6 @@ class Scheduler:
             return False
         in_flight += batch
         self.stats.prefills += 1
-        self._prefilled = True
         start = time.perf_counter()
         try:
             # a prefix cache hit: the pool lends each request the pages of its longest cached prefix first
@@ -495,6 +515,7 @@ class Scheduler:
                 self._admit_one = True  # retry one request at a time until a prefill fits
             return False
         self._admit_one = False
+        self._prefilled = True
         self.stats.prefill_tokens += sum(len(r.tokens) for r in batch)
         self.stats.cached_tokens += sum(cached)
         self._stream(record.requests)

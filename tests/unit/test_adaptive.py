@@ -250,3 +250,54 @@ def test_a_backed_off_probe_keeps_the_times_of_the_probes_before_it():
     controller.probe_gap[1] = 32  # no backoff: the old time has aged out
     controller.record(s3, 1, 6.0, [4])
     assert controller.seconds[(1, s3)] == 5.0
+
+
+def test_a_chain_that_ran_short_of_a_depth_follows_the_shallower_estimates():
+    """A chain whose verifies never reached its last depth has the sum up to there (a lower bound) and keeps
+    following the shallower depths, neither stale nor explored without end."""
+    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0), CHAIN)
+    s3, s2 = controller.shapes[:2]
+    controller.record(s3, 1, 1.0, [2])  # depth 2 rejected: depth 3 never reached
+    assert controller.tau[s3] == pytest.approx(2.0)
+    for _ in range(50):
+        controller.record(s2, 1, 1.0, [3])  # S2 now accepts both of its drafts every time
+    assert controller.tau[s2] == pytest.approx(3.0) and controller.tau[s3] == pytest.approx(3.0)
+    menu = ShapeController(AdaptiveSpeculation(shapes=(s3, controller.shapes[2])), CHAIN)
+    menu.record(controller.shapes[2], 1, 1.0, [2])
+    menu.record(s3, 1, 1.0, [1])  # S3 rejected its first draft: no deeper depth reached, still a tau
+    assert s3 in menu.tau
+
+
+def test_warm_up_fills_each_bucket_and_a_failed_one_leaves_nothing_behind(monkeypatch):
+    pool = FingerprintPool(num_pages=1000, page_size=1)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, agreement=0.9), kv_pool=pool)
+    scheduler = Scheduler(ports, CHAIN, speculation="on", max_batch_size=16, max_prefill_tokens=8)
+    widest, original_step = [], Scheduler.step
+
+    def step(self):
+        done = original_step(self)
+        widest.append(self.num_running)
+        return done
+
+    monkeypatch.setattr(Scheduler, "step", step)
+    scheduler.warm_up([16], prompt_len=16)  # one request a prefill: the first would finish before the 16th joins
+    assert max(widest) == 16 and scheduler.max_prefill_tokens == 8
+    calls, original_cycle = [], Scheduler._cycle
+
+    def failing(self, finished):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a device fault")
+        return original_cycle(self, finished)
+
+    monkeypatch.setattr(Scheduler, "_cycle", failing)
+    stats = scheduler.stats
+    with pytest.raises(RuntimeError, match="a device fault"):
+        scheduler.warm_up([2, 4])
+    assert scheduler.idle and not scheduler.finished and scheduler.stats is stats
+    assert pool.num_free_pages == 1000 and not scheduler._arrival
+    monkeypatch.setattr(Scheduler, "_cycle", original_cycle)
+    assert [len(r.output) for r in scheduler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))] == [5]
+    with pytest.raises(ValueError, match="batch_sizes"):
+        scheduler.warm_up(b for b in (1, 0))

@@ -515,7 +515,11 @@ def test_sampled_generate_runs_the_fused_cycles_and_draws_what_the_table_draws(e
         finally:
             engine.fused_cycles = keep
         assert [list(r.output) for r in fused] == [list(r.output) for r in reference]
+    third = engine.generate(prompts[1:], 3)[0][0].output[2]  # the greedy output's third token
     before = engine.fused_cycles.run_s
     penalty = [SamplingParams(temperature=1.0, seed=1), SamplingParams(presence_penalty=1.0)]
     engine.generate(prompts, 4, sampling=penalty)
+    stop = [SamplingParams(temperature=0.8, seed=1), SamplingParams(stop_token_ids=(third,))]
+    results, _ = engine.generate(prompts, 12, sampling=stop)  # one run of the fused cycles loads one stop list
     assert engine.fused_cycles.run_s == before
+    assert results[1].finish_reason == "stop" and len(results[1].output) <= 3
