@@ -209,8 +209,10 @@ class Scheduler:
         self.finished: dict[int, Request] = {}
         self.stats = SchedulerStats()
         self._cycles: list[tuple] = []  # this step's cycles (shape, batch size, counts, timed), for the controller
+        # per queued or running request: its arrival order (retraction takes the newest) and tokens streamed
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
+        self._order = itertools.count()
         self._admit_one = False
         self._admitted: Ready | None = None  # this step's admitted requests until they join the running batch
         # a graphed cycle left on the GPU by the last step (`_advance`): (Launched, shape, batch size, host seconds)
@@ -283,9 +285,9 @@ class Scheduler:
                     sampling = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
                     for _ in range(min(bucket, self.max_batch_size)):
                         request_id = next(self._ids)
-                        if request_id in self._arrival:
+                        if request_id in self._arrival or request_id in self.finished:
                             raise ValueError(f"request id {request_id} is already in use: request ids must be unique")
-                        self._arrival[request_id], self._sent[request_id] = len(self._arrival), 0
+                        self._arrival[request_id], self._sent[request_id] = next(self._order), 0
                         self.waiting.append(Request(request_id, prompt, sampling))
                         ids.add(request_id)
                     self.run()
@@ -330,9 +332,9 @@ class Scheduler:
         if extra:
             sampling = attrs.evolve(sampling, stop_token_ids=sampling.stop_token_ids + extra)
         request_id = next(self._ids)
-        if request_id in self._arrival:  # a caller's id iterator that repeats: two requests would share pages
-            raise ValueError(f"request id {request_id} is already queued or running: request ids must be unique")
-        self._arrival[request_id] = len(self._arrival)
+        if request_id in self._arrival or request_id in self.finished:  # a caller's id iterator that repeats
+            raise ValueError(f"request id {request_id} is already in use: request ids must be unique")
+        self._arrival[request_id] = next(self._order)
         self._sent[request_id] = 0
         self.waiting.append(Request(request_id, tokens, sampling))
         return request_id
@@ -810,6 +812,8 @@ class Scheduler:
             raise AssertionError(f"request {request.request_id} finished twice")  # a scheduler bug
         self._stream([request])
         self._published.pop(request.request_id, None)
+        self._arrival.pop(request.request_id, None)  # a long-running scheduler keeps nothing of it but the result
+        self._sent.pop(request.request_id, None)
         self.finished[request.request_id] = request
         if request.finish_reason == "error":
             self.stats.errors += 1

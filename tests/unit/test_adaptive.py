@@ -301,3 +301,19 @@ def test_warm_up_fills_each_bucket_and_a_failed_one_leaves_nothing_behind(monkey
     assert [len(r.output) for r in scheduler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5))] == [5]
     with pytest.raises(ValueError, match="batch_sizes"):
         scheduler.warm_up(b for b in (1, 0))
+
+
+def test_a_long_running_scheduler_keeps_nothing_of_a_finished_request_but_its_result():
+    """Arrival order and streamed counts go with the request (a server runs millions); retraction still takes the
+    newest arrival."""
+    pool = FingerprintPool(num_pages=40, page_size=1)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, agreement=0.5), kv_pool=pool)
+    scheduler = Scheduler(ports, CHAIN, speculation="on", max_batch_size=8)
+    for _ in range(3):
+        ids = [scheduler.submit([1 + i, 2, 3, 4], SamplingParams(max_new_tokens=9)) for i in range(4)]
+        scheduler.run()
+        assert all(scheduler.finished[i].finish_reason == "length" for i in ids)
+        assert not scheduler._arrival and not scheduler._sent
+    assert scheduler.stats.retractions > 0  # a pool of 40 slots for four requests of 13 tokens and a reservation
+    assert pool.num_free_pages == 40

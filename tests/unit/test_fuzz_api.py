@@ -293,7 +293,11 @@ def test_prompt_too_big_for_the_pool_is_refused_and_the_rest_runs(model):
 def test_a_scheduler_refuses_a_request_id_it_holds_already(model):
     """A caller's id iterator that repeats an id would let two requests share KV pages: `submit` refuses it."""
     engine = _engine(model, "layerskip")
-    scheduler = Scheduler.from_engine(engine, request_ids=iter([7, 7]))
+    scheduler = Scheduler.from_engine(engine, request_ids=iter([7, 7, 7]))
     assert scheduler.submit([3, 4, 5]) == 7
-    with pytest.raises(ValueError, match="request id 7 is already queued or running"):
+    with pytest.raises(ValueError, match="request id 7 is already in use"):
+        scheduler.submit([6, 7])
+    scheduler.run()  # finished: its result stays under its id, which a new request may not take either
+    assert scheduler.finished[7].finish_reason in ("length", "stop")
+    with pytest.raises(ValueError, match="request id 7 is already in use"):
         scheduler.submit([6, 7])
