@@ -13,6 +13,12 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a CUDA device; nothing elsewhere), so a wall clock times it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def commit() -> str:
     """The measured commit (`engine.bench.git_commit`: ``$SPECCYCLE_COMMIT`` where set, else the checkout's)."""
     from speccycle.engine.bench import git_commit

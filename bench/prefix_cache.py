@@ -35,15 +35,10 @@ from speccycle.core import SamplingParams, SpecConfig
 from speccycle.engine.engine import Engine
 from speccycle.engine.serving.scheduler import Scheduler
 
-from .common import write_result
+from .common import sync, write_result
 
 WORKLOAD = Path(__file__).resolve().parent / "prefix_workload.json"
 MODES = ("off_nocache", "off", "on", "on_nocache")
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run_mode(engine: Engine, mode: str, workload: dict, args) -> dict:
@@ -79,12 +74,12 @@ def run_mode(engine: Engine, mode: str, workload: dict, args) -> dict:
     scheduler = Scheduler.from_engine(
         engine, speculation=speculation, prefix_cache=cache, max_batch_size=args.max_batch_size, on_finish=finished
     )
-    _sync(args.device)
+    sync(args.device)
     start = time.perf_counter()
     for index in range(len(conversations)):
         send(index)
     scheduler.run()
-    _sync(args.device)
+    sync(args.device)
     seconds = time.perf_counter() - start
     stats = scheduler.stats
     tokens = sum(len(o) for o in outputs.values())

@@ -26,13 +26,8 @@ import time
 
 import torch
 
-from .common import write_result
+from .common import sync, write_result
 from .gpu_bench import eagle_head_path
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -100,7 +95,7 @@ def main() -> None:
             outputs = {}
             for cycle in range(args.cycles + 1):
                 for way, engine in engines.items():
-                    _sync(args.device)
+                    sync(args.device)
                     start = time.perf_counter()
                     with torch.no_grad():
                         if executor == "fused":
@@ -108,7 +103,7 @@ def main() -> None:
                             ready[way], _ = engine.fused_cycles.step(ready[way], ports=ports[way])
                         else:
                             ready[way] = run_cycle(ready[way], ports[way])
-                    _sync(args.device)
+                    sync(args.device)
                     if cycle:  # the first: graphs, buffers, compilation
                         times[way].append(time.perf_counter() - start)
                     outputs[way] = [r.output for r in ready[way].requests]
@@ -117,11 +112,11 @@ def main() -> None:
             deep = reshape(pending, spec, engines["deferred"].pool)
             first = []
             for _ in range(max(3, args.cycles // 2)):
-                _sync(args.device)
+                sync(args.device)
                 start = time.perf_counter()
                 with torch.no_grad():
                     step(deep, ports["deferred"], event="first_level")
-                _sync(args.device)
+                sync(args.device)
                 first.append(time.perf_counter() - start)
             ms = {way: statistics.median(t) * 1e3 for way, t in times.items()}
             row = {

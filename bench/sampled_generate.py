@@ -22,12 +22,7 @@ from speccycle.core import SamplingParams, SpecConfig
 from speccycle.engine.bench import load_prompts
 from speccycle.engine.engine import Engine
 
-from .common import write_result
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from .common import sync, write_result
 
 
 def timed(engine: Engine, prompts, new_tokens: int, sampling, device: str, fused: bool):
@@ -36,10 +31,10 @@ def timed(engine: Engine, prompts, new_tokens: int, sampling, device: str, fused
     if not fused:
         engine.fused_cycles = None
     try:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         results, stats = engine.generate(prompts, new_tokens, sampling=sampling)
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - start
     finally:
         engine.fused_cycles = keep

@@ -46,15 +46,10 @@ from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.engine.tokenizers.tokenizer import Tokenizer
 from speccycle.engine.weights.weights_gguf import default_model_path
 
-from .common import write_result
+from .common import sync, write_result
 
 MODES = ("ar", "spec", "adaptive")
 MIN_REQUESTS = 16  # a closed loop runs at least this many requests (a load of 1: 16 in a row)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def budget_of(i: int, new_tokens: int, spread: float) -> int:
@@ -93,14 +88,14 @@ def run_mode(
         return scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled, spread))
 
     switches = controller.switches if controller is not None else 0
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     ids = [submit(i) for i in range(bs)]
     while not scheduler.idle:  # closed loop: a client submits its next request when its last one finishes
         for _ in scheduler.step():
             if len(ids) < total:
                 ids.append(submit(len(ids)))
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - start
     outputs = [list(scheduler.finished[rid].output) for rid in ids]
     errors = [scheduler.finished[rid].error for rid in ids if scheduler.finished[rid].finish_reason == "error"]

@@ -284,12 +284,7 @@ class Scheduler:
                     # no stop ids: every request runs its whole budget, at least four cycles of up to S + 1 tokens
                     sampling = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
                     for _ in range(min(bucket, self.max_batch_size)):
-                        request_id = next(self._ids)
-                        if request_id in self._arrival or request_id in self.finished:
-                            raise ValueError(f"request id {request_id} is already in use: request ids must be unique")
-                        self._arrival[request_id], self._sent[request_id] = next(self._order), 0
-                        self.waiting.append(Request(request_id, prompt, sampling))
-                        ids.add(request_id)
+                        ids.add(self._enqueue(prompt, sampling))
                     self.run()
                     captures += self.stats.captures
                     self._forget(ids)
@@ -331,6 +326,10 @@ class Scheduler:
         extra = tuple(t for t in self.eos_token_ids if t not in sampling.stop_token_ids)
         if extra:
             sampling = attrs.evolve(sampling, stop_token_ids=sampling.stop_token_ids + extra)
+        return self._enqueue(tokens, sampling)
+
+    def _enqueue(self, tokens: tuple[int, ...], sampling: SamplingParams) -> int:
+        """Queue a request under the next id; returns the id."""
         request_id = next(self._ids)
         if request_id in self._arrival or request_id in self.finished:  # a caller's id iterator that repeats
             raise ValueError(f"request id {request_id} is already in use: request ids must be unique")
