@@ -81,7 +81,6 @@ class SchedulerStats:
     fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
     pipelined_cycles: int = 0  # of those, launched from the device's state before the last one was collected
     captures: int = 0  # of those, cycles whose launch captured their graph (a bucket and shape's first, per parity)
-    in_flight_admissions: int = 0  # steps that admitted under a pipelined cycle (not collected and relaunched first)
     verifies: int = 0  # request-verifies in speculative cycles
     accepted: int = 0  # tokens those verifies accepted (bonus included)
     committed: int = 0  # output tokens committed, prefill included
@@ -393,11 +392,7 @@ class Scheduler:
         admits the waiting requests (validation, records, the prefill's launches) while the GPU runs it; the
         cycle's commits are collected after, and the admitted requests join the batch for the next cycle. A cycle
         the table runs eagerly comes after the admission, over the joined batch. Checked mode collects (and checks)
-        the cycle before it admits: the checks read the cycle's buffers, which the prefill's forwards reuse.
-
-        A step that finds the last step's cycle still in flight (pipelined) and a request waiting admits under that
-        cycle, then collects it: collecting it first and launching the same batch's next cycle would add a reload,
-        and a gap where the GPU waits for the host, to every admission."""
+        the cycle before it admits: the checks read the cycle's buffers, which the prefill's forwards reuse."""
         start = time.perf_counter()
         finished: list[Request] = []
         in_flight: list[Request] = []
@@ -405,18 +400,11 @@ class Scheduler:
         try:
             self._shape = None
             self._prefilled = False
-            launched = None
-            if self._inflight is not None and self._can_join() and not self._cancels:
-                # a request waits and the last step left its cycle on the GPU: admit under that cycle, collect it,
-                # join (not collect, relaunch the same batch, then admit: one reload and one idle gap fewer)
-                launched, self._inflight = self._inflight, None
-                self.stats.in_flight_admissions += 1
-            elif self._inflight is not None:  # nothing joins: go on from the device's state
+            if self._inflight is not None:  # last step left its cycle on the GPU: go on from the device's state
                 self._advance(finished)
             if self._inflight is None:
-                if launched is None:
-                    self._apply_cancels(finished)
-                    launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
+                self._apply_cancels(finished)
+                launched = self._launch(finished)  # a captured cycle on the GPU while the host admits
                 cycled = launched is not None  # () too: the pool refused its pages, no cycle this step
                 if launched and self.checked:  # the checks read buffers an admission's forwards reuse: no overlap
                     self._collect(launched, finished)
@@ -618,9 +606,7 @@ class Scheduler:
         is full: a request that finishes in cycle ``n`` makes room at the next step), no cancel is pending,
         the shape stays and the pool grants the pages, cycle ``n + 1`` is launched from the device's state first,
         then cycle ``n`` is collected while the GPU runs it (the host's records, streaming and retiring overlap the
-        GPU). Otherwise (the shape changes, a cancel is pending, the pool is short) cycle ``n`` is collected and the
-        step goes on as an ordinary one (reload, admission); a step where a request could join admits under cycle
-        ``n`` instead (`step`)."""
+        GPU). Otherwise cycle ``n`` is collected and the step goes on as an ordinary one (reload, admission)."""
         launched, shape, batch_size, _ = self._inflight
         nxt = None
         if not self._can_join() and not self._cancels and self._pipelines(self._inflight):

@@ -238,7 +238,7 @@ def test_pipelined_cycles_go_on_from_the_devices_state(engines, name):
     """A batch nothing joins keeps its cycle in flight past the step; the next step launches the next cycle from
     the device's state (`FusedCycles.launch_next`: the other parity's graph, the same log) before collecting the
     last. Requests finish in different cycles (their rows go on, done, until the batch reloads), one is cancelled
-    and others arrive mid-run (admitted under the cycle in flight, then a reload); every output is the autoregressive one and every page goes back."""
+    and others arrive mid-run (a reload); every output is the autoregressive one and every page goes back."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
@@ -262,7 +262,6 @@ def test_pipelined_cycles_go_on_from_the_devices_state(engines, name):
     assert scheduler.finished[doomed].finish_reason == "cancelled"
     stats = scheduler.stats
     assert stats.pipelined_cycles > 2 and stats.fused_cycles == stats.spec_cycles + stats.plain_cycles
-    assert stats.in_flight_admissions > 0  # the arrivals were admitted under a pipelined cycle
     assert engine.pool.num_free_pages == free
 
 
