@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--warmup-requests", type=int, default=None, help="default: 2 per client, every mode")
     parser.add_argument("--no-check", action="store_true", help="skip the greedy references (figures only)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--name", default=None, help="result file name (default: load_test-<date-time>.json)")
+    parser.add_argument("--name", default=None, help="result file name under bench/results (.json added; default: load_test-<date-time>-<commit>.json)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -507,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "rows": [summary_row(mode, row) for mode, row in rows.items()],
     }
     record = result_record("load_test", payload, args.device)
-    name = args.name or f"load_test-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{commit()}.json"
+    name = args.name or f"load_test-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{commit()}"
+    name = name if name.endswith(".json") else f"{name}.json"  # a name given without the suffix gets it
     path = Path(RESULTS) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
