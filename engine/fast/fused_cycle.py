@@ -63,7 +63,6 @@ from ...statemachine.static import (
 )
 from ...statemachine.static_rows import MAX_STOPS, CycleBuffers
 from ...statemachine.transitions import reserve
-from ..kernels.attention_triton import counter_scope
 from .graphs import GraphPool, bucket
 
 # Cycles the host launches ahead of the one whose "all done" flag it waits for. One is enough to keep the GPU
@@ -136,9 +135,7 @@ class FusedCycles:
         self.use_graphs = options.graphs and self.device.type == "cuda"
         self.page_size = pool.page_size
         self.table_width = -(-pool.num_slots // pool.page_size)
-        # a pool of their own, and attention counters of their own (`counter_scope`): the scheduler's admission may
-        # run the target's and the draft's forward graphs on another stream while a cycle's graph runs
-        self.graph_pool = GraphPool(self.device)
+        self.graph_pool: GraphPool = options.graph_pool
         self._batches: dict[int, _Batch] = {}
         self.replays = 0
         self.captured = False  # whether the last `step` captured its graph (its time is not a cycle's)
@@ -198,8 +195,7 @@ class FusedCycles:
         """One cycle: the static executor from the `Ready` record over set ``parity`` to set ``1 - parity``, then
         the next set's "all done" flag to the host."""
         ready = bt.buffers.ready(parity, requests)
-        with counter_scope("cycle"):
-            _, boundaries = self.executor(bt.ports).cycle(ready, bt.buffers, 1 - parity, kv_bound)
+        _, boundaries = self.executor(bt.ports).cycle(ready, bt.buffers, 1 - parity, kv_bound)
         nxt = bt.buffers.sets[1 - parity]
         if not (bt.flag_kernel and flag_to_host(nxt["all_done"], bt.host_done)):
             bt.host_done.copy_(nxt["all_done"], non_blocking=True)

@@ -133,9 +133,7 @@ class GraphPool:
     Graphs captured into one pool share its memory: safe here, since they run one at a time on one
     stream and what a graph returns is cloned out of the pool before any other graph runs. An engine
     shares one `GraphPool` among its target, draft and decode graphs (`fast.path.FastOptions.graph_pool`);
-    a `ForwardGraphs` or `GreedyDecodeGraphs` built without one gets its own, and so do the scheduler's captured
-    cycles (`fast.fused_cycle.FusedCycles`: an admission replays the forward graphs on a stream of its own while a
-    cycle's graph runs, and graphs that may run at once must not share memory).
+    a `ForwardGraphs` or `GreedyDecodeGraphs` built without one gets its own.
 
     Lifetime: the caching allocator counts the live graphs of a pool (its ``use_count``); when the
     last one is destroyed the pool is retired, and a later capture into the same handle fails with

@@ -47,7 +47,6 @@ every row's keys up to a static bound ``kv_bound`` (positions) and computes in f
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -463,29 +462,16 @@ def default_programs_per_row(device: torch.device, rows: int, kv_heads: int, chu
     return max(1, min(chunk_bound, max(MIN_PROGRAMS_PER_ROW, wanted)))
 
 
-# Arrival counters of the fused combine, per device and scope: int32 zeros that every launch leaves at zero (the
-# last program of a (row, KV head) puts its counter back). Allocated outside any graph capture and never freed,
-# since captured graphs keep their addresses: a larger need (more rows) adds a buffer and keeps the old. Two
-# launches that may run at once, on two streams, must not share counters: work that runs beside other work takes a
-# scope of its own (`counter_scope`; the scheduler's captured cycles, while an admission runs on its own stream).
-_COUNTERS: dict[tuple[torch.device, str], list[torch.Tensor]] = {}
+# Arrival counters of the fused combine, per device: int32 zeros that every launch leaves at zero (the last
+# program of a (row, KV head) puts its counter back). Allocated outside any graph capture and never freed,
+# since captured graphs keep their addresses: a larger need (more rows) adds a buffer and keeps the old.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 MIN_COUNTERS = 1 << 14  # (row, KV head) pairs: 512 rows of 32 KV heads
-_SCOPE = ["default"]
-
-
-@contextlib.contextmanager
-def counter_scope(name: str):
-    """The attention launches inside (and the graphs captured inside) take the arrival counters of scope ``name``."""
-    _SCOPE.append(name)
-    try:
-        yield
-    finally:
-        _SCOPE.pop()
 
 
 def _arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """A zeroed int32 buffer of at least ``needed`` counters; None when one must be made during a capture."""
-    buffers = _COUNTERS.setdefault((device, _SCOPE[-1]), [])
+    buffers = _COUNTERS.setdefault(device, [])
     if buffers and buffers[-1].numel() >= needed:
         return buffers[-1]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

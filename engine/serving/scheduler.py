@@ -38,7 +38,6 @@ cannot even queue (a prompt that is not a sequence of ints, parameters of the wr
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import operator
@@ -82,7 +81,6 @@ class SchedulerStats:
     fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
     pipelined_cycles: int = 0  # of those, launched from the device's state before the last one was collected
     captures: int = 0  # of those, cycles whose launch captured their graph (a bucket and shape's first, per parity)
-    side_admissions: int = 0  # admissions run on a CUDA stream of their own, beside the captured cycle in flight
     verifies: int = 0  # request-verifies in speculative cycles
     accepted: int = 0  # tokens those verifies accepted (bonus included)
     committed: int = 0  # output tokens committed, prefill included
@@ -220,10 +218,6 @@ class Scheduler:
         # a graphed cycle left on the GPU by the last step (`_advance`): (Launched, shape, batch size, host seconds)
         self._inflight = None
         self._in_cycle = False  # admitting while the running batch's cycle is on the GPU
-        # CUDA: the stream admissions run on while a captured cycle runs (made on first use), and an event recorded
-        # on the main stream before this step's cycle was launched (what an admission beside it waits for)
-        self._side: torch.cuda.Stream | None = None
-        self._before_cycle = None
         self.pipeline = pipeline
         self._shape: SpecConfig | None = None  # this step's cycle's shape, once chosen
         self._prefilled = False  # this step prefilled (its cycles are not timed for the controller)
@@ -406,7 +400,6 @@ class Scheduler:
         try:
             self._shape = None
             self._prefilled = False
-            self._before_cycle = None
             if self._inflight is not None:  # last step left its cycle on the GPU: go on from the device's state
                 self._advance(finished)
             if self._inflight is None:
@@ -506,61 +499,31 @@ class Scheduler:
         in_flight += batch
         self.stats.prefills += 1
         start = time.perf_counter()
-        with self._admission_stream():
-            try:
-                # a prefix cache hit: the pool lends each request the pages of its longest cached prefix first
-                pool = self.ports.kv_pool
-                cached = tuple(pool.attach_prefix(r.request_id, r.tokens) for r in batch) if self.prefix_cache else ()
-                admitted = Admitted(config=self.config, requests=tuple(batch), cached=cached)
-                record = run_step(admitted, self.ports, self.backend, checked=self.checked)
-            except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): defer the batch
-                for request in batch:
-                    self._free(request.request_id)
-                in_flight.clear()
-                if self.num_running == 0 and len(batch) == 1:
-                    message = "the KV pool refused its prompt's pages with nothing running"
-                    finished.append(self._error(batch[0], message))
-                else:
-                    self.waiting.extendleft(reversed(batch))
-                    self._admit_one = True  # retry one request at a time until a prefill fits
-                return False
-            self._admit_one = False
-            self._prefilled = True
-            self.stats.prefill_tokens += sum(len(r.tokens) for r in batch)
-            self.stats.cached_tokens += sum(cached)
-            self._admitted = self._to_ready(record, finished)  # joins the running batch after its cycle (`_join`)
+        try:
+            # a prefix cache hit: the pool lends each request the pages of its longest cached prefix first
+            pool = self.ports.kv_pool
+            cached = tuple(pool.attach_prefix(r.request_id, r.tokens) for r in batch) if self.prefix_cache else ()
+            admitted = Admitted(config=self.config, requests=tuple(batch), cached=cached)
+            record = run_step(admitted, self.ports, self.backend, checked=self.checked)
+        except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): defer the batch
+            for request in batch:
+                self._free(request.request_id)
+            in_flight.clear()
+            if self.num_running == 0 and len(batch) == 1:
+                finished.append(self._error(batch[0], "the KV pool refused its prompt's pages with nothing running"))
+            else:
+                self.waiting.extendleft(reversed(batch))
+                self._admit_one = True  # retry one request at a time until a prefill fits
+            return False
+        self._admit_one = False
+        self._prefilled = True
+        self.stats.prefill_tokens += sum(len(r.tokens) for r in batch)
+        self.stats.cached_tokens += sum(cached)
         self._stream(record.requests)
+        self._admitted = self._to_ready(record, finished)  # joins the running batch after its cycle (`_join`)
         in_flight.clear()
         self.stats.prefill_seconds += time.perf_counter() - start
         return True
-
-    @contextlib.contextmanager
-    def _admission_stream(self):
-        """Where an admission's device work runs. Beside a captured cycle in flight (CUDA, unchecked: `_launch_fused`
-        recorded the event before it), on a stream of its own: the prefill's forwards and its draft extend run while
-        the GPU runs the cycle, and its first tokens are read back as soon as they exist, not after the cycle. The
-        admission's stream first waits for the main stream's work before the cycle (the running batch's records it
-        may share pages with, the buffers of the forward graphs); the main stream waits for the whole admission
-        before anything queued after it (the merge into the running batch, the next cycle), whether it ended well
-        or not. The two never share memory a graph writes: the cycles capture into a pool of their own, with
-        attention counters of their own (`FusedCycles`). Otherwise the admission queues behind the cycle, on the
-        one stream."""
-        event = self._before_cycle if self._in_cycle else None
-        if event is None:
-            yield
-            return
-        main = torch.cuda.current_stream(self.fused_cycles.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=main.device)
-        self._side.wait_event(event)
-        self.stats.side_admissions += 1
-        try:
-            with torch.cuda.stream(self._side):
-                yield
-        finally:
-            main.wait_stream(self._side)
-            for tensor in _device_tensors(self._admitted):  # made on the admission's stream, read on the main one
-                tensor.record_stream(main)
 
     def _join(self) -> None:
         """The requests this step admitted join the running batch (in its shape: it may be another of the family)."""
@@ -624,8 +587,6 @@ class Scheduler:
 
     def _launch_fused(self, shape: SpecConfig, finished: list[Request]):
         start = time.perf_counter()
-        if self.fused_cycles.use_graphs and not self.checked:  # an admission under this cycle may run beside it
-            self._before_cycle = torch.cuda.current_stream(self.fused_cycles.device).record_event()
         try:
             launched = self.fused_cycles.launch(self.running, ports=self.ports)
         except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
@@ -878,19 +839,6 @@ class Scheduler:
             finished.append(self._error(request, f"the cycle failed: {type(error).__name__}: {error}"))
             done.add(request.request_id)
         self.running = None
-
-
-def _device_tensors(value) -> Iterator[torch.Tensor]:
-    """The CUDA tensors of a record (its fields, and theirs), not those of its requests."""
-    if isinstance(value, torch.Tensor):
-        if value.is_cuda:
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _device_tensors(item)
-    elif attrs.has(type(value)) and not isinstance(value, Request):
-        for field in attrs.fields(type(value)):
-            yield from _device_tensors(getattr(value, field.name))
 
 
 def _check_shapes(shapes, config: SpecConfig, kind: str) -> None:

@@ -409,41 +409,6 @@ def test_ngram_cycles_are_captured_and_lossless_on_cuda(model_path, name):
     assert engine.pool.num_free_pages == free
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a second CUDA stream needs a GPU")
-@pytest.mark.parametrize("spec", [SpecConfig(num_steps=3, topk=1, page_size=16),
-                                  SpecConfig(num_steps=3, topk=2, num_draft_tokens=6, page_size=16)],
-                         ids=["chain", "tree"])  # fmt: skip
-def test_admissions_run_on_their_own_stream_beside_the_captured_cycle_on_cuda(model_path, spec):
-    """On a GPU an admission under a captured cycle runs on a stream of its own (its prefill and draft extend beside
-    the cycle's graph, which captures into a pool and attention counters of its own): arrivals staggered over a
-    batch of four, short and long budgets, greedy and sampled; every greedy output is the autoregressive one, the
-    sampled ones equal a run with the admissions queued behind the cycle (checked mode admits after collecting),
-    and every page goes back."""
-    from speccycle.core.config import SamplingParams
-    from speccycle.engine.serving.scheduler import Scheduler
-
-    engine = Engine.load(model_path, draft="eagle", spec=spec, device="cuda", dtype=torch.float32, fast=True,
-                         kv_tokens=8192)  # fmt: skip
-    prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.", "Count to five.", "Say hi.")]
-    budgets = [NEW_TOKENS, 5, 14, 9, 3, 11]
-    ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
-    free = engine.pool.num_free_pages
-    outputs = {}
-    for checked in (False, True):
-        scheduler = Scheduler.from_engine(engine, max_batch_size=4, checked=checked)
-        ids = []
-        for i, (p, n) in enumerate(zip(prompts, budgets)):
-            ids.append(scheduler.submit(p, SamplingParams(max_new_tokens=n)))
-            ids.append(scheduler.submit(p, SamplingParams(max_new_tokens=n, temperature=0.8, seed=i)))
-            scheduler.step()
-        scheduler.run()
-        outputs[checked] = [list(scheduler.finished[i].output) for i in ids]
-        assert outputs[checked][::2] == ar
-        assert (scheduler.stats.side_admissions > 0) == (not checked)
-    assert outputs[False][1::2] == outputs[True][1::2]
-    assert engine.pool.num_free_pages == free
-
-
 @pytest.mark.parametrize("name", ["chain", "tree"])
 def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(engines, name):
     """A mixed batch (sampled requests with temperature, top-k, top-p and their seeds beside greedy ones) runs as the
