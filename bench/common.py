@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 from pathlib import Path
@@ -24,6 +25,29 @@ def commit() -> str:
     from speccycle.engine.bench import git_commit
 
     return git_commit()
+
+
+def percentile(values, q: float) -> float | None:
+    """The ``q``-th percentile (0..100) by linear interpolation between the closest ranks; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def latency_ms(ttft, tpot) -> dict:
+    """p50 and p99 in milliseconds of times to first token and times per output token (seconds in)."""
+
+    def ms(value):
+        return None if value is None else round(value * 1000, 3)
+
+    return {
+        "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99)), "count": len(ttft)},
+        "tpot_ms": {"p50": ms(percentile(tpot, 50)), "p99": ms(percentile(tpot, 99)), "count": len(tpot)},
+    }
 
 
 def device_name(device: str = "cpu") -> str:

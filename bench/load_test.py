@@ -51,7 +51,7 @@ from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.engine.tokenizers.tokenizer import Tokenizer
 from speccycle.engine.weights.weights_gguf import default_model_path
 
-from .common import RESULTS, commit, result_record
+from .common import RESULTS, commit, latency_ms, result_record
 
 MODES = ("off", "on", "adaptive")
 REASONS = ("stop", "length", "cancelled", "error")
@@ -190,31 +190,15 @@ def run_load(scheduler: Scheduler, workload: Sequence[LoadRequest], prompts: Seq
     return tracks, done, seconds
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) by linear interpolation between the closest ranks; None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def latency_figures(tracks: dict[int, _Track], seconds: float) -> dict:
     ttft = [t.times[0] - t.submitted for t in tracks.values() if t.times]
     tpot = [(t.times[-1] - t.times[0]) / (len(t.times) - 1) for t in tracks.values() if len(t.times) > 1]
     tokens = sum(len(t.streamed) for t in tracks.values())
-
-    def ms(value):
-        return None if value is None else round(value * 1000, 3)
-
     return {
         "output_tokens": tokens,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
-        "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99)), "count": len(ttft)},
-        "tpot_ms": {"p50": ms(percentile(tpot, 50)), "p99": ms(percentile(tpot, 99)), "count": len(tpot)},
+        **latency_ms(ttft, tpot),
     }
 
 
@@ -428,7 +412,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--warmup-requests", type=int, default=None, help="default: 2 per client, every mode")
     parser.add_argument("--no-check", action="store_true", help="skip the greedy references (figures only)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--name", default=None, help="result file name under bench/results (.json added; default: load_test-<date-time>-<commit>.json)")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="result file name under bench/results (.json added; default: load_test-<date-time>-<commit>.json)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,7 +11,10 @@ once per mode:
   measured throughput at its batch size. One controller serves every run of the mode, the warm-up's
   included, as one long-running server's would (its measurements carry over).
 
-Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made).
+Tokens/s is new tokens over wall time (EOS may end a request early; the count is what was made). Latency, p50
+and p99 over the run's requests: time to first token (``ttft_ms``: from ``submit`` to the request's first
+``on_tokens`` call) and time per output token (``tpot_ms``: its first to its last streamed token over the tokens
+between); the scheduler streams after each step, so a cycle's tokens share one timestamp.
 ``--budget-spread F`` gives the requests budgets spread evenly over ``max_new_tokens * [1 - F, 1 + F]`` (the same
 per request index in every mode): with one budget for all, autoregressive requests of a prompt finish in the
 same step, so its admissions come in few large prefills, while speculation spreads them. ``--repeats R`` runs
@@ -46,7 +49,7 @@ from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.engine.tokenizers.tokenizer import Tokenizer
 from speccycle.engine.weights.weights_gguf import default_model_path
 
-from .common import sync, write_result
+from .common import latency_ms, sync, write_result
 
 MODES = ("ar", "spec", "adaptive")
 MIN_REQUESTS = 16  # a closed loop runs at least this many requests (a load of 1: 16 in a row)
@@ -81,11 +84,24 @@ def run_mode(
     spread: float = 0.0,
 ) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
-    scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill)
+    # latency from the streaming callback: a request's submit, its first and last streamed tokens, how many
+    submitted: dict[int, float] = {}
+    streamed: dict[int, list] = {}
+
+    def on_tokens(rid: int, tokens: list[int]) -> None:
+        now = time.perf_counter()
+        seen = streamed.setdefault(rid, [now, now, 0])
+        seen[1], seen[2] = now, seen[2] + len(tokens)
+
+    scheduler = Scheduler.from_engine(
+        engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill, on_tokens=on_tokens
+    )
     total = max(bs * per_client, MIN_REQUESTS if per_client > 1 else 0)
 
     def submit(i: int) -> int:
-        return scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled, spread))
+        rid = scheduler.submit(prompts[i % len(prompts)], params_of(i, new_tokens, sampled, spread))
+        submitted[rid] = time.perf_counter()
+        return rid
 
     switches = controller.switches if controller is not None else 0
     sync(device)
@@ -103,11 +119,16 @@ def run_mode(
         raise RuntimeError(f"{mode} at bs={bs}: {len(errors)} requests errored, first: {errors[0]}")
     tokens = sum(len(o) for o in outputs)
     stats = scheduler.stats
+    ttft = [streamed[rid][0] - submitted[rid] for rid in ids if rid in streamed]
+    tpot = [(last - first) / (n - 1) for first, last, n in (streamed[rid] for rid in ids if rid in streamed) if n > 1]
     return {
         "requests": total,
         "tokens": tokens,
         "seconds": round(seconds, 4),
         "tokens_per_s": round(tokens / seconds, 2),
+        # time to first token (submit to the first streamed token) and per output token (first to last streamed
+        # token over the tokens between), p50 and p99: a cycle's tokens share the step's timestamp
+        **latency_ms(ttft, tpot),
         "tau": round(stats.tau, 3) if stats.verifies else None,
         "spec_cycles": stats.spec_cycles,
         "plain_cycles": stats.plain_cycles,
@@ -310,6 +331,14 @@ def main() -> None:
             + " "
             + " ".join(f"{m}_identical={row[m]['identical_to_ar']}/{n}" for m in modes if m != "ar")
             + (f" adaptive_shapes={row['adaptive']['shapes']}" if "adaptive" in row else "")
+        )
+        print(
+            "       latency ms (TTFT p50/p99, TPOT p50/p99): "
+            + " ".join(
+                f"{m}={row[m]['ttft_ms']['p50']}/{row[m]['ttft_ms']['p99']},"
+                f"{row[m]['tpot_ms']['p50']}/{row[m]['tpot_ms']['p99']}"
+                for m in modes
+            )
         )
     policy = AdaptiveSpeculation()
     payload = {
