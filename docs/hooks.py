@@ -282,7 +282,7 @@ def record_markdown(class_name: str) -> str:
             break
     else:
         raise PluginError(f"speccycle:record:{class_name}: no such class in core/records.py or core/ports.py")
-    source_path = Path(inspect.getsourcefile(module))
+    source_path = Path(inspect.getsourcefile(module)).resolve()  # the package may be imported through a link
     lines = source_path.read_text().splitlines()
     node = next(n for n in ast.parse("\n".join(lines)).body if isinstance(n, ast.ClassDef) and n.name == class_name)
     rows = ["| field | type | shape and meaning |", "| --- | --- | --- |"]
