@@ -172,6 +172,10 @@ class Ready:
     # None). The table's ``first_level`` row computes it from ``draft_hidden`` once the batch moves to a shape of
     # ``S >= 1`` (invariant 17).
     topk_pending: bool = False
+    # Ids of requests an engine takes out of the batch at this boundary (KV pressure), their committed output kept:
+    # the table's ``retract`` row frees their pages and moves them to ``retired`` unfinished (``finish_reason``
+    # None); the engine queues them again, and a readmission recomputes their KV.
+    retract: tuple[int, ...] = ()
 
 
 @attrs.frozen(eq=False)

@@ -68,6 +68,7 @@ def merge_ready(a: Ready, b: Ready) -> Ready:
         retired=a.retired + b.retired,
         draft_probs=_cat_draft_probs(a, b),
         topk_pending=a.topk_pending,
+        retract=a.retract + b.retract,
     )
 
 
@@ -92,6 +93,7 @@ def select_ready(ready: Ready, indices: list[int]) -> Ready:
         retired=ready.retired,
         draft_probs=take(ready.draft_probs),
         topk_pending=ready.topk_pending,
+        retract=tuple(r.request_id for r in (ready.requests[i] for i in indices) if r.request_id in ready.retract),
     )
 
 

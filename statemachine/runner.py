@@ -19,7 +19,7 @@ from ..core.ports import Ports, target_device
 from ..core.records import Admitted, Compacted, Ready, Request
 from . import checks
 from .table import TABLE, Transition
-from .transitions import any_finished, first_level_due
+from .transitions import any_finished, first_level_due, retracting
 
 
 class NoTransition(RuntimeError):
@@ -89,12 +89,18 @@ def step(
 
 def run_cycle(record, ports: Ports, backend=None, **kwargs) -> Ready:
     """Step until the next `Ready` record: from `Admitted` through prefill, from `Ready` one full cycle (after the
-    Ready ``retire`` row, where requests of the record had finished, and the ``first_level`` row, where a cycle of
-    ``S == 0`` deferred the top-K the record's shape drafts from). ``retired``: every request that left."""
+    Ready ``retire`` row, where requests of the record had finished, the ``retract`` row, where the record names
+    requests to take out (`Ready.retract`), and the ``first_level`` row, where a cycle of ``S == 0`` deferred the
+    top-K the record's shape drafts from). ``retired``: every request that left (retracted ones unfinished)."""
     retired: tuple[Request, ...] = ()
     if isinstance(record, Ready) and any_finished(record, ports):
         record = step(record, ports, backend, event="retire", **kwargs)
         retired, record = record.retired, attrs.evolve(record, retired=())
+        if not record.requests:
+            return attrs.evolve(record, retired=retired)
+    if isinstance(record, Ready) and retracting(record, ports):
+        record = step(record, ports, backend, event="retract", **kwargs)
+        retired, record = retired + record.retired, attrs.evolve(record, retired=())
         if not record.requests:
             return attrs.evolve(record, retired=retired)
     if isinstance(record, Ready) and first_level_due(record, ports):

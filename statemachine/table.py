@@ -126,6 +126,15 @@ TABLE: tuple[Transition, ...] = (
     ),
     Transition(
         Ready,
+        "retract",
+        Ready,
+        t.retract,
+        guard=t.retracting,
+        doc="Requests an engine short of KV pages takes out (Ready.retract) leave the batch unfinished, their "
+        "committed output kept; every page they held is freed once. Queued again, a readmission recomputes their KV.",
+    ),
+    Transition(
+        Ready,
         "first_level",
         Ready,
         t.first_level,

@@ -28,6 +28,7 @@ from ..core.ports import (
     draft_kind,
     draft_pairing,
     graphed_draft_levels,
+    kv_knows,
     target_device,
 )
 from ..core.records import (
@@ -440,6 +441,35 @@ def retire_ready(rec: Ready, ports: Ports, backend) -> Ready:
     return attrs.evolve(select_ready(rec, keep), retired=rec.retired + gone)
 
 
+def retracting(rec: Ready, ports: Ports) -> bool:
+    """The engine names requests to take out, and none of the batch has finished (finished requests retire first)."""
+    return bool(rec.retract) and none_finished(rec, ports)
+
+
+def settled(rec: Ready, ports: Ports) -> bool:
+    """No request of the batch has finished and none is to be retracted: the batch may draft."""
+    return none_finished(rec, ports) and not rec.retract
+
+
+def retract(rec: Ready, ports: Ports, backend) -> Ready:
+    """The requests ``rec.retract`` names leave a `Ready` batch unfinished, their committed output kept; every page
+    they held is freed, once. An engine short of KV pages takes requests out this way and queues them again: a
+    readmission prefills prompt and output, which recomputes their KV (`prefill`)."""
+    from .batching import select_ready
+
+    ids = set(rec.retract)
+    unknown = ids - {r.request_id for r in rec.requests}
+    if unknown:
+        raise ValueError(f"Ready.retract names request ids {sorted(unknown)} that are not in the batch")
+    keep = [i for i, r in enumerate(rec.requests) if r.request_id not in ids]
+    gone = tuple(r for r in rec.requests if r.request_id in ids)
+    for request in gone:
+        if ports.kv_pool.pages_held(request.request_id) or kv_knows(ports, request.request_id):
+            ports.kv_pool.free(request.request_id)
+        ports.recurrent.free(request_id=request.request_id)
+    return attrs.evolve(select_ready(rec, keep), retired=rec.retired + gone)
+
+
 # ---- draft extend ------------------------------------------------------------------------------
 def forward_draft(rec, ports: Ports) -> bool:
     return is_forward(ports)
@@ -484,21 +514,21 @@ def block_ready(rec: Compacted, ports: Ports) -> bool:
 def forward_draft_live(rec: Ready, ports: Ports) -> bool:
     """A forward draft, no request of the batch has finished (finished requests retire first), and a shape that
     drafts finds its depth-1 top-K computed (`first_level_due` runs first)."""
-    return none_finished(rec, ports) and forward_draft(rec, ports) and not (rec.topk_pending and rec.config.drafts)
+    return settled(rec, ports) and forward_draft(rec, ports) and not (rec.topk_pending and rec.config.drafts)
 
 
 def first_level_due(rec: Ready, ports: Ports) -> bool:
     """A batch whose depth-1 top-K a cycle of ``S == 0`` deferred (`Ready.topk_pending`), now in a shape that drafts
     (``S >= 1``, `batching.reshape`): the top-K is computed before the draft."""
-    return rec.topk_pending and rec.config.drafts and none_finished(rec, ports) and forward_draft(rec, ports)
+    return rec.topk_pending and rec.config.drafts and settled(rec, ports) and forward_draft(rec, ports)
 
 
 def lookup_draft_live(rec: Ready, ports: Ports) -> bool:
-    return none_finished(rec, ports) and lookup_draft(rec, ports)
+    return settled(rec, ports) and lookup_draft(rec, ports)
 
 
 def block_draft_live(rec: Ready, ports: Ports) -> bool:
-    return none_finished(rec, ports) and block_draft(rec, ports)
+    return settled(rec, ports) and block_draft(rec, ports)
 
 
 def speculating(requests: Sequence[Request]) -> list[int] | None:

@@ -761,14 +761,17 @@ class Scheduler:
                 f"reserved) and the pool has {self.capacity} in all, {pool.num_free_pages} of them free: lower "
                 "max_new_tokens or build the pool with more pages"
             )
-            self._free(request.request_id)
-            self.running = select_ready(self.running, [])
-            finished.append(self._error(request, message))
+            self._published.pop(request.request_id, None)
+            errored = attrs.evolve(self.running, requests=(self._error(request, message),))
+            ready = run_step(errored, self.ports, self.backend, event="retire", checked=self.checked)
+            finished += ready.retired  # the table's Ready retire row freed its pages
+            self.running = attrs.evolve(ready, retired=())
             return
-        newest = max(range(len(requests)), key=lambda i: self._arrival[requests[i].request_id])
-        victim = requests[newest]
-        self._free(victim.request_id)
-        self.running = select_ready(self.running, [i for i in range(len(requests)) if i != newest])
+        victim = max(requests, key=lambda r: self._arrival[r.request_id])
+        self._published.pop(victim.request_id, None)
+        marked = attrs.evolve(self.running, retract=(victim.request_id,))
+        ready = run_step(marked, self.ports, self.backend, event="retract", checked=self.checked)  # frees its pages
+        self.running = attrs.evolve(ready, retired=())
         self.waiting.appendleft(victim)  # committed output kept: readmission recomputes its KV
         self.stats.retractions += 1
 

@@ -40,3 +40,29 @@ def test_a_ready_batch_whose_requests_all_finished_retires_them_all():
     assert after.requests == () and [r.request_id for r in after.retired] == [0, 1, 2]
     assert all(pool.pages_held(i) == 0 for i in range(3))
     assert run_cycle(ready, ports).retired == after.retired
+
+
+def test_the_retract_row_takes_named_requests_out_unfinished_and_frees_their_pages():
+    """The Ready ``retract`` row (an engine short of KV pages): the requests `Ready.retract` names leave the batch
+    with their committed output and no ``finish_reason``, every page they held freed; `run_cycle` runs it before the
+    cycle of the others. A name not in the batch is refused; a finished request retires before any retraction."""
+    import pytest
+
+    config = SpecConfig(num_steps=3, page_size=4)
+    ports, pool, ready = _ready(config)
+    marked = attrs.evolve(ready, retract=(2,))
+    assert select(marked, ports).event == "retract"  # the draft rows wait for it
+    out = step(marked, ports, event="retract", checked=True)
+    assert [r.request_id for r in out.requests] == [0, 1] and out.retract == ()
+    assert out.retired == (ready.requests[2],) and out.retired[0].finish_reason is None
+    assert pool.pages_held(2) == 0 and pool.pages_held(0) > 0
+    ports, pool, ready = _ready(config)
+    before = {r.request_id: len(r.output) for r in ready.requests}
+    after = run_cycle(attrs.evolve(ready, retract=(0,)), ports, checked=True)
+    assert [r.request_id for r in after.retired] == [0] and [r.request_id for r in after.requests] == [1, 2]
+    assert all(len(r.output) > before[r.request_id] for r in after.requests)  # their cycle ran
+    with pytest.raises(ValueError, match="not in the batch"):
+        step(attrs.evolve(ready, retract=(7,)), ports, event="retract")
+    done = attrs.evolve(ready.requests[1], finish_reason="stop")
+    both = attrs.evolve(ready, requests=(ready.requests[0], done, ready.requests[2]), retract=(2,))
+    assert select(both, ports).event == "retire"  # finished requests leave first
