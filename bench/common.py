@@ -68,7 +68,11 @@ def result_record(name: str, payload: dict, device: str = "cpu", now: _dt.dateti
         "torch": torch.__version__,
         **payload,
     }
-    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SPECCYCLE_") and k != "SPECCYCLE_COMMIT"}
+    settings = {  # a path (the model file) by its name: where a machine keeps it says nothing of the figures
+        k: Path(v).name if os.sep in v else v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("SPECCYCLE_") and k != "SPECCYCLE_COMMIT"
+    }
     if settings:
         record.setdefault("settings", settings)
     return record

@@ -45,6 +45,7 @@ class Value:
     path: tuple[Step, ...]
     fmt: str = ""
     reduce: str | None = None  # min, max, len or sum over the items a "*" step gives
+    over: tuple[Step, ...] | None = None  # a ratio: the number at `path` over the one at `over`, then formatted
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ _S7K6N32 = {"system": "engine speculative eagle:S7K6N32"}
 _FUSED = "fused cycles (engine.fused_cycle)"
 _CHAIN = {"system": "speculative EAGLE-3-shaped head, chain of 4", "control_plane": _FUSED}
 _TREE = {"system": "speculative EAGLE-3-shaped head, 32-node tree", "control_plane": _FUSED}
+
+
+def _over_ar(batch_size: int, mode: str) -> Value:
+    """A mode's tokens/s over `ar`'s at one load of a `bench.scheduler_throughput` record."""
+    row = ("rows", {"batch_size": batch_size})
+    return Value((*row, mode, "tokens_per_s"), ".2f", over=(*row, "ar", "tokens_per_s"))
 
 
 def _bench_values() -> dict[str, Value]:
@@ -107,13 +114,8 @@ HEADLINES: tuple[Headline, ...] = (
         file="scheduler_throughput-H200-20261127-834e857-chain-S4-repeats3.json",
         values={
             "tokens": Value(("max_new_tokens",), "d"),
-            **{
-                f"r{n}": Value(("rows", {"batch_size": n}, "spec", "speedup_vs_ar"), ".2f") for n in (1, 4, 16, 64, 256)
-            },
-            **{
-                f"a{n}": Value(("rows", {"batch_size": n}, "adaptive", "speedup_vs_ar"), ".2f")
-                for n in (1, 4, 16, 64, 256)
-            },
+            **{f"r{n}": _over_ar(n, "spec") for n in (1, 4, 16, 64, 256)},
+            **{f"a{n}": _over_ar(n, "adaptive") for n in (1, 4, 16, 64, 256)},
             "spec1": Value(("rows", {"batch_size": 1}, "spec", "tokens_per_s"), ",.1f"),
             "ar1": Value(("rows", {"batch_size": 1}, "ar", "tokens_per_s"), ",.1f"),
             "identical": Value(("rows", "*", "adaptive", "identical_to_ar"), ",d", reduce="sum"),
@@ -290,6 +292,8 @@ def _step_label(step: Step) -> str:
 def path_label(value: Value) -> str:
     """`real.rows[system="..."].tokens_per_s`, with the reduction around it: `min(configs[*].identical)`."""
     label = "".join(_step_label(s) for s in value.path).lstrip(".")
+    if value.over is not None:
+        label += " / " + "".join(_step_label(s) for s in value.over).lstrip(".")
     return f"{value.reduce}({label})" if value.reduce else label
 
 
@@ -321,6 +325,8 @@ def lookup(data, path: tuple[Step, ...]):
 def read_value(data: dict, value: Value):
     """The number ``value`` names in ``data``, reduced where its path maps over a list."""
     raw = lookup(data, value.path)
+    if value.over is not None:  # a ratio of two figures the file holds, rounded once, where it is shown
+        return round(raw / lookup(data, value.over), 6)
     if value.reduce is None:
         if isinstance(raw, list):
             raise KeyError("a [*] path needs a reduce (min, max, len, sum)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import math
 import time
 
 import torch
@@ -74,12 +75,16 @@ class Phases:
                 if self.stack:
                     self.stack[-1][1] += spent
 
-        self._undo.append((owner, name, real))
+        self._undo.append((owner, name, real, name in vars(owner)))
         setattr(owner, name, timed)
 
     def restore(self) -> None:
-        for owner, name, real in reversed(self._undo):
-            setattr(owner, name, real)
+        """Every wrapped attribute as it was: set back where the owner held it, removed where it was inherited."""
+        for owner, name, real, own in reversed(self._undo):
+            if own:
+                setattr(owner, name, real)
+            else:
+                delattr(owner, name)
         self._undo.clear()
 
     def clear(self) -> None:
@@ -134,7 +139,7 @@ def instrument(phases: Phases) -> None:
         phases.wrap(fused_cycle, name)
     phases.wrap(static_rows.CycleBuffers, "load", "CycleBuffers.load")
     phases.wrap(kv_pool.PagedKVPool, "page_table", "PagedKVPool.page_table")
-    for name in ("_prefill_valid", "_check_logits", "validate_request", "_draft_extend"):
+    for name in ("_prefill_valid", "_check_logits", "validate_request", "_draft_extend", "reserve"):
         phases.wrap(transitions, name, f"transitions.{name}")
     for name in ("tolist", "item", "cpu"):
         phases.wrap(torch.Tensor, name, read=True)
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     from speccycle.core import SpecConfig
     from speccycle.engine.bench import load_prompts
     from speccycle.engine.engine import Engine
+    from speccycle.engine.serving.adaptive import AdaptiveSpeculation, ShapeController
     from speccycle.engine.tokenizers.tokenizer import Tokenizer
     from speccycle.engine.weights.weights_gguf import default_model_path
 
@@ -168,11 +174,16 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p["text"]}]) for p in load_prompts(None)]
     spec = SpecConfig(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, page_size=16)
     dtype = getattr(torch, args.dtype)
-    engine = Engine.load(draft="eagle", spec=spec, device=args.device, dtype=dtype, kv_tokens=300000, fast=True)
+    # every client's request fits at once (as in `scheduler_throughput`): the steps, not retraction, are timed
+    longest = max(len(p) for p in prompts)
+    per_request = spec.page_size * math.ceil((longest + args.max_new_tokens + 2 * spec.reserve_len("aligned")) / 16)
+    kv_tokens = (args.clients + 4) * per_request
+    engine = Engine.load(draft="eagle", spec=spec, device=args.device, dtype=dtype, kv_tokens=kv_tokens, fast=True)
+    controller = ShapeController(AdaptiveSpeculation(), spec)  # one for the adaptive runs, warm-up included
     phases = Phases()
-    instrument(phases)
     results = {}
     try:
+        instrument(phases)
         for mode in modes:
             for _ in range(2):  # graphs captured, allocator warm
                 run_mode(
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
                     args.device,
                     None,
                     args.requests_per_client,
+                    controller,
                 )
             phases.clear()
             phases.on = True
@@ -197,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
                     args.device,
                     None,
                     args.requests_per_client,
+                    controller,
                 )
             finally:
                 phases.on = False
