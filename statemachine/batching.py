@@ -73,10 +73,9 @@ def merge_ready(a: Ready, b: Ready) -> Ready:
 
 
 def select_ready(ready: Ready, indices: list[int]) -> Ready:
-    """The `Ready` batch of ``ready.requests[i]`` for ``i`` in ``indices``, in that order (``retired`` kept).
-
-    An engine drops requests this way when it retracts them; their pages are its to free.
-    """
+    """The `Ready` batch of ``ready.requests[i]`` for ``i`` in ``indices``, in that order (``retired`` kept, and
+    ``retract`` as far as it names requests kept). The rows that take requests out (``retire``, ``retract``) select
+    the rest this way after freeing their pages; so does an engine reading back a batch it loaded."""
     index = to_device(list(indices), ready.seq_lens.device)  # no wait for a cycle in flight
 
     def take(value: torch.Tensor | None) -> torch.Tensor | None:

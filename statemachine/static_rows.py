@@ -290,6 +290,8 @@ def static_covers(rec, ports) -> bool:
         return False
     if isinstance(rec, Ready) and rec.topk_pending and rec.config.drafts:  # the first_level row runs eagerly first
         return False
+    if isinstance(rec, Ready) and rec.retract:  # the retract row runs eagerly first (the draft rows wait for it)
+        return False
     deferring = draft_kind(ports) == "forward" and not rec.config.drafts and defers_first_level(ports)
     if deferring and static_forwards(ports).extend_hidden is None:  # its extend of S == 0 has no static form
         return False

@@ -838,7 +838,10 @@ class Scheduler:
         for request in running + in_flight:
             if request.request_id in done:
                 continue
-            self._free(request.request_id)
+            try:
+                self._free(request.request_id)
+            except Exception:  # a row that raised after freeing it (a check that failed): the error that stands is
+                pass  # the one being handled, and the other requests still finish with it
             finished.append(self._error(request, f"the cycle failed: {type(error).__name__}: {error}"))
             done.add(request.request_id)
         self.running = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import attrs
 from speccycle.core import Admitted, Ports, Request, SamplingParams, SpecConfig
 from speccycle.statemachine import run_cycle
+from speccycle.statemachine.batching import merge_ready, select_ready
 from speccycle.statemachine.runner import select, step
 from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
 
@@ -63,6 +64,14 @@ def test_the_retract_row_takes_named_requests_out_unfinished_and_frees_their_pag
     assert all(len(r.output) > before[r.request_id] for r in after.requests)  # their cycle ran
     with pytest.raises(ValueError, match="not in the batch"):
         step(attrs.evolve(ready, retract=(7,)), ports, event="retract")
+    ports, pool, ready = _ready(config)  # a batch and pool as they were: the run above freed request 0
     done = attrs.evolve(ready.requests[1], finish_reason="stop")
     both = attrs.evolve(ready, requests=(ready.requests[0], done, ready.requests[2]), retract=(2,))
     assert select(both, ports).event == "retire"  # finished requests leave first
+    after = run_cycle(both, ports, checked=True)  # the retract waits through the retire row, then runs
+    assert [(r.request_id, r.finish_reason) for r in after.retired] == [(1, "stop"), (2, None)]
+    assert [r.request_id for r in after.requests] == [0] and after.retract == ()
+    assert pool.pages_held(1) == pool.pages_held(2) == 0
+    one, two = select_ready(marked, [0]), select_ready(attrs.evolve(marked, retract=(0,)), [0])
+    assert one.retract == () and two.retract == (0,)  # a retract names only requests the batch keeps
+    assert merge_ready(one, attrs.evolve(select_ready(ready, [2]), retract=(2,))).retract == (2,)
