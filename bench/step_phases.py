@@ -185,32 +185,16 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         instrument(phases)
         for mode in modes:
+            loop = functools.partial(
+                run_mode, engine, mode, prompts, args.clients, args.max_new_tokens, args.device, None,
+                args.requests_per_client, controller,
+            )  # fmt: skip
             for _ in range(2):  # graphs captured, allocator warm
-                run_mode(
-                    engine,
-                    mode,
-                    prompts,
-                    args.clients,
-                    args.max_new_tokens,
-                    args.device,
-                    None,
-                    args.requests_per_client,
-                    controller,
-                )
+                loop()
             phases.clear()
             phases.on = True
             try:
-                run = run_mode(
-                    engine,
-                    mode,
-                    prompts,
-                    args.clients,
-                    args.max_new_tokens,
-                    args.device,
-                    None,
-                    args.requests_per_client,
-                    controller,
-                )
+                run = loop()
             finally:
                 phases.on = False
             steps = phases.calls["Scheduler.step"]
