@@ -14,6 +14,10 @@ wrapped in a timer (each wrapper calls the real function; nothing else changes):
 * the device reads: `Tensor.tolist`, ``item``, ``cpu`` and `torch.cuda.synchronize`, timed as waits of the phase
   that called them.
 
+Beside the host's phases, the device work an admission enqueues is timed per call (``device_work``): the prefill's
+target forward, the draft extend after it, a deferred top-K. On CUDA a pair of events brackets each call's work on the
+stream, so the figure is the work's own GPU time, not the cycle it queued behind; on a CPU it is the call's wall time.
+
 Per phase: calls, inclusive and exclusive milliseconds over the run (exclusive: less the wrapped phases inside),
 the waits inside it, and the exclusive microseconds per step. A phase's exclusive time holds the waits for the GPU
 that no wrapped read accounts for (an event's ``synchronize`` in `materialize_ready`, the copies in
@@ -33,7 +37,7 @@ import time
 
 import torch
 
-from .common import write_result
+from .common import percentile, write_result
 
 
 class Phases:
@@ -44,6 +48,7 @@ class Phases:
         self.stack: list[list] = []
         self.incl, self.excl = collections.Counter(), collections.Counter()
         self.calls, self.wait = collections.Counter(), collections.Counter()
+        self.device: dict[str, list] = collections.defaultdict(list)  # label -> the calls' device timings
         self._undo: list[tuple] = []
 
     def wrap(self, owner, name: str, label: str | None = None, read: bool = False) -> None:
@@ -78,6 +83,45 @@ class Phases:
         self._undo.append((owner, name, real, name in vars(owner)))
         setattr(owner, name, timed)
 
+    def wrap_device(self, owner, name: str, label: str, cuda: bool) -> None:
+        """Time each call's device work: on CUDA a pair of events around the work it enqueues (the span from when
+        the stream reaches the call's first kernel to its last: the work's own time, not the queue before it),
+        elsewhere its wall time (the work runs as it is called)."""
+        real = getattr(owner, name)
+
+        @functools.wraps(real)
+        def timed(*args, **kwargs):
+            if not self.on:
+                return real(*args, **kwargs)
+            if not cuda:
+                start = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self.device[label].append(time.perf_counter() - start)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                end.record()
+                self.device[label].append((begin, end))
+
+        self._undo.append((owner, name, real, name in vars(owner)))
+        setattr(owner, name, timed)
+
+    def device_rows(self) -> list[dict]:
+        """Per device-timed label: calls, total, mean, p50 and p90 milliseconds (waits for the device first)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        rows = []
+        for label, timings in self.device.items():
+            ms = sorted(t * 1e3 if isinstance(t, float) else t[0].elapsed_time(t[1]) for t in timings)
+            rows.append({"work": label, "calls": len(ms), "total_ms": round(sum(ms), 1),
+                         "mean_ms": round(sum(ms) / len(ms), 3), "p50_ms": round(percentile(ms, 50), 3),
+                         "p90_ms": round(percentile(ms, 90), 3)})  # fmt: skip
+        return rows
+
     def restore(self) -> None:
         """Every wrapped attribute as it was: set back where the owner held it, removed where it was inherited."""
         for owner, name, real, own in reversed(self._undo):
@@ -88,7 +132,7 @@ class Phases:
         self._undo.clear()
 
     def clear(self) -> None:
-        for counter in (self.incl, self.excl, self.calls, self.wait):
+        for counter in (self.incl, self.excl, self.calls, self.wait, self.device):
             counter.clear()
 
     def rows(self, steps: int) -> list[dict]:
@@ -184,6 +228,14 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     try:
         instrument(phases)
+        # the device work an admission puts on the stream: the prefill's target forward, the draft extend after
+        # it (the layers alone in a cycle of S == 0), a deferred top-K (`first_level`)
+        cuda = torch.device(args.device).type == "cuda"
+        phases.wrap_device(engine.target, "forward", "target.forward (prefill)", cuda)
+        if engine.draft is not None:
+            for name in ("extend", "extend_hidden", "logits_from_hidden"):
+                if hasattr(engine.draft, name):
+                    phases.wrap_device(engine.draft, name, f"draft.{name}", cuda)
         for mode in modes:
             loop = functools.partial(
                 run_mode, engine, mode, prompts, args.clients, args.max_new_tokens, args.device, None,
@@ -204,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
                 **{k: run[k] for k in keys},
                 "phases": phases.rows(steps),
                 "waits_ms": round(sum(phases.wait.values()) * 1e3, 1),
+                "device_work": phases.device_rows(),
             }
             print(
                 f"== {mode} at {args.clients} clients: {run['tokens_per_s']} tokens/s, {steps} steps, "
@@ -214,6 +267,12 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     f"{row['phase']:36s} {row['calls']:6d} {row['incl_ms']:9.1f} {row['excl_ms']:9.1f} "
                     f"{row['wait_ms']:9.1f} {row['excl_us_per_step']:9.1f}"
+                )
+            print(f"{'device work':36s} {'calls':>6s} {'total ms':>9s} {'mean ms':>9s} {'p50 ms':>9s} {'p90 ms':>9s}")
+            for row in results[mode]["device_work"]:
+                print(
+                    f"{row['work']:36s} {row['calls']:6d} {row['total_ms']:9.1f} {row['mean_ms']:9.3f} "
+                    f"{row['p50_ms']:9.3f} {row['p90_ms']:9.3f}"
                 )
     finally:
         phases.restore()
