@@ -430,15 +430,7 @@ def retire_ready(rec: Ready, ports: Ports, backend) -> Ready:
     """Finished requests leave a `Ready` batch; every page they held is freed, once. A static cycle commits and
     runs the draft extend in one replay (`statemachine.static`), so its requests finish in a `Ready` record; a
     request cancelled between cycles (``finish_reason="cancelled"``, `Scheduler.cancel`) leaves the same way."""
-    from .batching import select_ready
-
-    keep = [i for i, r in enumerate(rec.requests) if r.finish_reason is None]
-    gone = tuple(r for r in rec.requests if r.finish_reason is not None)
-    for request in gone:
-        if ports.kv_pool.pages_held(request.request_id):
-            ports.kv_pool.free(request.request_id)
-        ports.recurrent.free(request_id=request.request_id)
-    return attrs.evolve(select_ready(rec, keep), retired=rec.retired + gone)
+    return _take_out(rec, [r.finish_reason is not None for r in rec.requests], ports)
 
 
 def retracting(rec: Ready, ports: Ports) -> bool:
@@ -455,18 +447,24 @@ def retract(rec: Ready, ports: Ports, backend) -> Ready:
     """The requests ``rec.retract`` names leave a `Ready` batch unfinished, their committed output kept; every page
     they held is freed, once. An engine short of KV pages takes requests out this way and queues them again: a
     readmission prefills prompt and output, which recomputes their KV (`prefill`)."""
-    from .batching import select_ready
-
     ids = set(rec.retract)
     unknown = ids - {r.request_id for r in rec.requests}
     if unknown:
         raise ValueError(f"Ready.retract names request ids {sorted(unknown)} that are not in the batch")
-    keep = [i for i, r in enumerate(rec.requests) if r.request_id not in ids]
-    gone = tuple(r for r in rec.requests if r.request_id in ids)
+    return _take_out(rec, [r.request_id in ids for r in rec.requests], ports)
+
+
+def _take_out(rec: Ready, leaving: list[bool], ports: Ports) -> Ready:
+    """The `Ready` batch without the requests ``leaving`` marks, which go to ``retired`` with every page they held
+    (KV and recurrent state) freed, once."""
+    from .batching import select_ready
+
+    gone = tuple(r for r, out in zip(rec.requests, leaving) if out)
     for request in gone:
         if ports.kv_pool.pages_held(request.request_id) or kv_knows(ports, request.request_id):
             ports.kv_pool.free(request.request_id)
         ports.recurrent.free(request_id=request.request_id)
+    keep = [i for i, out in enumerate(leaving) if not out]
     return attrs.evolve(select_ready(rec, keep), retired=rec.retired + gone)
 
 

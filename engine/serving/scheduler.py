@@ -648,9 +648,7 @@ class Scheduler:
         counts = [len(r.output) - had[r.request_id] for r in ready.requests]
         self._stream(ready.requests)
         if any(r.finish_reason is not None for r in ready.requests):
-            ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
-            finished += ready.retired
-            ready = attrs.evolve(ready, retired=())
+            ready = self._retire(ready, finished)
         self.running = ready
         self.stats.fused_cycles += 1
         self.stats.captures += launched.captured
@@ -718,6 +716,13 @@ class Scheduler:
         finished += record.retired  # extend carries the retire's requests over
         return attrs.evolve(record, retired=())
 
+    def _retire(self, ready: Ready, finished: list[Request]) -> Ready:
+        """``ready`` through the table's Ready ``retire`` row: its finished requests leave (their pages freed) into
+        ``finished``; returns the batch of the others."""
+        ready = run_step(ready, self.ports, self.backend, event="retire", checked=self.checked)
+        finished += ready.retired
+        return attrs.evolve(ready, retired=())
+
     def _apply_cancels(self, finished: list[Request]) -> None:
         """Finish the requests cancelled since the last boundary: waiting ones leave the queue, running ones leave
         the batch through the table's Ready ``retire`` row (it frees their pages)."""
@@ -739,11 +744,7 @@ class Scheduler:
             attrs.evolve(r, finish_reason="cancelled") if r.request_id in ids and r.finish_reason is None else r
             for r in ready.requests
         )
-        ready = run_step(
-            attrs.evolve(ready, requests=marked), self.ports, self.backend, event="retire", checked=self.checked
-        )
-        finished += ready.retired
-        self.running = attrs.evolve(ready, retired=())
+        self.running = self._retire(attrs.evolve(ready, requests=marked), finished)
 
     # ---- KV pressure -------------------------------------------------------------------------
     def _make_room(self, reserve: int, finished: list[Request]) -> None:
@@ -762,10 +763,7 @@ class Scheduler:
                 "max_new_tokens or build the pool with more pages"
             )
             self._published.pop(request.request_id, None)
-            errored = attrs.evolve(self.running, requests=(self._error(request, message),))
-            ready = run_step(errored, self.ports, self.backend, event="retire", checked=self.checked)
-            finished += ready.retired  # the table's Ready retire row freed its pages
-            self.running = attrs.evolve(ready, retired=())
+            self.running = self._retire(attrs.evolve(self.running, requests=(self._error(request, message),)), finished)
             return
         victim = max(requests, key=lambda r: self._arrival[r.request_id])
         self._published.pop(victim.request_id, None)
