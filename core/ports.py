@@ -66,6 +66,10 @@ class ForwardBatch:
     page_size: int
     request_ids: tuple[int, ...]  # [bs] engine ids, for drafters that keep per-request state
     logits_rows: torch.Tensor | None = None  # [R] int64 rows whose logits are needed; None: all rows
+    # The rows are a prefill's: whole prompts (from each request's cached length on), each request's rows
+    # consecutive, ``prefix_len = position + 1``, no extra slots. A port may attend them with a prefill kernel
+    # (the same math, other roundings: `engine.kernels.attention_prefill`); decodes and verifies never set it.
+    prefill: bool = False
 
     @property
     def num_rows(self) -> int:

@@ -141,7 +141,9 @@ def constrained_greedy(
     words = mask_words(target.vocab_size)
     try:
         if live:
-            batch = extend_batch(pool, [request_ids[b] for b in live], [prompts[b] for b in live], [0] * len(live))
+            batch = extend_batch(
+                pool, [request_ids[b] for b in live], [prompts[b] for b in live], [0] * len(live), prefill=True
+            )
         while live:
             logits = target.forward(batch).logits
             masks = torch.full((len(live), words), -1, dtype=torch.int32)

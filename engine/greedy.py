@@ -20,11 +20,14 @@ def extend_batch(
     tokens: Sequence[Sequence[int]],
     start_positions: Sequence[int],
     last_logits_only: bool = True,
+    prefill: bool = False,
 ) -> ForwardBatch:
     """A causal extend: request ``b`` feeds ``tokens[b]`` at positions ``start_positions[b] + i``.
 
     Allocates the pages the rows need. Each row attends ``[0, position + 1)``. With
-    ``last_logits_only`` the batch asks for logits of each request's last row only (``R = bs``).
+    ``last_logits_only`` the batch asks for logits of each request's last row only (``R = bs``). ``prefill``:
+    the rows are whole prompts (`ForwardBatch.prefill`), as the prefill transition marks its own, so an
+    autoregressive baseline prefills with the kernel the speculative cycle's prefill takes.
     """
     device = pool.device
     lengths = [len(t) for t in tokens]
@@ -49,6 +52,7 @@ def extend_batch(
         page_size=pool.page_size,
         request_ids=tuple(request_ids),
         logits_rows=last_rows if last_logits_only else None,
+        prefill=prefill,
     )
 
 
@@ -70,7 +74,7 @@ def greedy_decode(
     pick = pick or (lambda logits: logits.argmax(dim=-1))
     request_ids = [first_request_id + i for i in range(len(prompts))]
     outputs: list[list[int]] = [[] for _ in prompts]
-    batch = extend_batch(pool, request_ids, prompts, [0] * len(prompts))
+    batch = extend_batch(pool, request_ids, prompts, [0] * len(prompts), prefill=True)
     next_tokens = pick(target.forward(batch).logits).tolist()
     lengths = [len(p) for p in prompts]
     live = list(range(len(prompts)))

@@ -92,6 +92,7 @@ def _batch(
     extra_slots: torch.Tensor | None,
     page_table: torch.Tensor,
     logits_rows: torch.Tensor | None = None,
+    prefill: bool = False,
 ) -> ForwardBatch:
     if extra_slots is None:
         extra_slots = shapes.no_extra_slots(input_ids.shape[0], input_ids.device)
@@ -106,6 +107,7 @@ def _batch(
         page_size=ports.kv_pool.page_size,
         request_ids=request_ids,
         logits_rows=logits_rows,
+        prefill=prefill,
     )
 
 
@@ -287,7 +289,10 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     page_table = ports.kv_pool.page_table(ids)
     out_slots = _row_slots(backend, page_table, row_request, positions, ports.kv_pool.page_size)
     last_rows = starts + row_counts - 1
-    batch = _batch(ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows)
+    batch = _batch(
+        ports, ids, input_ids, positions, row_request, out_slots, positions + 1, None, page_table, last_rows,
+        prefill=True,
+    )  # fmt: skip
     out = target.forward(batch)
     request_rows = torch.arange(len(lens), device=device)
     logits = row_logits.adjust(rec.requests, out.logits, request_rows)  # each prompt is its row's history

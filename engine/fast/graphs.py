@@ -80,6 +80,7 @@ class RowInputs:
     page_size: int
     kv_bound: int  # bound on prefix_lens (the torch attention gathers this many positions)
     logits_rows: torch.Tensor | None  # [R] int64 rows whose logits are wanted; None: all rows
+    prefill: bool = False  # `ForwardBatch.prefill`: the forward may attend with the prefill kernel
 
 
 # compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
@@ -204,6 +205,7 @@ def batch_inputs(batch: ForwardBatch, kv_bound: int) -> RowInputs:
         page_size=batch.page_size,
         kv_bound=kv_bound,
         logits_rows=batch.logits_rows,
+        prefill=batch.prefill,
     )
 
 
@@ -375,11 +377,13 @@ class ForwardGraphs:
             return self._eager(batch, hidden_in, reduce)
         self._load(batch, rows, logit_rows, hidden_in)
         inputs = self._views(rows, m, logit_rows)
+        if batch.prefill:
+            inputs = attrs.evolve(inputs, prefill=True)
         if not self.use_graphs and self.needs_kv_bound:  # no capture: a tight bound is allowed
             inputs = attrs.evolve(inputs, kv_bound=max(1, int(batch.prefix_lens.max())))
         hidden = None if self.hidden is None or hidden_in is None else self.hidden[:rows]
         if self.use_graphs:
-            key = (rows, m, logit_rows, hidden is not None, reduce)
+            key = (rows, m, logit_rows, hidden is not None, reduce, batch.prefill)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(inputs, hidden, reduce)
             graph, logits, out_hidden, summary, reduced = self._graphs[key]

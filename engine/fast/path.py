@@ -103,6 +103,7 @@ def llama_rows_forward(
     x = F.embedding(inputs.input_ids, model.embed_weight)  # [T, hidden]
     if ops.fold_norms:
         return _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps), features
+    attend = ops.prefill_attention if inputs.prefill else ops.attention  # a prefill's rows: its own kernel
     delta = None  # the previous layer's MLP output, added to x by the next norm
     for i in range(depth):
         layer = model.layers[i]
@@ -112,8 +113,8 @@ def llama_rows_forward(
         x, q = ops.norm_qkv_rope(x, delta, layer.input_norm.weight, eps, layer.qkv_weight, views.get(i),
                                  inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
                                  c.num_heads, c.num_kv_heads)  # fmt: skip
-        attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
-                             inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+        attn = attend(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                      inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
         o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
         # (x + o), RMSNorm, gate-up GEMM and SiLU-mul: one kernel with TritonOps
         x, act = ops.norm_gate_up_silu(x, o, layer.post_attention_norm.weight, eps, layer.gate_up_weight)
@@ -152,6 +153,7 @@ def _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps) -> torch.
     factor, the down GEMM adds: 7 kernels a layer instead of 9, no norm kernel. Returns the logits."""
     c = model.config
     rows = x.shape[0]
+    attend = ops.prefill_attention if inputs.prefill else ops.attention  # a prefill's rows: its own kernel
     folded = getattr(model, "folded_norm_weights", None)
     if folded is None:
         raise RuntimeError(
@@ -166,8 +168,8 @@ def _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps) -> torch.
         # residual stream entering layer i (EAGLE-3's features), no copy launch of its own
         q = ops.rope_write_kv(qkv, inputs.positions, rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache,
                               c.num_heads, c.num_kv_heads, x, eps, views.get(i))  # fmt: skip
-        attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
-                             inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+        attn = attend(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                      inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
         x = ops.linear_add(x, attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
         act = ops.silu_mul(ops.linear(x, gate_up_weight), x, eps)
         x = ops.linear_add(x, act, layer.down_weight)
@@ -930,7 +932,7 @@ class FastGreedyDecoder:
         try:
             for rid, n in zip(request_ids, lengths):
                 self.pool.allocate(rid, n + max_new_tokens)
-            batch = extend_batch(self.pool, request_ids, prompts, [0] * len(prompts))
+            batch = extend_batch(self.pool, request_ids, prompts, [0] * len(prompts), prefill=True)
             first = self.target.forward(batch).logits.argmax(dim=-1)  # [bs]
             device = self.pool.device
             rest = self.loop.decode(

@@ -32,6 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .attention_prefill import paged_attention_prefill_triton
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
@@ -682,6 +683,21 @@ def triton_attention():
     )
 
 
+PREFILL_ATTENTION_KERNELS = ("prefill", "rows")
+
+
+def triton_prefill_attention():
+    """The fast path's attention for a prefill's rows (`core.ports.ForwardBatch.prefill`):
+    ``SPECCYCLE_PREFILL_ATTENTION=prefill`` (the default, `attention_prefill`: blocks of rows share their key
+    loads, on tensor cores) or ``rows`` (the decode's kernel, `triton_attention`); read once, at import."""
+    choice = os.environ.get("SPECCYCLE_PREFILL_ATTENTION", "prefill")
+    if choice not in PREFILL_ATTENTION_KERNELS:
+        raise ValueError(
+            f"SPECCYCLE_PREFILL_ATTENTION={choice!r}: choose one of {', '.join(PREFILL_ATTENTION_KERNELS)}"
+        )
+    return paged_attention_prefill_triton if choice == "prefill" else triton_attention()
+
+
 class TorchOps:
     """The fast forward's ops in plain torch (any device; sync-free, so also graph-capturable)."""
 
@@ -691,6 +707,7 @@ class TorchOps:
     rope_write_kv = staticmethod(rope_write_kv_torch)
     silu_mul = staticmethod(silu_mul_torch)
     attention = staticmethod(paged_attention_rows_torch)
+    prefill_attention = staticmethod(paged_attention_rows_torch)  # a prefill's rows (`ForwardBatch.prefill`)
     linear = staticmethod(linear_torch)
     norm_linear = staticmethod(norm_linear_torch)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_torch)
@@ -710,6 +727,7 @@ class TritonOps(TorchOps):
     rope_write_kv = staticmethod(rope_write_kv_triton)
     silu_mul = staticmethod(silu_mul_triton)
     attention = staticmethod(triton_attention())
+    prefill_attention = staticmethod(triton_prefill_attention())
     linear = staticmethod(linear_rows)  # row-invariant up to linear_triton.MAX_ROWS rows, F.linear above
     norm_linear = staticmethod(norm_linear_rows)
     norm_gate_up_silu = staticmethod(norm_gate_up_silu_rows)

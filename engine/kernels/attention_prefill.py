@@ -1,0 +1,160 @@
+"""Paged attention for a prefill's rows: blocks of consecutive rows share every key block they load, on tensor cores.
+
+`attention_triton`'s rows kernel gives each (row, KV head) its own programs, which is what a decode or a verify
+needs (a row's bits never depend on the rows beside it), but a prompt of ``n`` rows then loads its keys ``n``
+times: on an H200 a prefill of the 13 shipped prompts (2,367 rows, SmolLM2-135M bf16) spent 8.5 of its 13.0 ms
+of GPU time in that kernel. Here one program holds ``BLOCK_M`` consecutive rows of one query head; for each
+request among them it walks the request's keys ``[0, n)`` (``n`` the longest prefix of its rows in the block) in
+``BLOCK_N``-key blocks through the page table, and every block is two ``tl.dot`` products for all the rows at
+once (flash attention's online softmax, float32 statistics and accumulator). A row attends the positions
+``[0, prefix_len)`` of its request, exactly as the rows kernel's contract says; rows with ``prefix_len == 0``
+(padding rows of a captured batch) return zeros.
+
+**Which forwards take it.** Only those a `ForwardBatch` marks ``prefill`` (the prefill transition's target
+forward): their rows are whole prompts, each request's rows consecutive, and no extra slots. The results are
+the same math as the rows kernel with other roundings (tensor-core products, another summation order), so a
+decode or a verify never takes this kernel: they keep the rows kernel's one key order, which keeps a verify
+row bitwise equal to the decode row at its position. Every mode and draft of a run prefills through the same
+kernel, so speculative output still equals autoregressive output token for token.
+
+Rows of one request need not fill a block alone: a block that holds the end of one prompt and the start of the
+next walks each request's keys in turn, masking the other rows. Any row order is correct; consecutive rows of
+one request are what makes it fast. Its torch twin is `attention_triton.paged_attention_rows_torch`; tested
+equal to it on the Triton interpreter (tests/kernels/test_attention_prefill.py) and on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+# Rows per program and keys per block: 64 x 64 products. Launch constants only; the output of a row does not
+# depend on them beyond roundings (each key block's partial sums are merged by the online softmax).
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+MIN_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefill_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, row_request_ptr, prefix_lens_ptr, table_ptr,
+        num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        stride_table, page_size, scale_log2,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):  # fmt: skip
+        block = tl.program_id(0)
+        head = tl.program_id(1)
+        kv_head = head // GROUP
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_range = rows < num_rows
+        request = tl.load(row_request_ptr + rows, mask=in_range, other=0)
+        prefix = tl.load(prefix_lens_ptr + rows, mask=in_range, other=0)
+        live = in_range & (prefix > 0)
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=in_range[:, None],
+                    other=0.0)  # fmt: skip
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        first = tl.min(tl.where(live, request, 2**62), axis=0)
+        last = tl.max(tl.where(live, request, -1), axis=0)
+        for r in range(first, last + 1):
+            mine = live & (request == r)
+            n = tl.max(tl.where(mine, prefix, 0), axis=0)  # 0 when no row of the block is r's: no key block
+            for start in range(0, n, BLOCK_N):
+                keys = start + tl.arange(0, BLOCK_N)
+                inside = keys < n
+                page = tl.load(table_ptr + r * stride_table + keys // page_size, mask=inside, other=0)
+                slots = page * page_size + keys % page_size
+                k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+                            mask=inside[:, None], other=0.0)  # fmt: skip
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                seen = mine[:, None] & (keys[None, :] < prefix[:, None])
+                s = tl.where(seen, s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: nothing to scale
+                p = tl.math.exp2(s - m_safe[:, None])
+                alpha = tl.math.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+                            mask=inside[:, None], other=0.0)  # fmt: skip
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=in_range[:, None])  # fmt: skip
+
+
+def fits_prefill_kernel(q: torch.Tensor, extra_slots: torch.Tensor) -> bool:
+    """Whether `paged_attention_prefill_triton` runs its own kernel: no extra slots, a power-of-two head size of
+    at least `MIN_HEAD_DIM`, a float dtype (else it hands the call to the rows kernel)."""
+    head_dim = q.shape[-1]
+    return (
+        triton is not None
+        and extra_slots.shape[1] == 0
+        and head_dim >= MIN_HEAD_DIM
+        and head_dim & (head_dim - 1) == 0
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    )
+
+
+def paged_attention_prefill_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    row_request: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extra_slots: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    kv_bound: int | None = None,
+) -> torch.Tensor:
+    """`attention_triton.paged_attention_rows_torch`'s contract for a prefill's rows (module docstring).
+
+    Shapes: ``q [T, H, D]``, caches ``[num_slots, Hkv, D]``, ``row_request, prefix_lens [T]``, ``extra_slots
+    [T, 0]``, ``page_table [bs, W]`` -> ``[T, H, D]`` in ``q.dtype``. Rows with extra slots, or shapes the kernel
+    does not take (`fits_prefill_kernel`), go to the rows kernel. Sync-free: it can be captured in a CUDA graph.
+    """
+    if not fits_prefill_kernel(q, extra_slots):
+        return paged_attention_rows_triton(
+            q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound
+        )
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention_prefill_triton: {num_heads} query heads over {num_kv_heads} KV heads")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention_prefill_triton: {name} needs a contiguous last dimension")
+    out = torch.empty_like(q)
+    if num_rows == 0:
+        return out
+    row_request, prefix_lens = row_request.contiguous(), prefix_lens.contiguous()
+    scale_log2 = (head_dim**-0.5) * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    grid = (triton.cdiv(num_rows, BLOCK_M), num_heads)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, row_request, prefix_lens, page_table,
+        num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size, scale_log2,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["fits_prefill_kernel", "paged_attention_prefill_triton", "paged_attention_rows_torch"]
