@@ -25,6 +25,8 @@ equal to it on the Triton interpreter (tests/kernels/test_attention_prefill.py) 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton, triton
@@ -32,9 +34,13 @@ from .attention_triton import paged_attention_rows_torch, paged_attention_rows_t
 if triton is not None:
     import triton.language as tl
 
-# Rows per program and keys per block: 64 x 64 products. Launch constants only; the output of a row does not
-# depend on them beyond roundings (each key block's partial sums are merged by the online softmax).
-BLOCK_M = 64
+# Rows per program and keys per block. Launch constants only; the output of a row does not depend on them beyond
+# roundings (each key block's partial sums are merged by the online softmax). A program walks its keys serially,
+# so a long prompt's blocks are latency-bound: more, smaller row blocks keep more multiprocessors busy.
+# ``SPECCYCLE_PREFILL_BLOCK_M`` (16, 32 or 64) sets the rows a program holds, for benchmarks; read at import.
+BLOCK_M = int(os.environ.get("SPECCYCLE_PREFILL_BLOCK_M", "32"))
+if BLOCK_M not in (16, 32, 64):
+    raise ValueError(f"SPECCYCLE_PREFILL_BLOCK_M={BLOCK_M}: choose 16, 32 or 64")
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
