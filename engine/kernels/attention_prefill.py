@@ -38,7 +38,7 @@ if triton is not None:
 # roundings (each key block's partial sums are merged by the online softmax). A program walks its keys serially,
 # so a long prompt's blocks are latency-bound: more, smaller row blocks keep more multiprocessors busy.
 # ``SPECCYCLE_PREFILL_BLOCK_M`` (16, 32 or 64) sets the rows a program holds, for benchmarks; read at import.
-BLOCK_M = int(os.environ.get("SPECCYCLE_PREFILL_BLOCK_M", "32"))
+BLOCK_M = int(os.environ.get("SPECCYCLE_PREFILL_BLOCK_M", "16"))
 if BLOCK_M not in (16, 32, 64):
     raise ValueError(f"SPECCYCLE_PREFILL_BLOCK_M={BLOCK_M}: choose 16, 32 or 64")
 BLOCK_N = 64
