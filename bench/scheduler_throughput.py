@@ -82,6 +82,7 @@ def run_mode(
     controller: ShapeController | None = None,
     sampled: float = 0.0,
     spread: float = 0.0,
+    admit_fraction: float = 0.0,
 ) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
     # latency from the streaming callback: a request's submit, its first and last streamed tokens, how many
@@ -94,8 +95,9 @@ def run_mode(
         seen[1], seen[2] = now, seen[2] + len(tokens)
 
     scheduler = Scheduler.from_engine(
-        engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill, on_tokens=on_tokens
-    )
+        engine, speculation=speculation, max_batch_size=bs, max_prefill_tokens=prefill, on_tokens=on_tokens,
+        admit_fraction=admit_fraction,
+    )  # fmt: skip
     total = max(bs * per_client, MIN_REQUESTS if per_client > 1 else 0)
 
     def submit(i: int) -> int:
@@ -136,6 +138,7 @@ def run_mode(
         "pipelined_cycles": stats.pipelined_cycles,
         "captures": stats.captures,  # graph captures inside the timed run (their time counts)
         "prefills": stats.prefills,
+        "held_admissions": stats.held_admissions,
         "switches": (controller.switches - switches) if mode == "adaptive" and controller is not None else 0,
         "first_levels": stats.first_levels,
         "shapes": {_name(c): n for c, n in stats.shapes.items()},
@@ -195,6 +198,10 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
+    parser.add_argument(
+        "--admit-fraction", type=float, default=0.0,
+        help="the Scheduler's admission batching: admit once this fraction of the running batch waits (0: every step)",
+    )  # fmt: skip
     parser.add_argument("--fast", action="store_true", help="the engine's fast path (CUDA graphs, Triton kernels)")
     parser.add_argument(
         "--no-fused",
@@ -271,7 +278,7 @@ def main() -> None:
     for mode in modes:
         for bs in warm:
             run_mode(engine, mode, prompts, bs, 8, args.device, args.max_prefill_tokens, controller=controller,
-                     sampled=args.sampled)  # fmt: skip
+                     sampled=args.sampled, admit_fraction=args.admit_fraction)  # fmt: skip
 
     rows = []
     for bs in batch_sizes:
@@ -279,7 +286,7 @@ def main() -> None:
             for mode in modes:
                 run_mode(
                     engine, mode, prompts, bs, args.max_new_tokens, args.device, args.max_prefill_tokens,
-                    args.requests_per_client, controller, args.sampled, args.budget_spread,
+                    args.requests_per_client, controller, args.sampled, args.budget_spread, args.admit_fraction,
                 )  # fmt: skip
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for _ in range(args.repeats):  # the modes interleaved, so a drift of the machine touches each alike
@@ -297,6 +304,7 @@ def main() -> None:
                         controller,
                         args.sampled,
                         args.budget_spread,
+                        args.admit_fraction,
                     )  # fmt: skip
                 )
         results = {}
@@ -355,6 +363,7 @@ def main() -> None:
         "budget_spread": args.budget_spread,
         "repeats": args.repeats,
         "max_prefill_tokens": args.max_prefill_tokens,
+        "admit_fraction": args.admit_fraction,
         "sampled": args.sampled,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "num_prompts": len(prompts),

@@ -96,6 +96,7 @@ class SchedulerStats:
     prefill_tokens: int = 0  # tokens admitted requests needed KV for (prompt, and output when resumed)
     cached_tokens: int = 0  # of those, the tokens a prefix cache hit served (not computed)
     published_pages: int = 0  # pages requests put into the prefix cache
+    held_admissions: int = 0  # steps admission batching left requests waiting (`Scheduler.admit_fraction`)
 
     @property
     def tau(self) -> float:
@@ -116,6 +117,12 @@ class Scheduler:
     """Continuous batching of speculative decoding (greedy and sampled requests) over one set of ports.
 
     ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
+    ``admit_fraction`` batches admissions: while requests run, the waiting ones are admitted once an admission would
+    take at least that fraction of the running batch (as many wait, and as many places are free), or once they have
+    waited ``admit_wait`` steps; 0 admits at every step. An admission's step costs about the same whatever its size (the prefill's
+    launches, the host's work around them, the cycle relaunched over the joined batch), and under speculation
+    requests of one length stop finishing in the same step, so admitting each step's few finished places makes
+    many small admissions (docs/serving.md, "Admission batching").
     ``speculation``: ``"on"`` (every cycle in ``config``'s shape), ``"off"`` (never draft: the drafter is not run
     at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"``, an
     `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size) or a
@@ -135,6 +142,8 @@ class Scheduler:
         backend=None,
         max_batch_size: int = 64,
         max_prefill_tokens: int | None = None,
+        admit_fraction: float = 0.0,
+        admit_wait: int = 4,
         speculation: Speculation | AdaptiveSpeculation = "on",
         eos_token_ids: Sequence[int] = (),
         checked: bool = False,
@@ -155,6 +164,14 @@ class Scheduler:
             not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1
         ):
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be None or an int >= 1")
+        if (
+            isinstance(admit_fraction, bool)
+            or not isinstance(admit_fraction, (int, float))
+            or not 0 <= admit_fraction <= 1
+        ):
+            raise ValueError(f"admit_fraction={admit_fraction!r} must be a number in [0, 1] (0: admit at every step)")
+        if not isinstance(admit_wait, int) or isinstance(admit_wait, bool) or admit_wait < 0:
+            raise ValueError(f"admit_wait={admit_wait!r} must be an int >= 0 (steps a waiting request may be held)")
         target_vocab, draft_vocab = target_vocab_size(ports), draft_vocab_size(ports)
         if not isinstance(target_vocab, int) or target_vocab < 1:
             raise ValueError(f"the target's vocab_size={target_vocab!r} must be an int >= 1")
@@ -191,6 +208,8 @@ class Scheduler:
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
         self.checked, self.max_batch_size = checked, max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.admit_fraction, self.admit_wait = float(admit_fraction), admit_wait
+        self._held = 0  # steps in a row that requests waited beside a running batch (`_count_held`)
         self.backend = backend if backend is not None else get_backend(target_device(ports))
         off = speculation == "off"
         # with speculation off the draft is `ZeroDraft` (no draft forward at all) and every cycle has shape S == 0
@@ -272,11 +291,12 @@ class Scheduler:
         vocab = target_vocab_size(self.ports)
         prompt = tuple(1 + i % (vocab - 1) for i in range(prompt_len)) if vocab > 1 else (0,) * prompt_len
         saved = (self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish,
-                 self.max_prefill_tokens)  # fmt: skip
+                 self.max_prefill_tokens, self.admit_fraction)  # fmt: skip
         captures, ids = 0, set()
         try:
             self.controller, self.prefix_cache, self.on_tokens, self.on_finish = None, False, None, None
             self.max_prefill_tokens = None  # each bucket's batch in one prefill, so it runs whole
+            self.admit_fraction = 0.0
             for shape in shapes:
                 self.config = shape  # every cycle and prefill in this shape
                 for bucket in buckets:
@@ -296,7 +316,7 @@ class Scheduler:
                     self._free(request_id)
                 self._forget(ids)
             (self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish,
-             self.max_prefill_tokens) = saved  # fmt: skip
+             self.max_prefill_tokens, self.admit_fraction) = saved  # fmt: skip
         return captures
 
     def _forget(self, request_ids) -> None:
@@ -415,7 +435,7 @@ class Scheduler:
                     admitted = self._admit(finished, in_flight)
                 finally:
                     self._in_cycle = False
-                    if launched and not (self._pipelines(launched) and not admitted and not self._can_join()):
+                    if launched and not (self._pipelines(launched) and not admitted and not self._admission_due()):
                         self._collect(launched, finished)
                     elif launched:  # nothing to join: leave it running, the next step goes on from it
                         self._inflight = launched
@@ -427,6 +447,7 @@ class Scheduler:
             if self._cancels and self._inflight is not None:  # cancelled from this step's callbacks: settle first
                 self._drain(finished)
             self._apply_cancels(finished)  # those called from this step's callbacks
+            self._count_held()
         except BaseException as error:
             self._abort(error, finished, in_flight)
             raise
@@ -451,6 +472,8 @@ class Scheduler:
 
     def _admit(self, finished: list[Request], in_flight: list[Request]) -> bool:
         """Prefill the waiting requests that fit (they join the batch at `_join`); whether any was prefilled."""
+        if not self._admission_due():
+            return False
         reserve = self._reserve_len()
         if self._in_cycle and self.running is not None:  # L is one cycle behind: that cycle commits up to its width
             reserve += self.running.config.accept_width
@@ -524,6 +547,28 @@ class Scheduler:
         in_flight.clear()
         self.stats.prefill_seconds += time.perf_counter() - start
         return True
+
+    def _admission_due(self) -> bool:
+        """Whether a waiting request would be admitted now: the batch has a free place and admission batching
+        (``admit_fraction``) does not hold the queue. It holds it while requests run, an admission would take fewer
+        than the fraction of the running batch (fewer wait, or fewer places are free), and the queue has not waited
+        ``admit_wait`` steps."""
+        running = self.num_running
+        if not self.waiting or running >= self.max_batch_size:
+            return False
+        if not self.admit_fraction or running == 0 or self._held >= self.admit_wait:
+            return True
+        admissible = min(len(self.waiting), self.max_batch_size - running)  # what an admission would take now
+        return admissible >= math.ceil(self.admit_fraction * running)
+
+    def _count_held(self) -> None:
+        """After a step: the steps in a row that requests waited beside a running batch without an admission."""
+        if self.waiting and self.num_running and not self._prefilled:
+            if self.admit_fraction and self.num_running < self.max_batch_size:
+                self.stats.held_admissions += 1
+            self._held += 1
+        else:
+            self._held = 0
 
     def _join(self) -> None:
         """The requests this step admitted join the running batch (in its shape: it may be another of the family)."""
@@ -609,7 +654,7 @@ class Scheduler:
         GPU). Otherwise cycle ``n`` is collected and the step goes on as an ordinary one (reload, admission)."""
         launched, shape, batch_size, _ = self._inflight
         nxt = None
-        if not self._can_join() and not self._cancels and self._pipelines(self._inflight):
+        if not self._admission_due() and not self._cancels and self._pipelines(self._inflight):
             self._shape = self.controller.choose(self.num_running) if self.controller else self.config  # once a step
             if self._shape == shape:
                 start = time.perf_counter()
@@ -624,10 +669,6 @@ class Scheduler:
             self._inflight = nxt
             self.stats.pipelined_cycles += 1
         # else: every request finished in cycle n (the one launched behind it commits nothing), or it never ran
-
-    def _can_join(self) -> bool:
-        """Whether a waiting request could join the running batch now (it is not full)."""
-        return bool(self.waiting) and self.num_running < self.max_batch_size
 
     def _drain(self, finished: list[Request]) -> None:
         """Collect the cycle in flight."""

@@ -1,0 +1,106 @@
+"""`Scheduler(admit_fraction=..., admit_wait=...)`: while requests run, the waiting ones are admitted together once
+an admission would take the fraction of the running batch (as many wait and as many places are free), or once they
+have waited ``admit_wait`` steps. Fewer, larger admissions; every request still finishes with its autoregressive
+output, nothing is lost and the pool ends empty. With nothing running, or ``admit_fraction=0``, admission is
+immediate."""
+
+from __future__ import annotations
+
+import pytest
+from speccycle.core import Ports, SamplingParams, SpecConfig
+from speccycle.engine.serving.scheduler import Scheduler
+from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
+
+
+def _scheduler(**kwargs):
+    config = SpecConfig(num_steps=3, topk=1, page_size=2)
+    pool = FingerprintPool(num_pages=2048, page_size=2)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    ports = Ports(target=target, draft=NoisyDraft(target, agreement=0.6), kv_pool=pool)
+    return Scheduler(ports, config, checked=True, **kwargs), target, pool
+
+
+def _closed_loop(scheduler, clients: int, total: int, seed: int = 0):
+    """``clients`` clients, each submitting its next request when its last one finishes (lengths vary, so requests
+    finish a few at a time); returns the ids with their prompts and budgets, and per request the steps from its
+    submission to the step that admitted it."""
+    prompts = [[1 + (seed + i * 7 + j) % 23 for j in range(2 + i % 5)] for i in range(total)]
+    budgets = [3 + (i * 5) % 11 for i in range(total)]
+    submitted, admitted = {}, {}
+    order = []
+
+    def submit(step: int):
+        i = len(order)
+        rid = scheduler.submit(prompts[i], SamplingParams(max_new_tokens=budgets[i]))
+        order.append((rid, i))
+        submitted[rid] = step
+
+    for _ in range(clients):
+        submit(0)
+    step = 0
+    while not scheduler.idle:
+        step += 1
+        finished = scheduler.step()
+        for request in scheduler.running.requests if scheduler.running else ():
+            admitted.setdefault(request.request_id, step)
+        for request in finished:
+            admitted.setdefault(request.request_id, step)
+            if len(order) < total:
+                submit(step)
+    waits = {rid: admitted[rid] - submitted[rid] for rid in submitted}
+    return [(rid, prompts[i], budgets[i]) for rid, i in order], waits
+
+
+@pytest.mark.parametrize("fraction, wait", [(0.5, 3), (0.25, 0), (1.0, 6)])
+def test_batched_admissions_lose_nothing(fraction, wait):
+    plain, target, _ = _scheduler(max_batch_size=8)
+    done_plain, plain_waits = _closed_loop(plain, clients=8, total=40)
+    batched, _, pool = _scheduler(max_batch_size=8, admit_fraction=fraction, admit_wait=wait)
+    done, waits = _closed_loop(batched, clients=8, total=40)
+    for rid, prompt, budget in done:  # every request finished once, with its autoregressive output
+        request = batched.finished[rid]
+        assert request.finish_reason == "length" and list(request.output) == target.greedy(prompt, budget)
+    assert len(batched.finished) == 40 and pool.num_free_pages == pool.num_pages
+    # a request is admitted at the first step after its submission, or after at most `wait` held steps
+    assert set(plain_waits.values()) == {1} and max(waits.values()) <= wait + 1, sorted(waits.values())
+    if wait == 0:  # nothing is ever held
+        assert batched.stats.held_admissions == 0 and batched.stats.prefills == plain.stats.prefills
+    else:
+        assert batched.stats.held_admissions > 0
+        assert batched.stats.prefills < plain.stats.prefills, (batched.stats.prefills, plain.stats.prefills)
+        assert max(waits.values()) > 1
+    assert len(done_plain) == 40
+
+
+def test_held_requests_are_admitted_after_admit_wait_steps():
+    """Half the batch must wait before an admission; a lone waiting request is admitted after ``admit_wait``
+    held steps all the same."""
+    scheduler, target, pool = _scheduler(max_batch_size=4, admit_fraction=0.5, admit_wait=2)
+    long = [scheduler.submit([1, 2, 3 + i], SamplingParams(max_new_tokens=40)) for i in range(3)]
+    scheduler.step()  # nothing ran: admitted at once
+    assert scheduler.num_running == 3 and not scheduler.waiting
+    late = scheduler.submit([5, 6], SamplingParams(max_new_tokens=4))
+    held = []
+    while late not in [r.request_id for r in (scheduler.running.requests if scheduler.running else ())]:
+        scheduler.step()
+        held.append(scheduler.stats.held_admissions)
+    assert held[-1] == 2 and len(held) == 3  # two steps held (1 < ceil(0.5 * 3) = 2 waiting), then admitted
+    scheduler.run()
+    assert list(scheduler.finished[late].output) == target.greedy([5, 6], 4)
+    for rid, i in zip(long, range(3)):
+        assert list(scheduler.finished[rid].output) == target.greedy([1, 2, 3 + i], 40)
+    assert pool.num_free_pages == pool.num_pages
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(admit_fraction=1.5), "admit_fraction=1.5 must be a number in"),
+        (dict(admit_fraction=True), "admit_fraction=True must be a number in"),
+        (dict(admit_wait=-1), "admit_wait=-1 must be an int >= 0"),
+        (dict(admit_wait=2.0), "admit_wait=2.0 must be an int >= 0"),
+    ],
+)
+def test_bad_admission_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _scheduler(**kwargs)
