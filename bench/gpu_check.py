@@ -115,8 +115,10 @@ def check_kernels(device: str) -> None:
     # verify row == decode row, bitwise, bfloat16 and float32
     import pytest
 
-    code = pytest.main(["-q", "-x", "tests/kernels/test_attention_kernel.py", "tests/kernels/test_fused_ops.py"])
-    log("kernels", {"op": "pytest tests/kernels (attention, fused ops; bfloat16 roundings exact on GPU)",
+    code = pytest.main(["-q", "-x", "tests/kernels/test_attention_kernel.py", "tests/kernels/test_fused_ops.py",
+                        "tests/kernels/test_attention_prefill.py"])  # fmt: skip
+    log("kernels", {"op": "pytest tests/kernels (attention, prefill attention, fused ops; bfloat16 roundings exact "
+                          "on GPU)",
                     "ok": int(code) == 0})  # fmt: skip
 
 
@@ -142,7 +144,7 @@ def check_graphs(device: str, prompts: list[str]) -> None:
     rows = bucket(max(batch.num_rows, g.min_rows))
     g._load(batch, rows, 0, None)
     loaded, table = g.packed.clone(), g.table.clone()
-    g._graphs[(rows, 0, 0, False)][0].replay()  # a bare replay: what it leaves in the buffers
+    g._graphs[(rows, 0, 0, False, None, False)][0].replay()  # a bare replay: what it leaves in the buffers
     torch.cuda.synchronize()
     untouched = torch.equal(loaded, g.packed) and torch.equal(table, g.table)
     second = target.forward(batch)

@@ -34,13 +34,20 @@ from .attention_triton import paged_attention_rows_torch, paged_attention_rows_t
 if triton is not None:
     import triton.language as tl
 
-# Rows per program and keys per block. Launch constants only; the output of a row does not depend on them beyond
-# roundings (each key block's partial sums are merged by the online softmax). A program walks its keys serially,
+
+# Rows per program and keys per block. Launch constants only: a row's output does not depend on BLOCK_M (its key
+# blocks are the same whichever rows share its program, and the other rows' keys leave its sums exactly as they
+# are), and BLOCK_N sets where its keys are cut into blocks. A program walks its keys serially,
 # so a long prompt's blocks are latency-bound: more, smaller row blocks keep more multiprocessors busy.
 # ``SPECCYCLE_PREFILL_BLOCK_M`` (16, 32 or 64) sets the rows a program holds, for benchmarks; read at import.
-BLOCK_M = int(os.environ.get("SPECCYCLE_PREFILL_BLOCK_M", "16"))
-if BLOCK_M not in (16, 32, 64):
-    raise ValueError(f"SPECCYCLE_PREFILL_BLOCK_M={BLOCK_M}: choose 16, 32 or 64")
+def _block_m() -> int:
+    value = os.environ.get("SPECCYCLE_PREFILL_BLOCK_M", "16")
+    if value not in ("16", "32", "64"):
+        raise ValueError(f"SPECCYCLE_PREFILL_BLOCK_M={value!r}: choose 16, 32 or 64 (rows a program of the kernel)")
+    return int(value)
+
+
+BLOCK_M = _block_m()
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
@@ -55,7 +62,7 @@ if triton is not None:
         num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_table, page_size, scale_log2,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         block = tl.program_id(0)
         head = tl.program_id(1)
@@ -83,7 +90,9 @@ if triton is not None:
                 slots = page * page_size + keys % page_size
                 k = tl.load(k_ptr + slots[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
                             mask=inside[:, None], other=0.0)  # fmt: skip
-                if IEEE:
+                if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                elif IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(k))
@@ -96,10 +105,13 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(v_ptr + slots[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
                             mask=inside[:, None], other=0.0)  # fmt: skip
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                if UPCAST:  # probabilities rounded to the value dtype, as the GPU's products take them
+                    pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                elif IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
                 m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -158,7 +170,8 @@ def paged_attention_prefill_triton(
         num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size, scale_log2,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        IEEE=q.dtype == torch.float32, UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
 

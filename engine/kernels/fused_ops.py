@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention_prefill import paged_attention_prefill_triton
+from .attention_prefill import fits_prefill_kernel, paged_attention_prefill_triton
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
@@ -670,7 +670,8 @@ def paged_attention_auto(q, k_cache, v_cache, row_request, prefix_lens, extra_sl
 
 
 def triton_attention():
-    """The fast path's paged attention for every forward: ``SPECCYCLE_ATTENTION=auto`` (the default,
+    """The fast path's paged attention for decodes and verifies (a prefill's rows: `triton_prefill_attention`):
+    ``SPECCYCLE_ATTENTION=auto`` (the default,
     `paged_attention_auto`), ``tiles`` (`attention_tiles`: a verify's rows share their request's prefix
     blocks) or ``rows`` (`attention_triton`: programs per row); read once, at import. Each keeps a verify row
     bitwise equal to the decode row at its position as long as decode and verify take the same kernel (the
@@ -689,13 +690,23 @@ PREFILL_ATTENTION_KERNELS = ("prefill", "rows")
 def triton_prefill_attention():
     """The fast path's attention for a prefill's rows (`core.ports.ForwardBatch.prefill`):
     ``SPECCYCLE_PREFILL_ATTENTION=prefill`` (the default, `attention_prefill`: blocks of rows share their key
-    loads, on tensor cores) or ``rows`` (the decode's kernel, `triton_attention`); read once, at import."""
+    loads, on tensor cores; shapes it does not take go to the decode's kernel) or ``rows`` (the decode's kernel,
+    `triton_attention`); read once, at import."""
     choice = os.environ.get("SPECCYCLE_PREFILL_ATTENTION", "prefill")
     if choice not in PREFILL_ATTENTION_KERNELS:
         raise ValueError(
             f"SPECCYCLE_PREFILL_ATTENTION={choice!r}: choose one of {', '.join(PREFILL_ATTENTION_KERNELS)}"
         )
-    return paged_attention_prefill_triton if choice == "prefill" else triton_attention()
+    decode = triton_attention()
+    if choice == "rows":
+        return decode
+
+    def prefill_attention(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size,
+                          kv_bound=None):  # fmt: skip
+        kernel = paged_attention_prefill_triton if fits_prefill_kernel(q, extra_slots) else decode
+        return kernel(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
+
+    return prefill_attention
 
 
 class TorchOps:
@@ -741,6 +752,7 @@ class BatchInvariantOps(TritonOps):
     decode and verify rows agree bitwise at any batch size, prefills included (parity runs)."""
 
     name = "triton-invariant"
+    prefill_attention = staticmethod(triton_attention())  # a prefill row's bits are the decode row's at its position
     linear = staticmethod(functools.partial(linear_rows, max_rows=None))
     norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=None))
     norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=None))

@@ -19,8 +19,16 @@ triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+import attrs  # noqa: E402
+from speccycle.engine.fast.path import FastOptions, FastTarget  # noqa: E402
+from speccycle.engine.greedy import extend_batch  # noqa: E402
+from speccycle.engine.kernels import attention_prefill, fused_ops  # noqa: E402
 from speccycle.engine.kernels.attention_prefill import paged_attention_prefill_triton  # noqa: E402
 from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton  # noqa: E402
+from speccycle.engine.memory.kv_pool import PagedKVPool  # noqa: E402
+from speccycle.engine.models.llama import random_llama_weights  # noqa: E402
+from speccycle.engine.models.target import LlamaTarget  # noqa: E402
+from speccycle.testing.configs import TINY_LLAMA  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,10 +98,98 @@ def test_rows_with_extra_slots_take_the_rows_kernel():
     assert torch.equal(paged_attention_prefill_triton(*args), paged_attention_rows_triton(*args))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 products on a GPU")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_kernel_bfloat16(head_dim):
-    args, bound = _prefill(3, (767, 44, 233, 85), (0, 0, 32, 0), 16, 9, 3, head_dim, torch.bfloat16, pad=7)
+    """bfloat16 products (the interpreter takes them through float32, as the rows kernel does), float32 sums."""
+    lens = (767, 44, 233, 85) if torch.cuda.is_available() else (70, 9, 33)
+    cached = (0, 0, 32, 0) if torch.cuda.is_available() else (0, 0, 16)
+    args, bound = _prefill(3, lens, cached, 16, 9 if head_dim == 64 else 4, 3 if head_dim == 64 else 2, head_dim,
+                           torch.bfloat16, pad=7)  # fmt: skip
     got = paged_attention_prefill_triton(*args).float()
     want = paged_attention_rows_torch(*args, bound).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bitwise on the GPU's products (the interpreter's BLAS is not)"
+)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
+    """Whether a prompt is prefilled with others, alone, or in two chunks, each of its rows gets the same bits:
+    the property that keeps a request's output independent of the batch it was admitted with."""
+    args, _ = _prefill(4, (300, 44, 97), (0, 0, 16), 16, 9, 3, 64, torch.bfloat16)
+    q, k, v, row_request, prefix_lens, extra, table, page_size = args
+    whole = paged_attention_prefill_triton(*args)
+    starts = [0, 300, 344]
+    for b, (lo, hi) in enumerate(zip(starts, starts[1:] + [q.shape[0]])):
+        alone = paged_attention_prefill_triton(
+            q[lo:hi], k, v, torch.zeros_like(row_request[lo:hi]), prefix_lens[lo:hi], extra[lo:hi], table[b : b + 1],
+            page_size,
+        )  # fmt: skip
+        assert torch.equal(alone, whole[lo:hi]), f"request {b} alone"
+    for cut in (37, 128, 301):
+        parts = [
+            paged_attention_prefill_triton(
+                q[a:z], k, v, row_request[a:z], prefix_lens[a:z], extra[a:z], table, page_size
+            )
+            for a, z in ((0, cut), (cut, q.shape[0]))
+        ]
+        assert torch.equal(torch.cat(parts), whole), f"chunks cut at row {cut}"
+
+
+# ---- the fast forward takes it for a prefill's rows, and only for those ----------------------------------------
+WIDE = attrs.evolve(TINY_LLAMA, hidden_size=64, head_dim=16)  # heads of 16: the kernel's smallest
+
+
+class _Counting(fused_ops.TritonOps):
+    calls = {"prefill": 0, "decode": 0}
+
+    @staticmethod
+    def prefill_attention(*args):
+        _Counting.calls["prefill"] += 1
+        return fused_ops.TritonOps.prefill_attention(*args)
+
+    @staticmethod
+    def attention(*args):
+        _Counting.calls["decode"] += 1
+        return fused_ops.TritonOps.attention(*args)
+
+
+class _CountingFolded(_Counting):
+    fold_norms = True
+    rope_write_kv = fused_ops.FoldedNormOps.rope_write_kv
+    silu_mul = fused_ops.FoldedNormOps.silu_mul
+    linear = fused_ops.FoldedNormOps.linear
+    linear_add = fused_ops.FoldedNormOps.linear_add
+
+
+@pytest.mark.parametrize("ops", [_Counting, _CountingFolded], ids=["triton", "folded"])
+def test_fast_forward_prefills_with_the_prefill_kernel(ops):
+    """A prefill (chunked: 16-row buffers) through the fast forward equals the reference forward and calls the
+    prefill kernel once a layer a chunk; a decode after it calls the decode's kernel only."""
+    weights = random_llama_weights(WIDE, seed=1, scale=0.3)
+    prompts = [[3 + (5 * i) % 60 for i in range(13)], [4 + (7 * i) % 59 for i in range(9)]]
+    outs = []
+    for fast in (False, True):
+        pool = PagedKVPool(num_pages=64, page_size=4)
+        target = LlamaTarget.from_weights(WIDE, weights, pool)
+        if fast:
+            target = FastTarget(target, pool, FastOptions("cpu", graphs=False, ops=ops, max_rows=16))
+        ops.calls.update(prefill=0, decode=0)
+        prefill = target.forward(extend_batch(pool, [0, 1], prompts, [0, 0], last_logits_only=False, prefill=True))
+        counts = dict(ops.calls)
+        decode = target.forward(extend_batch(pool, [0, 1], [[9], [8]], [13, 9], last_logits_only=False))
+        outs.append((prefill, decode, counts, dict(ops.calls)))
+    (ref_prefill, ref_decode, _, _), (prefill, decode, counts, after) = outs
+    torch.testing.assert_close(prefill.logits, ref_prefill.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(decode.logits, ref_decode.logits, atol=1e-4, rtol=1e-4)
+    assert counts == {"prefill": 2 * WIDE.num_layers, "decode": 0}  # 22 rows: two chunks
+    assert after == {"prefill": 2 * WIDE.num_layers, "decode": WIDE.num_layers}
+
+
+def test_bad_prefill_settings_are_refused(monkeypatch):
+    monkeypatch.setenv("SPECCYCLE_PREFILL_BLOCK_M", "abc")
+    with pytest.raises(ValueError, match="SPECCYCLE_PREFILL_BLOCK_M='abc': choose 16, 32 or 64"):
+        attention_prefill._block_m()
+    monkeypatch.setenv("SPECCYCLE_PREFILL_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SPECCYCLE_PREFILL_ATTENTION='flash': choose one of prefill, rows"):
+        fused_ops.triton_prefill_attention()
