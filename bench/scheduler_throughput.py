@@ -82,7 +82,7 @@ def run_mode(
     controller: ShapeController | None = None,
     sampled: float = 0.0,
     spread: float = 0.0,
-    admit_fraction: float = 0.0,
+    admit_fraction: float | None = None,
 ) -> dict:
     speculation = {"ar": "off", "spec": "on", "adaptive": controller or AdaptiveSpeculation()}[mode]
     # latency from the streaming callback: a request's submit, its first and last streamed tokens, how many
@@ -199,8 +199,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
     parser.add_argument(
-        "--admit-fraction", type=float, default=0.0,
-        help="the Scheduler's admission batching: admit once this fraction of the running batch waits (0: every step)",
+        "--admit-fraction", type=float, default=None,
+        help="the Scheduler's admission batching: admit once this fraction of the running batch waits (0: every "
+        "step; default: the Scheduler's, SPECULATIVE_ADMIT_FRACTION when it speculates, 0 for ar)",
     )  # fmt: skip
     parser.add_argument("--fast", action="store_true", help="the engine's fast path (CUDA graphs, Triton kernels)")
     parser.add_argument(
@@ -363,7 +364,7 @@ def main() -> None:
         "budget_spread": args.budget_spread,
         "repeats": args.repeats,
         "max_prefill_tokens": args.max_prefill_tokens,
-        "admit_fraction": args.admit_fraction,
+        "admit_fraction": "auto" if args.admit_fraction is None else args.admit_fraction,
         "sampled": args.sampled,
         "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
         "num_prompts": len(prompts),

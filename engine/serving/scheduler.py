@@ -113,16 +113,26 @@ class SchedulerStats:
         return self.cached_tokens / self.prefill_tokens if self.prefill_tokens else 0.0
 
 
+# The default ``admit_fraction`` of a speculating scheduler. Measured on an H200 (SmolLM2-135M bf16, EAGLE-3 chain S4,
+# 13 prompts, 128 new tokens, closed loop, one run a setting at 3303272; bench/results/scheduler_throughput-H200-
+# 20261127-3303272-admit-*.json): at 64 clients `spec` 24,963 -> 28,126 tokens/s and adaptive 25,975 -> 28,178 with
+# 79 -> 29 admissions, at 256 clients 35,860 -> 41,782 and 40,106 -> 45,127 (107 -> 29); 0.25 was no better.
+# Without speculation requests of one length finish together, so admissions come in waves already, and holding them
+# only empties places: `ar` fell from 49,701 to 37,528 tokens/s at 256 clients.
+SPECULATIVE_ADMIT_FRACTION = 0.125
+
+
 class Scheduler:
     """Continuous batching of speculative decoding (greedy and sampled requests) over one set of ports.
 
     ``max_prefill_tokens`` caps the tokens one step prefills (whole requests; at least one).
     ``admit_fraction`` batches admissions: while requests run, the waiting ones are admitted once an admission would
     take at least that fraction of the running batch (as many wait, and as many places are free), or once they have
-    waited ``admit_wait`` steps; 0 admits at every step. An admission's step costs about the same whatever its size (the prefill's
-    launches, the host's work around them, the cycle relaunched over the joined batch), and under speculation
-    requests of one length stop finishing in the same step, so admitting each step's few finished places makes
-    many small admissions (docs/serving.md, "Admission batching").
+    waited ``admit_wait`` steps; 0 admits at every step; None (the default): `SPECULATIVE_ADMIT_FRACTION` when the
+    scheduler speculates (``"on"`` or adaptive), 0 when it does not. An admission's step costs about the same
+    whatever its size (the prefill's launches, the host's work around them, the cycle relaunched over the joined
+    batch), and under speculation requests of one length stop finishing in the same step, so admitting each step's
+    few finished places makes many small admissions (docs/serving.md, "Admission batching").
     ``speculation``: ``"on"`` (every cycle in ``config``'s shape), ``"off"`` (never draft: the drafter is not run
     at all, each cycle a plain decode step through the table, shape ``S == 0``), ``"adaptive"``, an
     `AdaptiveSpeculation` (each cycle the draft shape of the highest measured throughput at its batch size) or a
@@ -142,7 +152,7 @@ class Scheduler:
         backend=None,
         max_batch_size: int = 64,
         max_prefill_tokens: int | None = None,
-        admit_fraction: float = 0.0,
+        admit_fraction: float | None = None,
         admit_wait: int = 4,
         speculation: Speculation | AdaptiveSpeculation = "on",
         eos_token_ids: Sequence[int] = (),
@@ -164,12 +174,14 @@ class Scheduler:
             not isinstance(max_prefill_tokens, int) or isinstance(max_prefill_tokens, bool) or max_prefill_tokens < 1
         ):
             raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} must be None or an int >= 1")
-        if (
+        if admit_fraction is not None and (
             isinstance(admit_fraction, bool)
             or not isinstance(admit_fraction, (int, float))
             or not 0 <= admit_fraction <= 1
         ):
-            raise ValueError(f"admit_fraction={admit_fraction!r} must be a number in [0, 1] (0: admit at every step)")
+            raise ValueError(
+                f"admit_fraction={admit_fraction!r} must be None or a number in [0, 1] (0: admit at every step)"
+            )
         if not isinstance(admit_wait, int) or isinstance(admit_wait, bool) or admit_wait < 0:
             raise ValueError(f"admit_wait={admit_wait!r} must be an int >= 0 (steps a waiting request may be held)")
         target_vocab, draft_vocab = target_vocab_size(ports), draft_vocab_size(ports)
@@ -208,6 +220,8 @@ class Scheduler:
         self.eos_token_ids = _token_ids(eos_token_ids, "eos_token_ids")
         self.checked, self.max_batch_size = checked, max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        if admit_fraction is None:  # batched admissions pay under speculation only (SPECULATIVE_ADMIT_FRACTION)
+            admit_fraction = 0.0 if speculation == "off" else SPECULATIVE_ADMIT_FRACTION
         self.admit_fraction, self.admit_wait = float(admit_fraction), admit_wait
         self._held = 0  # steps in a row that requests waited beside a running batch (`_count_held`)
         self.backend = backend if backend is not None else get_backend(target_device(ports))

@@ -2,7 +2,7 @@
 an admission would take the fraction of the running batch (as many wait and as many places are free), or once they
 have waited ``admit_wait`` steps. Fewer, larger admissions; every request still finishes with its autoregressive
 output, nothing is lost and the pool ends empty. With nothing running, or ``admit_fraction=0``, admission is
-immediate."""
+immediate. The default holds admissions when the scheduler speculates, never when it does not."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _closed_loop(scheduler, clients: int, total: int, seed: int = 0):
 
 @pytest.mark.parametrize("fraction, wait", [(0.5, 3), (0.25, 0), (1.0, 6)])
 def test_batched_admissions_lose_nothing(fraction, wait):
-    plain, target, _ = _scheduler(max_batch_size=8)
+    plain, target, _ = _scheduler(max_batch_size=8, admit_fraction=0)
     done_plain, plain_waits = _closed_loop(plain, clients=8, total=40)
     batched, _, pool = _scheduler(max_batch_size=8, admit_fraction=fraction, admit_wait=wait)
     done, waits = _closed_loop(batched, clients=8, total=40)
@@ -70,6 +70,14 @@ def test_batched_admissions_lose_nothing(fraction, wait):
         assert batched.stats.prefills < plain.stats.prefills, (batched.stats.prefills, plain.stats.prefills)
         assert max(waits.values()) > 1
     assert len(done_plain) == 40
+
+
+def test_the_default_batches_admissions_when_speculating_only():
+    from speccycle.engine.serving.scheduler import SPECULATIVE_ADMIT_FRACTION
+
+    assert _scheduler()[0].admit_fraction == SPECULATIVE_ADMIT_FRACTION > 0
+    assert _scheduler(speculation="adaptive")[0].admit_fraction == SPECULATIVE_ADMIT_FRACTION
+    assert _scheduler(speculation="off")[0].admit_fraction == 0
 
 
 def test_held_requests_are_admitted_after_admit_wait_steps():
@@ -95,8 +103,8 @@ def test_held_requests_are_admitted_after_admit_wait_steps():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(admit_fraction=1.5), "admit_fraction=1.5 must be a number in"),
-        (dict(admit_fraction=True), "admit_fraction=True must be a number in"),
+        (dict(admit_fraction=1.5), "admit_fraction=1.5 must be None or a number in"),
+        (dict(admit_fraction=True), "admit_fraction=True must be None or a number in"),
         (dict(admit_wait=-1), "admit_wait=-1 must be an int >= 0"),
         (dict(admit_wait=2.0), "admit_wait=2.0 must be an int >= 0"),
     ],
