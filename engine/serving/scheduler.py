@@ -223,7 +223,7 @@ class Scheduler:
         if admit_fraction is None:  # batched admissions pay under speculation only (SPECULATIVE_ADMIT_FRACTION)
             admit_fraction = 0.0 if speculation == "off" else SPECULATIVE_ADMIT_FRACTION
         self.admit_fraction, self.admit_wait = float(admit_fraction), admit_wait
-        self._held = 0  # steps in a row that requests waited beside a running batch (`_count_held`)
+        self._held = 0  # steps in a row that admission batching held the queue (`_count_held`)
         self.backend = backend if backend is not None else get_backend(target_device(ports))
         off = speculation == "off"
         # with speculation off the draft is `ZeroDraft` (no draft forward at all) and every cycle has shape S == 0
@@ -254,6 +254,8 @@ class Scheduler:
         self.pipeline = pipeline
         self._shape: SpecConfig | None = None  # this step's cycle's shape, once chosen
         self._prefilled = False  # this step prefilled (its cycles are not timed for the controller)
+        self._holding = False  # this step's admission was held by `admit_fraction` (`_admission_due`)
+        self._cut_short = False  # this step's admission stopped before the queue's end: the cap or shared pages
         self._stepping = False  # inside `step`: a `cancel` from a callback waits for the step's end
         self._cancels: dict[int, None] = {}  # ids cancelled during a step, in call order
         self._published: dict[int, int] = {}  # request id -> pages below its L when it last published
@@ -434,6 +436,7 @@ class Scheduler:
         try:
             self._shape = None
             self._prefilled = False
+            self._holding = self._cut_short = False
             if self._inflight is not None:  # last step left its cycle on the GPU: go on from the device's state
                 self._advance(finished)
             if self._inflight is None:
@@ -499,8 +502,10 @@ class Scheduler:
                 break
             request = self.waiting[0]
             if batch and self.max_prefill_tokens and prefill_tokens + len(request.tokens) > self.max_prefill_tokens:
+                self._cut_short = True
                 break  # the rest waits for the next step's prefill
             if batch and self.prefix_cache and self._shares_uncached_pages(request, batch):
+                self._cut_short = True
                 break  # next step it reads those pages from the cache instead of computing them again
             need = self._pages(len(request.tokens) + reserve)
             if need > self.capacity:
@@ -573,14 +578,20 @@ class Scheduler:
         if not self.admit_fraction or running == 0 or self._held >= self.admit_wait:
             return True
         admissible = min(len(self.waiting), self.max_batch_size - running)  # what an admission would take now
-        return admissible >= math.ceil(self.admit_fraction * running)
+        due = admissible >= math.ceil(self.admit_fraction * running)
+        self._holding = self._holding or not due
+        return due
 
     def _count_held(self) -> None:
-        """After a step: the steps in a row that requests waited beside a running batch without an admission."""
-        if self.waiting and self.num_running and not self._prefilled:
-            if self.admit_fraction and self.num_running < self.max_batch_size:
-                self.stats.held_admissions += 1
+        """After a step: the steps in a row that `admit_fraction` held the queue (`_held`). A full batch, or a pool
+        short of pages, holds nothing here (the next free place or page starts a new count). An admission cut short
+        (``max_prefill_tokens``, pages a request would share with the step's prefill) leaves the rest due: they
+        are admitted at the next step, as without batching."""
+        if self._holding and not self._prefilled:
             self._held += 1
+            self.stats.held_admissions += 1
+        elif self._prefilled and self._cut_short and self.waiting:
+            self._held = self.admit_wait
         else:
             self._held = 0
 
@@ -661,8 +672,9 @@ class Scheduler:
         return self.pipeline and not self.checked and self.fused_cycles.can_continue(launched[0])
 
     def _advance(self, finished: list[Request]) -> None:
-        """The step of a batch whose cycle ``n`` is in flight: when nothing can join it (no request waits, or the batch
-        is full: a request that finishes in cycle ``n`` makes room at the next step), no cancel is pending,
+        """The step of a batch whose cycle ``n`` is in flight: when no admission is due (no request waits, the batch
+        is full: a request that finishes in cycle ``n`` makes room at the next step, or admission batching holds the
+        queue: `_admission_due`), no cancel is pending,
         the shape stays and the pool grants the pages, cycle ``n + 1`` is launched from the device's state first,
         then cycle ``n`` is collected while the GPU runs it (the host's records, streaming and retiring overlap the
         GPU). Otherwise cycle ``n`` is collected and the step goes on as an ordinary one (reload, admission)."""

@@ -94,11 +94,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool_tokens=st.integers(10, 64),
         max_batch=st.integers(1, 6),
         max_prefill=st.none() | st.integers(1, 16),
+        admit=st.tuples(st.sampled_from([None, 0.0, 0.5, 1.0]), st.integers(0, 3)),  # admission batching
         optimistic=st.booleans(),
         speculation=speculations,
         first=st.lists(request_specs(), min_size=1, max_size=4),
     )
-    def setup(self, config, family, agreement, pool_tokens, max_batch, max_prefill, optimistic, speculation, first):
+    def setup(
+        self, config, family, agreement, pool_tokens, max_batch, max_prefill, admit, optimistic, speculation, first
+    ):
         self.config = config
         pool_class = OptimisticPool if optimistic else FingerprintPool
         self.pool = pool_class(num_pages=math.ceil(pool_tokens / config.page_size), page_size=config.page_size)
@@ -120,6 +123,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             config,
             max_batch_size=max_batch,
             max_prefill_tokens=max_prefill,
+            admit_fraction=admit[0],
+            admit_wait=admit[1],
             speculation=speculation,
             checked=True,
             on_tokens=self.on_tokens,

@@ -112,3 +112,42 @@ def test_held_requests_are_admitted_after_admit_wait_steps():
 def test_bad_admission_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _scheduler(**kwargs)
+
+
+def test_a_deep_queue_is_admitted_in_batches_too():
+    """Three clients for every place: a full batch holds nothing (it has no place), so when places free the
+    queue is batched as when the batch was under its size, not admitted one place at a time."""
+    plain, target, _ = _scheduler(max_batch_size=8, admit_fraction=0)
+    _closed_loop(plain, clients=24, total=96)
+    batched, _, pool = _scheduler(max_batch_size=8, admit_fraction=0.5, admit_wait=3)
+    done, _ = _closed_loop(batched, clients=24, total=96)
+    for rid, prompt, budget in done:
+        assert list(batched.finished[rid].output) == target.greedy(prompt, budget)
+    assert pool.num_free_pages == pool.num_pages
+    assert batched.stats.prefills <= 0.75 * plain.stats.prefills, (batched.stats.prefills, plain.stats.prefills)
+
+
+def test_an_admission_cut_short_leaves_the_rest_due():
+    """A due admission that ``max_prefill_tokens`` cuts short admits the rest at the next step, not after another
+    ``admit_wait`` held steps; a held request can be cancelled."""
+    scheduler, target, pool = _scheduler(max_batch_size=8, admit_fraction=0.5, admit_wait=5, max_prefill_tokens=6)
+    for i in range(4):
+        scheduler.submit([1, 2, 3 + i], SamplingParams(max_new_tokens=40))
+    scheduler.step()
+    scheduler.step()  # the four prompts in two prefills of 6 tokens
+    assert scheduler.num_running == 4
+    a = scheduler.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+    b = scheduler.submit([9, 10, 11, 12], SamplingParams(max_new_tokens=4))
+    scheduler.step()  # 2 >= ceil(0.5 * 4) wait: due, but 6 tokens take one of the two
+    running = {r.request_id for r in scheduler.running.requests}
+    assert a in running and b not in running
+    scheduler.step()
+    assert b in {r.request_id for r in scheduler.running.requests}
+    held = scheduler.submit([13, 14], SamplingParams(max_new_tokens=4))
+    scheduler.step()
+    assert held not in {r.request_id for r in scheduler.running.requests} and scheduler.stats.held_admissions >= 1
+    assert scheduler.cancel(held) and scheduler.finished[held].finish_reason == "cancelled"
+    scheduler.run()
+    assert list(scheduler.finished[a].output) == target.greedy([5, 6, 7, 8], 4)
+    assert list(scheduler.finished[b].output) == target.greedy([9, 10, 11, 12], 4)
+    assert pool.num_free_pages == pool.num_pages
