@@ -300,6 +300,7 @@ def run_mode(
     max_batch_size: int | None = None,
     max_prefill_tokens: int | None = None,
     sync: Callable[[], None] = lambda: None,
+    admit_fraction: float | None = None,
 ) -> tuple[dict, dict, dict]:
     """One closed-loop run of ``workload`` in ``mode``: (figures, tracks, finished requests)."""
     speculation = {"off": "off", "on": "on", "adaptive": AdaptiveSpeculation()}[mode]
@@ -308,6 +309,7 @@ def run_mode(
         speculation=speculation,
         max_batch_size=max_batch_size or clients,
         max_prefill_tokens=max_prefill_tokens,
+        admit_fraction=admit_fraction,
     )
     sync()
     tracks, done, seconds = run_load(scheduler, workload, prompts, clients)
@@ -399,6 +401,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--clients", type=int, default=4, help="concurrent closed-loop clients")
     parser.add_argument("--max-batch-size", type=int, default=None, help="default: --clients")
     parser.add_argument("--max-prefill-tokens", type=int, default=None)
+    parser.add_argument(
+        "--admit-fraction", type=float, default=None,
+        help="the Scheduler's admission batching (0: admit at every step; default: the Scheduler's)",
+    )  # fmt: skip
     parser.add_argument("--requests", type=int, default=48, help="requests per mode")
     parser.add_argument("--min-new-tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -459,7 +465,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    common = dict(max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens, sync=sync)
+    common = dict(
+        max_batch_size=args.max_batch_size, max_prefill_tokens=args.max_prefill_tokens, sync=sync,
+        admit_fraction=args.admit_fraction,
+    )  # fmt: skip
     warm = make_workload(len(prompts), args.warmup_requests or 2 * args.clients, seed=args.seed + 1, **draw)
     for mode in modes:  # compilation, allocator, graph capture of the batch buckets
         run_mode(engine, mode, warm, prompts, args.clients, **common)
@@ -480,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "workload": {
             "clients": args.clients,
             "max_batch_size": batch,
+            "admit_fraction": "auto" if args.admit_fraction is None else args.admit_fraction,
             "requests": args.requests,
             "new_tokens": [args.min_new_tokens, args.max_new_tokens],
             "prompts": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",

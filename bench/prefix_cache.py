@@ -72,8 +72,9 @@ def run_mode(engine: Engine, mode: str, workload: dict, args) -> dict:
             send(index)
 
     scheduler = Scheduler.from_engine(
-        engine, speculation=speculation, prefix_cache=cache, max_batch_size=args.max_batch_size, on_finish=finished
-    )
+        engine, speculation=speculation, prefix_cache=cache, max_batch_size=args.max_batch_size, on_finish=finished,
+        admit_fraction=args.admit_fraction,
+    )  # fmt: skip
     sync(args.device)
     start = time.perf_counter()
     for index in range(len(conversations)):
@@ -112,6 +113,10 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=16, help="concurrent requests")
+    parser.add_argument(
+        "--admit-fraction", type=float, default=None,
+        help="the Scheduler's admission batching (0: admit at every step; default: the Scheduler's)",
+    )  # fmt: skip
     parser.add_argument("--conversations", type=int, default=0, help="the first N conversations (0: all)")
     parser.add_argument("--turns", type=int, default=3, help="user turns per conversation, at most")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="KV pool size in tokens (small: eviction)")
@@ -165,6 +170,7 @@ def main() -> None:
         "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
         "max_new_tokens": args.max_new_tokens,
         "max_batch_size": args.max_batch_size,
+        "admit_fraction": "auto" if args.admit_fraction is None else args.admit_fraction,
         "kv_tokens": args.kv_tokens,
         "workload": Path(args.workload).name,
         "conversations": len(workload["conversations"][: args.conversations or None]),
