@@ -141,17 +141,17 @@ def paged_attention_prefill_triton(
     page_table: torch.Tensor,
     page_size: int,
     kv_bound: int | None = None,
+    fallback=paged_attention_rows_triton,
 ) -> torch.Tensor:
     """`attention_triton.paged_attention_rows_torch`'s contract for a prefill's rows (module docstring).
 
     Shapes: ``q [T, H, D]``, caches ``[num_slots, Hkv, D]``, ``row_request, prefix_lens [T]``, ``extra_slots
     [T, 0]``, ``page_table [bs, W]`` -> ``[T, H, D]`` in ``q.dtype``. Rows with extra slots, or shapes the kernel
-    does not take (`fits_prefill_kernel`), go to the rows kernel. Sync-free: it can be captured in a CUDA graph.
+    does not take (`fits_prefill_kernel`), go to ``fallback`` (the rows kernel by default). Sync-free: it can be
+    captured in a CUDA graph.
     """
     if not fits_prefill_kernel(q, extra_slots):
-        return paged_attention_rows_triton(
-            q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound
-        )
+        return fallback(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads:

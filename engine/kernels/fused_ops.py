@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention_prefill import fits_prefill_kernel, paged_attention_prefill_triton
+from .attention_prefill import paged_attention_prefill_triton
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
@@ -698,15 +698,7 @@ def triton_prefill_attention():
             f"SPECCYCLE_PREFILL_ATTENTION={choice!r}: choose one of {', '.join(PREFILL_ATTENTION_KERNELS)}"
         )
     decode = triton_attention()
-    if choice == "rows":
-        return decode
-
-    def prefill_attention(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size,
-                          kv_bound=None):  # fmt: skip
-        kernel = paged_attention_prefill_triton if fits_prefill_kernel(q, extra_slots) else decode
-        return kernel(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
-
-    return prefill_attention
+    return decode if choice == "rows" else functools.partial(paged_attention_prefill_triton, fallback=decode)
 
 
 class TorchOps:
