@@ -94,6 +94,8 @@ class ExtendRows:
     out_slots: torch.Tensor | None = None  # [T] int64
     prefix_lens: torch.Tensor | None = None  # [T] int64
     logits_rows: torch.Tensor | None = None  # [bs] int64: each request's last committed row
+    # the rows of prompts (a prefill's draft extend): the draft's forward is a prefill (`ForwardBatch.prefill`)
+    prefill: bool = False
 
 
 @attrs.frozen(eq=False)

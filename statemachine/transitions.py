@@ -321,7 +321,9 @@ def _prefill_valid(rec: Admitted, ports: Ports, backend) -> Compacted:
     if offset == 0:
         next_ids = torch.cat([input_ids[1:], first[-1:]])
         next_ids[last_rows] = first
-        extend = ExtendRows(input_ids=next_ids, positions=positions, row_request=row_request, hidden=out.hidden)
+        extend = ExtendRows(
+            input_ids=next_ids, positions=positions, row_request=row_request, hidden=out.hidden, prefill=True
+        )
     else:
         extend = _aligned_prompt_rows(rec.requests, first, device, cached)
     return Compacted(
@@ -342,7 +344,7 @@ def _aligned_prompt_rows(requests: Sequence[Request], first: torch.Tensor, devic
     positions = torch.arange(int(lens.sum()), device=device) - starts[row_request]
     positions = positions + torch.tensor(list(cached), dtype=torch.long, device=device)[row_request]
     flat = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long, device=device)
-    return ExtendRows(input_ids=flat, positions=positions, row_request=row_request, hidden=None)
+    return ExtendRows(input_ids=flat, positions=positions, row_request=row_request, hidden=None, prefill=True)
 
 
 def _reported(rows: sampling.RowLogprobs, bs: int, width: int) -> list[tuple[list, list, list]]:
@@ -416,6 +418,7 @@ def retire(rec: Compacted, ports: Ports, backend) -> Compacted:
         positions=ext.positions[row_keep],
         row_request=new_index[ext.row_request[row_keep]],
         hidden=None if ext.hidden is None else ext.hidden[row_keep],
+        prefill=ext.prefill,
     )
     return attrs.evolve(
         rec,
@@ -584,6 +587,7 @@ def _extend_speculating(rec: Compacted, ports: Ports, backend, logits: bool) -> 
         positions=ext.positions[keep],
         row_request=where[ext.row_request[keep]],
         hidden=None if ext.hidden is None else ext.hidden[keep],
+        prefill=ext.prefill,
     )
     sub = attrs.evolve(
         rec,
@@ -623,6 +627,7 @@ def _draft_extend(rec: Compacted, ports: Ports, backend, logits: bool = True) ->
         None,
         page_table,
         last_rows,
+        prefill=ext.prefill,
     )
     if not logits:  # the layers alone: the draft's KV and hidden state stay current, the top-K waits
         hidden = ports.draft.extend_hidden(batch, ext.hidden)

@@ -103,7 +103,7 @@ def llama_rows_forward(
     x = F.embedding(inputs.input_ids, model.embed_weight)  # [T, hidden]
     if ops.fold_norms:
         return _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps), features
-    attend = ops.prefill_attention if inputs.prefill else ops.attention  # a prefill's rows: its own kernel
+    attend = _attend(ops, inputs)
     delta = None  # the previous layer's MLP output, added to x by the next norm
     for i in range(depth):
         layer = model.layers[i]
@@ -153,7 +153,7 @@ def _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps) -> torch.
     factor, the down GEMM adds: 7 kernels a layer instead of 9, no norm kernel. Returns the logits."""
     c = model.config
     rows = x.shape[0]
-    attend = ops.prefill_attention if inputs.prefill else ops.attention  # a prefill's rows: its own kernel
+    attend = _attend(ops, inputs)
     folded = getattr(model, "folded_norm_weights", None)
     if folded is None:
         raise RuntimeError(
@@ -257,11 +257,17 @@ def _eagle_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *, from_t
     k_cache, v_cache = draft.kv
     _, q = ops.norm_qkv_rope(attn_in, None, norm_weight, eps, head.qkv, None, inputs.positions, rope.cos, rope.sin,
                              inputs.out_slots, k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
-    attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
-                         inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+    attn = _attend(ops, inputs)(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                                inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
     o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), head.o)
     h, act = ops.norm_gate_up_silu(x, o, head.post_norm.weight, eps, head.gate_up)
     return h + ops.linear(act, head.down)  # [T, H]
+
+
+def _attend(ops, inputs: RowInputs):
+    """The attention of ``inputs``' rows: the prefill kernel for a prompt's rows (`RowInputs.prefill`: the target's
+    prefill, and the draft extend over its prompt), the decode's kernel otherwise."""
+    return ops.prefill_attention if inputs.prefill else ops.attention
 
 
 def _eagle_extra_layer(layer, cache: LayerKV, c, ops, rope, inputs: RowInputs, x: torch.Tensor) -> torch.Tensor:
@@ -272,8 +278,8 @@ def _eagle_extra_layer(layer, cache: LayerKV, c, ops, rope, inputs: RowInputs, x
     x, q = ops.norm_qkv_rope(x, None, layer.input_norm.weight, eps, layer.qkv_weight, None, inputs.positions,
                              rope.cos, rope.sin, inputs.out_slots, k_cache, v_cache, c.num_heads,
                              c.num_kv_heads)  # fmt: skip
-    attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
-                         inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+    attn = _attend(ops, inputs)(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                                inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
     o = ops.linear(attn.reshape(rows, c.num_heads * c.head_dim), layer.o_weight)
     h, act = ops.norm_gate_up_silu(x, o, layer.post_attention_norm.weight, eps, layer.gate_up_weight)
     return h + ops.linear(act, layer.down_weight)  # [T, H]
@@ -312,8 +318,8 @@ def _folded_eagle3_layer(draft, ops, rope, inputs: RowInputs, x: torch.Tensor, *
     k_cache, v_cache = draft.kv
     q = ops.rope_write_kv(_linear(ops, attn_in, w.qkv), inputs.positions, rope.cos, rope.sin, inputs.out_slots,
                           k_cache, v_cache, c.num_heads, c.num_kv_heads)  # fmt: skip
-    attn = ops.attention(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
-                         inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
+    attn = _attend(ops, inputs)(q, k_cache, v_cache, inputs.row_request, inputs.prefix_lens, inputs.extra_slots,
+                                inputs.page_table, inputs.page_size, inputs.kv_bound)  # fmt: skip
     residual = _linear_add(ops, residual, attn.reshape(rows, c.num_heads * c.head_dim), w.o)
     act = ops.silu_mul(_linear(ops, residual, w.gate_up), residual, eps)
     return _linear_add(ops, residual, act, w.down)  # [T, H]

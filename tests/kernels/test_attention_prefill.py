@@ -20,13 +20,14 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 import attrs  # noqa: E402
-from speccycle.engine.fast.path import FastOptions, FastTarget  # noqa: E402
+from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead  # noqa: E402
+from speccycle.engine.fast.path import FastEagleDraft, FastOptions, FastTarget  # noqa: E402
 from speccycle.engine.greedy import extend_batch  # noqa: E402
 from speccycle.engine.kernels import attention_prefill, fused_ops  # noqa: E402
 from speccycle.engine.kernels.attention_prefill import paged_attention_prefill_triton  # noqa: E402
 from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton  # noqa: E402
 from speccycle.engine.memory.kv_pool import PagedKVPool  # noqa: E402
-from speccycle.engine.models.llama import random_llama_weights  # noqa: E402
+from speccycle.engine.models.llama import LlamaModel, random_llama_weights  # noqa: E402
 from speccycle.engine.models.target import LlamaTarget  # noqa: E402
 from speccycle.testing.configs import TINY_LLAMA  # noqa: E402
 
@@ -185,6 +186,38 @@ def test_fast_forward_prefills_with_the_prefill_kernel(ops):
     torch.testing.assert_close(decode.logits, ref_decode.logits, atol=1e-4, rtol=1e-4)
     assert counts == {"prefill": 2 * WIDE.num_layers, "decode": 0}  # 22 rows: two chunks
     assert after == {"prefill": 2 * WIDE.num_layers, "decode": WIDE.num_layers}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors: the Triton interpreter")
+@pytest.mark.parametrize("ops", [_Counting, _CountingFolded], ids=["triton", "folded"])
+def test_draft_extend_over_a_prompt_takes_the_prefill_kernel(ops):
+    """An EAGLE-3 head (two layers) extending over prompts (`ExtendRows.prefill`, a prefill's draft extend) equals
+    the reference head and calls the prefill kernel once a layer; its extend over a cycle's committed rows calls the
+    decode's kernel only."""
+    weights = random_llama_weights(WIDE, seed=2, scale=0.3)
+    model = LlamaModel(WIDE, weights, feature_layers=(1, 2, 3))
+    config = attrs.evolve(EagleConfig.for_target(WIDE, 3, draft_vocab_size=0), feature_layers=(1, 2, 3), num_layers=2)
+    head = EagleHead.random(config, seed=3, target_vocab=WIDE.vocab_size)
+    prompts = [[3 + (5 * i) % 60 for i in range(13)], [4 + (7 * i) % 59 for i in range(9)]]
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(22, 3 * WIDE.hidden_size, generator=gen)
+    step_hidden = torch.randn(2, 3 * WIDE.hidden_size, generator=gen)
+    outs = []
+    for fast in (False, True):
+        pool = PagedKVPool(num_pages=64, page_size=4)
+        draft = EagleDraft(head, model, pool, cache_name="draft")
+        if fast:
+            draft = FastEagleDraft(draft, pool, FastOptions("cpu", graphs=False, ops=ops, max_rows=32))
+        ops.calls.update(prefill=0, decode=0)
+        prompt = draft.extend(extend_batch(pool, [0, 1], prompts, [0, 0], prefill=True), hidden)
+        counts = dict(ops.calls)
+        later = draft.extend(extend_batch(pool, [0, 1], [[9], [8]], [13, 9]), step_hidden)
+        outs.append((prompt, later, counts, dict(ops.calls)))
+    (ref_prompt, ref_later, _, _), (prompt, later, counts, after) = outs
+    for got, want in ((prompt, ref_prompt), (later, ref_later)):
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert counts == {"prefill": config.num_layers, "decode": 0}
+    assert after == {"prefill": config.num_layers, "decode": config.num_layers}
 
 
 def test_bad_prefill_settings_are_refused(monkeypatch):
