@@ -139,8 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{label:18s} {name:9s} {row['requests']:3d} requests {row['rows']:5d} rows: "
                       f"step {row['step_ms_median']} ms{gpu}")  # fmt: skip
     payload = {
-        "config": {"dtype": args.dtype, "repeats": args.repeats, "draft": "eagle", "max_new_tokens": 1,
-                   "speculation": speculation},  # fmt: skip
+        "config": {
+            "dtype": args.dtype,
+            "repeats": args.repeats,
+            "draft": "eagle",
+            "max_new_tokens": 1,
+            "speculation": speculation,
+        },  # fmt: skip
         "kernels": results,
     }
     print("wrote", write_result("prefill_profile", payload, args.device))
