@@ -2,18 +2,16 @@
 
 Each prompt mix of the shipped prompts (chat-templated: 44 to 767 tokens) is submitted with ``max_new_tokens=1`` and
 run through the continuous-batching `Scheduler` on the fast path, so a step is one admission: the prefill's target
-forward, its first tokens and the draft extend (EAGLE-3). Per mix: the median wall time of the step over
+forward and its first tokens. Per mix: the median wall time of the step over
 ``--repeats`` runs after three warm-ups (graphs captured), and on CUDA one profiled step's GPU time: all of it,
-and the attention kernels' share. Each ``--kernels`` choice (``SPECCYCLE_PREFILL_ATTENTION``: ``prefill``,
-`engine.kernels.attention_prefill`, or ``rows``, the decode's kernel) runs in a process of its own, one after
-the other on the same device, and the record holds them side by side. ``--speculation on,off`` runs each choice
-with the draft too (``on``, the EAGLE-3 head extends over the prompts) and without it (``off``, labelled
-``<kernel>, no draft``): what a speculating scheduler's admission costs over an autoregressive one's. On CUDA each
-mix also lists the kernels of most GPU time in the profiled step (``top_kernels``: name, ms, calls).
+and the attention kernels' share, and the kernels of most GPU time (``top_kernels``: name, ms, calls). Each
+``--kernels`` choice (``SPECCYCLE_PREFILL_ATTENTION``: ``exact`` and ``prefill``, `engine.kernels.attention_prefill`'s
+two kernels, or ``rows``, the decode's kernel) runs in a process of its own, one after the other on the same
+device, and the record holds them side by side. A request of one new token finishes at its prefill, so the step
+holds no draft extend: what is timed is the target's prefill.
 
     python -m bench.prefill_profile --device cuda --dtype bfloat16
-    python -m bench.prefill_profile --device cuda --dtype bfloat16 --kernels prefill --speculation on,off
-    python -m bench.prefill_profile --repeats 1 --mixes "4 short"   # CPU: both choices take the torch attention
+    python -m bench.prefill_profile --repeats 1 --mixes "4 short"   # CPU: every choice takes the torch attention
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ MIXES = {
     "13 all": list(range(13)),
     "26 all": list(range(26)),
 }
-KERNELS = ("prefill", "rows")
-SPECULATION = ("on", "off")
+KERNELS = ("exact", "prefill", "rows")
 TOP_KERNELS = 12
 
 
@@ -60,7 +57,7 @@ def measure(args) -> dict:
         draft="eagle", spec=spec, device=args.device, dtype=getattr(torch, args.dtype), kv_tokens=2 * most + 4096,
         fast=True,
     )  # fmt: skip
-    scheduler = Scheduler.from_engine(engine, speculation=args.speculation, max_batch_size=64)
+    scheduler = Scheduler.from_engine(engine, speculation="on", max_batch_size=64)
     once = SamplingParams(max_new_tokens=1)
 
     def step(idx) -> float:
@@ -103,9 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.prefill_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--kernels", default=",".join(KERNELS), help="of prefill, rows")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="of exact, prefill, rows")
     parser.add_argument("--mixes", default=",".join(MIXES), help=f"of {', '.join(MIXES)}")
-    parser.add_argument("--speculation", default="on", help="of on, off (off: no draft extend)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -119,33 +115,21 @@ def main(argv: list[str] | None = None) -> dict:
     kernels = args.kernels.split(",")
     if unknown := set(kernels) - set(KERNELS):
         raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(KERNELS)}")
-    speculation = args.speculation.split(",")
-    if unknown := set(speculation) - set(SPECULATION):
-        raise SystemExit(f"--speculation: unknown {sorted(unknown)}; choose from {', '.join(SPECULATION)}")
     results = {}
     for kernel in kernels:
-        for spec in speculation:
-            label = kernel if spec == "on" else f"{kernel}, no draft"
-            env = dict(os.environ, SPECCYCLE_PREFILL_ATTENTION=kernel)
-            command = [sys.executable, "-m", "speccycle.bench.prefill_profile", "--child", "--device", args.device,
-                       "--dtype", args.dtype, "--mixes", args.mixes, "--repeats", str(args.repeats),
-                       "--speculation", spec]  # fmt: skip
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
-            if done.returncode:
-                raise SystemExit(f"the {label} run failed:\n{done.stderr[-3000:]}")
-            results[label] = json.loads(done.stdout.strip().splitlines()[-1])
-            for name, row in results[label].items():
-                gpu = f", GPU {row['gpu_ms']} ms ({row['attention_gpu_ms']} attention)" if "gpu_ms" in row else ""
-                print(f"{label:18s} {name:9s} {row['requests']:3d} requests {row['rows']:5d} rows: "
-                      f"step {row['step_ms_median']} ms{gpu}")  # fmt: skip
+        env = dict(os.environ, SPECCYCLE_PREFILL_ATTENTION=kernel)
+        command = [sys.executable, "-m", "speccycle.bench.prefill_profile", "--child", "--device", args.device,
+                   "--dtype", args.dtype, "--mixes", args.mixes, "--repeats", str(args.repeats)]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the {kernel} run failed:\n{done.stderr[-3000:]}")
+        results[kernel] = json.loads(done.stdout.strip().splitlines()[-1])
+        for name, row in results[kernel].items():
+            gpu = f", GPU {row['gpu_ms']} ms ({row['attention_gpu_ms']} attention)" if "gpu_ms" in row else ""
+            print(f"{kernel:8s} {name:9s} {row['requests']:3d} requests {row['rows']:5d} rows: "
+                  f"step {row['step_ms_median']} ms{gpu}")  # fmt: skip
     payload = {
-        "config": {
-            "dtype": args.dtype,
-            "repeats": args.repeats,
-            "draft": "eagle",
-            "max_new_tokens": 1,
-            "speculation": speculation,
-        },  # fmt: skip
+        "config": {"dtype": args.dtype, "repeats": args.repeats, "draft": "eagle", "max_new_tokens": 1},
         "kernels": results,
     }
     print("wrote", write_result("prefill_profile", payload, args.device))

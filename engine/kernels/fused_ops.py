@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .attention_prefill import paged_attention_prefill_triton
+from .attention_prefill import paged_attention_prefill_exact, paged_attention_prefill_triton
 from .attention_tiles import paged_attention_tiles_triton
 from .attention_triton import paged_attention_rows_torch, paged_attention_rows_triton
 from .linear_triton import (
@@ -684,20 +684,39 @@ def triton_attention():
     )
 
 
-PREFILL_ATTENTION_KERNELS = ("prefill", "rows")
+PREFILL_ATTENTION_KERNELS = ("exact", "prefill", "rows")
+
+
+def paged_attention_prefill_auto(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size,
+                                 kv_bound=None, *, decode=paged_attention_auto):  # fmt: skip
+    """A prefill's rows, each bitwise the row ``decode`` (the fast path's decode kernel) computes at its position:
+    `attention_prefill.paged_attention_prefill_exact` where the decode kernel is `attention_triton`'s rows kernel
+    (heads below `TILES_MIN_HEAD_DIM` under ``auto``), else the decode kernel itself (`attention_tiles`, whose
+    tiles share a request's prefix blocks)."""
+    rows_decode = decode is paged_attention_rows_triton or (
+        decode is paged_attention_auto and q.shape[-1] < TILES_MIN_HEAD_DIM
+    )
+    if rows_decode:
+        return paged_attention_prefill_exact(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table,
+                                             page_size, kv_bound, fallback=paged_attention_rows_triton)  # fmt: skip
+    return decode(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
 
 
 def triton_prefill_attention():
-    """The fast path's attention for a prefill's rows (`core.ports.ForwardBatch.prefill`):
-    ``SPECCYCLE_PREFILL_ATTENTION=prefill`` (the default, `attention_prefill`: blocks of rows share their key
-    loads, on tensor cores; shapes it does not take go to the decode's kernel) or ``rows`` (the decode's kernel,
-    `triton_attention`); read once, at import."""
-    choice = os.environ.get("SPECCYCLE_PREFILL_ATTENTION", "prefill")
+    """The fast path's attention for a prefill's rows (`core.ports.ForwardBatch.prefill`), read once, at import:
+    ``SPECCYCLE_PREFILL_ATTENTION=exact`` (the default, `paged_attention_prefill_auto`: blocks of a prompt's rows
+    share their key loads and each row keeps the decode kernel's bits, so KV that a decode wrote and KV that a
+    prefill wrote are the same, and a prefix-cache hit or a recompute changes no output), ``prefill``
+    (`attention_prefill.paged_attention_prefill_triton`: flash attention's tiles, other roundings than the decode's;
+    shapes it does not take go to the decode's kernel) or ``rows`` (the decode's kernel, `triton_attention`)."""
+    choice = os.environ.get("SPECCYCLE_PREFILL_ATTENTION", "exact")
     if choice not in PREFILL_ATTENTION_KERNELS:
         raise ValueError(
             f"SPECCYCLE_PREFILL_ATTENTION={choice!r}: choose one of {', '.join(PREFILL_ATTENTION_KERNELS)}"
         )
     decode = triton_attention()
+    if choice == "exact":
+        return functools.partial(paged_attention_prefill_auto, decode=decode)
     return decode if choice == "rows" else functools.partial(paged_attention_prefill_triton, fallback=decode)
 
 

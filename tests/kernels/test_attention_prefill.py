@@ -24,7 +24,10 @@ from speccycle.engine.drafters.eagle import EagleConfig, EagleDraft, EagleHead  
 from speccycle.engine.fast.path import FastEagleDraft, FastOptions, FastTarget  # noqa: E402
 from speccycle.engine.greedy import extend_batch  # noqa: E402
 from speccycle.engine.kernels import attention_prefill, fused_ops  # noqa: E402
-from speccycle.engine.kernels.attention_prefill import paged_attention_prefill_triton  # noqa: E402
+from speccycle.engine.kernels.attention_prefill import (  # noqa: E402
+    paged_attention_prefill_exact,
+    paged_attention_prefill_triton,
+)
 from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton  # noqa: E402
 from speccycle.engine.memory.kv_pool import PagedKVPool  # noqa: E402
 from speccycle.engine.models.llama import LlamaModel, random_llama_weights  # noqa: E402
@@ -70,25 +73,29 @@ CASES = [
 ]
 
 
+KERNELS = {"flash": paged_attention_prefill_triton, "exact": paged_attention_prefill_exact}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("lens, cached, page_size, heads, kv_heads, head_dim", CASES)
-def test_prefill_kernel_equals_torch_twin(lens, cached, page_size, heads, kv_heads, head_dim):
+def test_prefill_kernel_equals_torch_twin(kernel, lens, cached, page_size, heads, kv_heads, head_dim):
     args, bound = _prefill(0, lens, cached, page_size, heads, kv_heads, head_dim, torch.float32, pad=5)
-    got = paged_attention_prefill_triton(*args)
+    got = KERNELS[kernel](*args)
     want = paged_attention_rows_torch(*args, bound)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert not got[-5:].any(), "padding rows (prefix_len 0) return zeros"
 
 
-def test_prefill_kernel_any_row_order():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prefill_kernel_any_row_order(kernel):
     """Rows out of order (several requests in every block): still each row's own attention."""
     args, bound = _prefill(1, (37, 90, 12), (0, 8, 0), 16, 4, 2, 16, torch.float32, pad=3, order="shuffle")
-    torch.testing.assert_close(
-        paged_attention_prefill_triton(*args), paged_attention_rows_torch(*args, bound), atol=2e-5, rtol=2e-5
-    )
+    torch.testing.assert_close(KERNELS[kernel](*args), paged_attention_rows_torch(*args, bound), atol=2e-5, rtol=2e-5)
 
 
-def test_rows_with_extra_slots_take_the_rows_kernel():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_with_extra_slots_take_the_rows_kernel(kernel):
     """A batch with extra slots is not a prefill's: the call is the rows kernel's, bit for bit."""
     (q, k, v, row_request, prefix_lens, _, table, page_size), _ = _prefill(
         2, (20, 9), (0, 0), 16, 4, 2, 16, torch.float32
@@ -96,17 +103,18 @@ def test_rows_with_extra_slots_take_the_rows_kernel():
     extra = torch.full((q.shape[0], 2), -1, dtype=torch.long, device=q.device)
     extra[0, 0] = int(table[0, 0]) * page_size  # one row also attends the first slot of its first page
     args = (q, k, v, row_request, prefix_lens, extra, table, page_size)
-    assert torch.equal(paged_attention_prefill_triton(*args), paged_attention_rows_triton(*args))
+    assert torch.equal(KERNELS[kernel](*args), paged_attention_rows_triton(*args))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_kernel_bfloat16(head_dim):
+def test_prefill_kernel_bfloat16(kernel, head_dim):
     """bfloat16 products (the interpreter takes them through float32, as the rows kernel does), float32 sums."""
     lens = (767, 44, 233, 85) if torch.cuda.is_available() else (70, 9, 33)
     cached = (0, 0, 32, 0) if torch.cuda.is_available() else (0, 0, 16)
     args, bound = _prefill(3, lens, cached, 16, 9 if head_dim == 64 else 4, 3 if head_dim == 64 else 2, head_dim,
                            torch.bfloat16, pad=7)  # fmt: skip
-    got = paged_attention_prefill_triton(*args).float()
+    got = KERNELS[kernel](*args).float()
     want = paged_attention_rows_torch(*args, bound).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
@@ -114,27 +122,65 @@ def test_prefill_kernel_bfloat16(head_dim):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="bitwise on the GPU's products (the interpreter's BLAS is not)"
 )
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernel):
     """Whether a prompt is prefilled with others, alone, or in two chunks, each of its rows gets the same bits:
     the property that keeps a request's output independent of the batch it was admitted with."""
     args, _ = _prefill(4, (300, 44, 97), (0, 0, 16), 16, 9, 3, 64, torch.bfloat16)
     q, k, v, row_request, prefix_lens, extra, table, page_size = args
-    whole = paged_attention_prefill_triton(*args)
+    attend = KERNELS[kernel]
+    whole = attend(*args)
     starts = [0, 300, 344]
     for b, (lo, hi) in enumerate(zip(starts, starts[1:] + [q.shape[0]])):
-        alone = paged_attention_prefill_triton(
+        alone = attend(
             q[lo:hi], k, v, torch.zeros_like(row_request[lo:hi]), prefix_lens[lo:hi], extra[lo:hi], table[b : b + 1],
             page_size,
         )  # fmt: skip
         assert torch.equal(alone, whole[lo:hi]), f"request {b} alone"
     for cut in (37, 128, 301):
         parts = [
-            paged_attention_prefill_triton(
-                q[a:z], k, v, row_request[a:z], prefix_lens[a:z], extra[a:z], table, page_size
-            )
+            attend(q[a:z], k, v, row_request[a:z], prefix_lens[a:z], extra[a:z], table, page_size)
             for a, z in ((0, cut), (cut, q.shape[0]))
         ]
         assert torch.equal(torch.cat(parts), whole), f"chunks cut at row {cut}"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bitwise on the GPU's products (the interpreter's BLAS is not)"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "lens, cached, heads, kv_heads",
+    [
+        ((767, 44, 233, 85, 5), (0, 0, 32, 0, 0), 9, 3),  # SmolLM2's heads; rows of 1 to 12 chunks
+        ((2100, 130), (1900, 0), 9, 3),  # past 2,048 keys the rows' chunks grow to 128 keys (some rows' only)
+        ((300, 61, 1), (0, 48, 0), 8, 8),  # no grouping
+    ],
+)
+def test_exact_kernel_rows_are_the_decode_kernels_bits(lens, cached, heads, kv_heads, dtype):
+    """Each prefill row of the exact kernel is bitwise the row the decode's kernel (`attention_triton`'s rows
+    kernel) computes at its position: in order and shuffled, with padding rows; so KV a decode wrote and KV a
+    prefill wrote hold the same bits, and a prefix-cache hit or a recompute changes no output."""
+    for order in (None, "shuffle"):
+        args, _ = _prefill(5, lens, cached, 16, heads, kv_heads, 64, dtype, pad=9, order=order)
+        exact = paged_attention_prefill_exact(*args)
+        rows = paged_attention_rows_triton(*args)
+        mismatched = (exact != rows).any(dim=2).any(dim=1).nonzero()[:, 0]
+        assert mismatched.numel() == 0, f"{order}: rows {mismatched[:8].tolist()} differ of {len(rows)}"
+
+
+def test_the_default_prefill_attention_keeps_the_decode_kernels_bits(monkeypatch):
+    """``SPECCYCLE_PREFILL_ATTENTION`` unset: the exact kernel where the decode takes the rows kernel (heads below
+    ``TILES_MIN_HEAD_DIM``), the decode's own kernel (tiles) above."""
+    monkeypatch.delenv("SPECCYCLE_PREFILL_ATTENTION", raising=False)
+    monkeypatch.delenv("SPECCYCLE_ATTENTION", raising=False)
+    attend = fused_ops.triton_prefill_attention()
+    assert attend.keywords["decode"] is fused_ops.paged_attention_auto
+    for head_dim, kernel in ((64, "exact"), (fused_ops.TILES_MIN_HEAD_DIM, "tiles")):
+        args, _ = _prefill(6, (40, 7), (0, 0), 16, 4, 2, head_dim, torch.float32)
+        got = attend(*args)
+        want = paged_attention_prefill_exact(*args) if kernel == "exact" else fused_ops.paged_attention_auto(*args)
+        assert torch.equal(got, want), kernel
 
 
 # ---- the fast forward takes it for a prefill's rows, and only for those ----------------------------------------
@@ -225,5 +271,5 @@ def test_bad_prefill_settings_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="SPECCYCLE_PREFILL_BLOCK_M='abc': choose 16, 32 or 64"):
         attention_prefill._block_m()
     monkeypatch.setenv("SPECCYCLE_PREFILL_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="SPECCYCLE_PREFILL_ATTENTION='flash': choose one of prefill, rows"):
+    with pytest.raises(ValueError, match="SPECCYCLE_PREFILL_ATTENTION='flash': choose one of exact, prefill, rows"):
         fused_ops.triton_prefill_attention()
