@@ -36,7 +36,7 @@ from .attention_triton import paged_attention_rows_torch, paged_attention_rows_t
 if triton is not None:
     import triton.language as tl
 
-    from .attention_triton import _merge_chunks, _row_chunks
+    from .attention_triton import _row_chunks
 
 
 # Rows per program and keys per block. Launch constants only: a row's output does not depend on BLOCK_M (its key
@@ -131,10 +131,12 @@ if triton is not None:
         table_ptr, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
         stride_table, page_size, table_width, num_heads, chunk_bound, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
         LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
-        """``BLOCK_M`` rows of one query head, in the rows kernel's arithmetic (module docstring, "Exact")."""
+        """Programs ``(block of BLOCK_M rows, query head, p)``: program ``p`` runs chunks ``p, p + P, ...`` of the
+        block's rows (module docstring, "Exact"). A row of one chunk stores its output; a row of several stores
+        each chunk's ``(max, sum, accumulator)`` for `attention_triton`'s combine kernel."""
         block = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // GROUP
@@ -146,87 +148,71 @@ if triton is not None:
         total = total.to(tl.int32)
         chunk_keys, row_chunks = _row_chunks(total, CHUNK, MAX_CHUNKS)
         live = in_range & (total > 0)
-        d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=in_range[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
-        part_row = (rows.to(tl.int64) * num_heads + head) * chunk_bound  # [row, head, 0] of the scratch
-        offs = tl.arange(0, BLOCK_N)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        block_chunks = tl.max(tl.where(in_range, row_chunks, 0), axis=0)
         first = tl.min(tl.where(live, request, 2**62), axis=0)
         last = tl.max(tl.where(live, request, -1), axis=0)
-        for r in range(first, last + 1):
-            mine = live & (request == r)
-            n = tl.max(tl.where(mine, total, 0), axis=0)  # 0 when no row of the block is r's: no key block
-            for start in range(0, n, BLOCK_N):
-                # a row whose next chunk starts here leaves the last one's state and starts afresh (the rows
-                # kernel's chunk boundaries: multiples of the row's own chunk_keys)
-                turn = mine & (start > 0) & (start < total) & (start % tl.maximum(chunk_keys, 1) == 0)
-                part = part_row + start // tl.maximum(chunk_keys, 1) - 1
-                tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
-                         mask=turn[:, None] & (d[None, :] < HEAD_DIM))  # fmt: skip
-                tl.store(part_max_ptr + part, m_i, mask=turn)
-                tl.store(part_sum_ptr + part, l_i, mask=turn)
-                m_i = tl.where(turn, float("-inf"), m_i)
-                l_i = tl.where(turn, 0.0, l_i)
-                acc = tl.where(turn[:, None], 0.0, acc)
-
-                key = start + offs
-                inside = key < n
-                page_col = tl.minimum(key // page_size, table_width - 1)
-                page = tl.load(table_ptr + r * stride_table + page_col, mask=inside, other=-1)
-                slot = tl.where(page >= 0, page * page_size + key % page_size, -1)
-                valid = slot >= 0
-                safe = tl.maximum(slot, 0).to(tl.int64)
-                k = tl.load(k_ptr + safe[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                            mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
-                v = tl.load(v_ptr + safe[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                            mask=valid[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
-                if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: go through float32 (products exact)
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                elif LOW_PRECISION:
-                    s = tl.dot(q, tl.trans(k))
-                else:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                s = s * scale
-                s = tl.where(mine[:, None] & valid[None, :] & (key[None, :] < total[:, None]), s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if LOW_PRECISION:
-                    p_low = p.to(v.dtype)
-                    if UPCAST:
-                        pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                    else:
-                        pv = tl.dot(p_low, v)
-                else:
-                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-        # the last chunk: a row of one chunk stores its output, a row of several the chunk's state
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(in_range & (row_chunks == 1))[:, None] & (d[None, :] < HEAD_DIM))  # fmt: skip
-        split = in_range & (row_chunks > 1)
-        part = part_row + row_chunks - 1
+        d = tl.arange(0, BLOCK_D)
         dims = d[None, :] < HEAD_DIM
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & dims)
-        tl.store(part_max_ptr + part, m_i, mask=split)
-        tl.store(part_sum_ptr + part, l_i, mask=split)
-        if tl.max(split.to(tl.int32), axis=0) > 0:
-            tl.debug_barrier()  # every thread's states stored before any is merged
-            for i in tl.static_range(BLOCK_M):
-                row = block * BLOCK_M + i
-                if row < num_rows:
-                    row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size).to(tl.int32)
-                    _, chunks = _row_chunks(row_total, CHUNK, MAX_CHUNKS)
-                    if chunks > 1:  # the rows kernel's merge, in its launch's layout: one fixed tree
-                        _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
-                                      num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_C, ".cg",
-                                      False)  # fmt: skip
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=in_range[:, None] & dims,
+                    other=0.0)  # fmt: skip
+        offs = tl.arange(0, BLOCK_N)
+        part_row = (rows.to(tl.int64) * num_heads + head) * chunk_bound  # [row, head, 0] of the scratch
+        for chunk in range(tl.program_id(2), block_chunks, tl.num_programs(2)):
+            # each row's chunk: keys [lo, hi) (lo a multiple of CHUNK, hence of BLOCK_N), from scratch
+            lo = chunk * chunk_keys
+            hi = tl.minimum(total, lo + chunk_keys)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for r in range(first, last + 1):
+                mine = live & (request == r) & (chunk < row_chunks)
+                start_at = tl.min(tl.where(mine, lo, 2**30), axis=0)
+                end_at = tl.max(tl.where(mine, hi, 0), axis=0)  # no row of r in this chunk: no key block
+                for start in range(start_at, end_at, BLOCK_N):
+                    key = start + offs
+                    inside = key < end_at
+                    page_col = tl.minimum(key // page_size, table_width - 1)
+                    page = tl.load(table_ptr + r * stride_table + page_col, mask=inside, other=-1)
+                    slot = tl.where(page >= 0, page * page_size + key % page_size, -1)
+                    valid = slot >= 0
+                    safe = tl.maximum(slot, 0).to(tl.int64)
+                    k = tl.load(k_ptr + safe[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                                mask=valid[:, None] & dims, other=0.0)  # fmt: skip
+                    v = tl.load(v_ptr + safe[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                                mask=valid[:, None] & dims, other=0.0)  # fmt: skip
+                    if UPCAST:  # the interpreter multiplies bfloat16 bit patterns: through float32 (products exact)
+                        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                    elif LOW_PRECISION:
+                        s = tl.dot(q, tl.trans(k))
+                    else:
+                        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    s = s * scale
+                    own = mine[:, None] & valid[None, :] & (key[None, :] >= lo[:, None]) & (key[None, :] < hi[:, None])
+                    s = tl.where(own, s, float("-inf"))  # a block outside a row's chunk leaves its state as it is
+                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp(m_i - m_safe)
+                    p = tl.exp(s - m_safe[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    if LOW_PRECISION:
+                        p_low = p.to(v.dtype)
+                        if UPCAST:
+                            pv = tl.dot(p_low.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                        else:
+                            pv = tl.dot(p_low, v)
+                    else:
+                        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                    acc = acc * alpha[:, None] + pv
+                    m_i = m_new
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            single = in_range & (row_chunks == 1) & (chunk == 0)
+            tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=single[:, None] & dims)  # fmt: skip
+            split = in_range & (row_chunks > 1) & (chunk < row_chunks)
+            part = part_row + chunk
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & dims)
+            tl.store(part_max_ptr + part, m_i, mask=split)
+            tl.store(part_sum_ptr + part, l_i, mask=split)
 
 
 def paged_attention_prefill_exact(
@@ -263,19 +249,27 @@ def paged_attention_prefill_exact(
         part_max, part_sum = part_stats[0], part_stats[1]
     else:
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    warps = rows_kernel.default_num_warps(head_dim)
+    grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads, chunk_bound)
     _prefill_attention_exact_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, page_table,
         num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size, table_width, num_heads,
         chunk_bound, 1.0 / math.sqrt(head_dim),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=EXACT_BLOCK_M, BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS,
-        BLOCK_C=triton.next_power_of_2(rows_kernel.MAX_CHUNKS),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=EXACT_BLOCK_M,
+        BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
         UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=rows_kernel.default_num_warps(head_dim),
+        num_warps=warps,
     )  # fmt: skip
+    if chunk_bound > 1:  # the rows kernel's merge of a row's chunks (its second launch)
+        rows_kernel._paged_attention_combine_kernel[(num_rows, num_heads)](
+            out, part_acc, part_max, part_sum, prefix_lens, page_table, out.stride(0), out.stride(1), 0, 0,
+            page_size, table_width, num_heads, chunk_bound,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS,
+            BLOCK_C=triton.next_power_of_2(rows_kernel.MAX_CHUNKS), BLOCK_M=16, DISCARD=False, num_warps=warps,
+        )  # fmt: skip
     return out
 
 
