@@ -36,7 +36,7 @@ from .attention_triton import paged_attention_rows_torch, paged_attention_rows_t
 if triton is not None:
     import triton.language as tl
 
-    from .attention_triton import _row_chunks
+    from .attention_triton import _merge_chunks, _row_chunks
 
 
 # Rows per program and keys per block. Launch constants only: a row's output does not depend on BLOCK_M (its key
@@ -56,6 +56,7 @@ BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
+EXACT_MERGE = os.environ.get("SPECCYCLE_EXACT_MERGE", "fused")  # A/B: "combine" merges in a second launch
 EXACT_BLOCK_M = 16  # rows a program of the exact kernel (the rows kernel's tensor-core tile: 16 heads' lanes)
 
 
@@ -127,12 +128,12 @@ if triton is not None:
 
     @triton.jit
     def _prefill_attention_exact_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row_request_ptr, prefix_lens_ptr,
-        table_ptr, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-        stride_table, page_size, table_width, num_heads, chunk_bound, scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, row_request_ptr,
+        prefix_lens_ptr, table_ptr, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_ot, stride_oh, stride_table, page_size, table_width, num_heads, chunk_bound, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(block of BLOCK_M rows, query head, p)``: program ``p`` runs chunks ``p, p + P, ...`` of the
         block's rows (module docstring, "Exact"). A row of one chunk stores its output; a row of several stores
@@ -213,6 +214,22 @@ if triton is not None:
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & dims)
             tl.store(part_max_ptr + part, m_i, mask=split)
             tl.store(part_sum_ptr + part, l_i, mask=split)
+        if FUSED_MERGE:  # the last of the block's programs (for this head) merges its rows, as the rows kernel does
+            if (block_chunks > 1) & (tl.program_id(2) < block_chunks):
+                tl.debug_barrier()  # every thread's states stored before the arrival is counted
+                counter = counter_ptr + block * num_heads + head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.minimum(tl.num_programs(2), block_chunks) - 1:
+                    tl.store(counter, 0)
+                    for i in tl.static_range(BLOCK_M):
+                        row = block * BLOCK_M + i
+                        if row < num_rows:
+                            row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
+                            _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
+                            if chunks > 1:
+                                _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
+                                              num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
+                                              BLOCK_C, ".cg", False)  # fmt: skip
 
 
 def paged_attention_prefill_exact(
@@ -252,23 +269,28 @@ def paged_attention_prefill_exact(
     block_d = triton.next_power_of_2(head_dim)
     warps = rows_kernel.default_num_warps(head_dim)
     grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads, chunk_bound)
+    block_c = triton.next_power_of_2(rows_kernel.MAX_CHUNKS)
+    counters = None
+    if chunk_bound > 1 and EXACT_MERGE == "fused":
+        counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
+    fused = counters is not None
     _prefill_attention_exact_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request, prefix_lens, page_table,
-        num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size, table_width, num_heads,
-        chunk_bound, 1.0 / math.sqrt(head_dim),
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters if fused else part_max, row_request,
+        prefix_lens, page_table, num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size,
+        table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=EXACT_BLOCK_M,
-        BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS,
+        BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS, BLOCK_C=block_c,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
-        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1", FUSED_MERGE=fused,
         num_warps=warps,
     )  # fmt: skip
-    if chunk_bound > 1:  # the rows kernel's merge of a row's chunks (its second launch)
+    if chunk_bound > 1 and not fused:  # the rows kernel's combine kernel merges a row's chunks (a second launch)
         rows_kernel._paged_attention_combine_kernel[(num_rows, num_heads)](
             out, part_acc, part_max, part_sum, prefix_lens, page_table, out.stride(0), out.stride(1), 0, 0,
             page_size, table_width, num_heads, chunk_bound,
             HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS,
-            BLOCK_C=triton.next_power_of_2(rows_kernel.MAX_CHUNKS), BLOCK_M=16, DISCARD=False, num_warps=warps,
+            BLOCK_C=block_c, BLOCK_M=16, DISCARD=False, num_warps=warps,
         )  # fmt: skip
     return out
 
