@@ -56,7 +56,6 @@ BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
-EXACT_MERGE = os.environ.get("SPECCYCLE_EXACT_MERGE", "fused")  # A/B: "combine" merges in a second launch
 EXACT_BLOCK_M = 16  # rows a program of the exact kernel (the rows kernel's tensor-core tile: 16 heads' lanes)
 
 
@@ -270,28 +269,23 @@ def paged_attention_prefill_exact(
     warps = rows_kernel.default_num_warps(head_dim)
     grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads, chunk_bound)
     block_c = triton.next_power_of_2(rows_kernel.MAX_CHUNKS)
-    counters = None
-    if chunk_bound > 1 and EXACT_MERGE == "fused":
+    counters = part_max  # not read: no row of several chunks
+    if chunk_bound > 1:
         counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
-    fused = counters is not None
+        if counters is None:  # none may be allocated inside this capture: the rows kernel itself, same bits
+            return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
+                                               page_table, page_size, kv_bound)  # fmt: skip
     _prefill_attention_exact_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters if fused else part_max, row_request,
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters, row_request,
         prefix_lens, page_table, num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size,
         table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=EXACT_BLOCK_M,
         BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS, BLOCK_C=block_c,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
-        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1", FUSED_MERGE=fused,
+        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1", FUSED_MERGE=chunk_bound > 1,
         num_warps=warps,
     )  # fmt: skip
-    if chunk_bound > 1 and not fused:  # the rows kernel's combine kernel merges a row's chunks (a second launch)
-        rows_kernel._paged_attention_combine_kernel[(num_rows, num_heads)](
-            out, part_acc, part_max, part_sum, prefix_lens, page_table, out.stride(0), out.stride(1), 0, 0,
-            page_size, table_width, num_heads, chunk_bound,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS,
-            BLOCK_C=block_c, BLOCK_M=16, DISCARD=False, num_warps=warps,
-        )  # fmt: skip
     return out
 
 
