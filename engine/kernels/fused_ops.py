@@ -763,7 +763,8 @@ class BatchInvariantOps(TritonOps):
     decode and verify rows agree bitwise at any batch size, prefills included (parity runs)."""
 
     name = "triton-invariant"
-    prefill_attention = staticmethod(triton_attention())  # a prefill row's bits are the decode row's at its position
+    # a prefill row's bits are the decode row's at its position (`paged_attention_prefill_auto`, whatever the setting)
+    prefill_attention = staticmethod(functools.partial(paged_attention_prefill_auto, decode=triton_attention()))
     linear = staticmethod(functools.partial(linear_rows, max_rows=None))
     norm_linear = staticmethod(functools.partial(norm_linear_rows, max_rows=None))
     norm_gate_up_silu = staticmethod(functools.partial(norm_gate_up_silu_rows, max_rows=None))

@@ -171,7 +171,7 @@ def test_exact_kernel_rows_are_the_decode_kernels_bits(lens, cached, heads, kv_h
 
 def test_the_default_prefill_attention_keeps_the_decode_kernels_bits(monkeypatch):
     """``SPECCYCLE_PREFILL_ATTENTION`` unset: the exact kernel where the decode takes the rows kernel (heads below
-    ``TILES_MIN_HEAD_DIM``), the decode's own kernel (tiles) above."""
+    ``TILES_MIN_HEAD_DIM``), the decode's own kernel (tiles) above; `BatchInvariantOps` takes the same."""
     monkeypatch.delenv("SPECCYCLE_PREFILL_ATTENTION", raising=False)
     monkeypatch.delenv("SPECCYCLE_ATTENTION", raising=False)
     attend = fused_ops.triton_prefill_attention()
@@ -181,6 +181,7 @@ def test_the_default_prefill_attention_keeps_the_decode_kernels_bits(monkeypatch
         got = attend(*args)
         want = paged_attention_prefill_exact(*args) if kernel == "exact" else fused_ops.paged_attention_auto(*args)
         assert torch.equal(got, want), kernel
+        assert torch.equal(fused_ops.BatchInvariantOps.prefill_attention(*args), want), f"batch-invariant, {kernel}"
 
 
 # ---- the fast forward takes it for a prefill's rows, and only for those ----------------------------------------
