@@ -3,24 +3,34 @@
 `attention_triton`'s rows kernel gives each (row, KV head) its own programs, which is what a decode or a verify
 needs (a row's bits never depend on the rows beside it), but a prompt of ``n`` rows then loads its keys ``n``
 times: on an H200 a prefill of the 13 shipped prompts (2,367 rows, SmolLM2-135M bf16) spent 8.5 of its 13.0 ms
-of GPU time in that kernel. Here one program holds ``BLOCK_M`` consecutive rows of one query head; for each
-request among them it walks the request's keys ``[0, n)`` (``n`` the longest prefix of its rows in the block) in
-``BLOCK_N``-key blocks through the page table, and every block is two ``tl.dot`` products for all the rows at
-once (flash attention's online softmax, float32 statistics and accumulator). A row attends the positions
-``[0, prefix_len)`` of its request, exactly as the rows kernel's contract says; rows with ``prefix_len == 0``
-(padding rows of a captured batch) return zeros.
-
-**Which forwards take it.** Only those a `ForwardBatch` marks ``prefill`` (the prefill transition's target
-forward): their rows are whole prompts, each request's rows consecutive, and no extra slots. The results are
-the same math as the rows kernel with other roundings (tensor-core products, another summation order), so a
-decode or a verify never takes this kernel: they keep the rows kernel's one key order, which keeps a verify
-row bitwise equal to the decode row at its position. Every mode and draft of a run prefills through the same
-kernel, so speculative output still equals autoregressive output token for token.
-
+of GPU time in that kernel. Both kernels here hold ``BLOCK_M`` consecutive rows of one query head a program and
+load each key block once for all of them. A row attends the positions ``[0, prefix_len)`` of its request, exactly
+as the rows kernel's contract says; rows with ``prefix_len == 0`` (padding rows of a captured batch) return zeros.
 Rows of one request need not fill a block alone: a block that holds the end of one prompt and the start of the
 next walks each request's keys in turn, masking the other rows. Any row order is correct; consecutive rows of
-one request are what makes it fast. Its torch twin is `attention_triton.paged_attention_rows_torch`; tested
-equal to it on the Triton interpreter (tests/kernels/test_attention_prefill.py) and on the GPU.
+one request are what makes them fast. Their torch twin is `attention_triton.paged_attention_rows_torch`.
+
+**Which forwards take them.** Only those a `ForwardBatch` marks ``prefill`` (the prefill transition's target
+forward and the draft extend over its prompts; the autoregressive baselines' prefills): their rows are whole
+prompts, each request's rows consecutive, and no extra slots (a call with extra slots goes to ``fallback``).
+
+**Exact** (`paged_attention_prefill_exact`, the fast path's default). Each row's output is the rows kernel's bits
+for that row: a program holds 16 rows (the rows kernel's tensor-core tile height) of one query head and one of
+their chunks (program ``(block, head, p)`` takes the block's chunks ``p, p + P, ...``), each row's chunks cut by
+its own key count as `attention_triton._row_chunks` cuts them; per 32-key block it runs the rows kernel's
+``[16, D] x [D, 32]`` products in the rows kernel's warp count, its masked online softmax from scratch each chunk,
+its probabilities rounded to the value dtype for ``P V``. A row's blocks outside its chunk, and the other rows'
+blocks, leave its state bitwise as it is (``alpha = 1``, zero terms). A row of one chunk stores its output; a row
+of several stores each chunk's ``(max, sum, accumulator)``, and the last of the block's programs to finish (an
+arrival counter per (block, head), `attention_triton._arrival_counters`) merges each row with the rows kernel's
+own merge, `_merge_chunks`, in-kernel as the rows kernel's fused combine does: the rows kernel's separate
+combine kernel gives other bfloat16 bits. So a prefill writes the KV a decode would, and a retraction's
+recompute or a prefix-cache hit changes no output. Tested bitwise against the rows kernel on the GPU.
+
+**Flash** (`paged_attention_prefill_triton`, ``SPECCYCLE_PREFILL_ATTENTION=prefill``). For each request among its
+rows a program walks the request's keys ``[0, n)`` (``n`` the longest prefix of its rows in the block) in
+``BLOCK_N``-key blocks with four warps: flash attention's online softmax, other roundings than the rows kernel's
+(other tile shapes and summation order), so a row is not the decode row's bits. Faster at the first token.
 """
 
 from __future__ import annotations
@@ -39,9 +49,9 @@ if triton is not None:
     from .attention_triton import _merge_chunks, _row_chunks
 
 
-# Rows per program and keys per block. Launch constants only: a row's output does not depend on BLOCK_M (its key
-# blocks are the same whichever rows share its program, and the other rows' keys leave its sums exactly as they
-# are), and BLOCK_N sets where its keys are cut into blocks. A program walks its keys serially,
+# The flash kernel's rows per program and keys per block. Launch constants only: a row's output does not depend on
+# BLOCK_M (its key blocks are the same whichever rows share its program, and the other rows' keys leave its sums
+# exactly as they are), and BLOCK_N sets where its keys are cut into blocks. A program walks its keys serially,
 # so a long prompt's blocks are latency-bound: more, smaller row blocks keep more multiprocessors busy.
 # ``SPECCYCLE_PREFILL_BLOCK_M`` (16, 32 or 64) sets the rows a program holds, for benchmarks; read at import.
 def _block_m() -> int:
