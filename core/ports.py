@@ -68,7 +68,8 @@ class ForwardBatch:
     logits_rows: torch.Tensor | None = None  # [R] int64 rows whose logits are needed; None: all rows
     # The rows are a prefill's: whole prompts (from each request's cached length on), each request's rows
     # consecutive, ``prefix_len = position + 1``, no extra slots. A port may attend them with a prefill kernel
-    # (the same math, other roundings: `engine.kernels.attention_prefill`); decodes and verifies never set it.
+    # (`engine.kernels.attention_prefill`: by default each row keeps the decode's bits, the flash kernel on request
+    # rounds otherwise); decodes and verifies never set it.
     prefill: bool = False
 
     @property

@@ -24,8 +24,14 @@ blocks, leave its state bitwise as it is (``alpha = 1``, zero terms). A row of o
 of several stores each chunk's ``(max, sum, accumulator)``, and the last of the block's programs to finish (an
 arrival counter per (block, head), `attention_triton._arrival_counters`) merges each row with the rows kernel's
 own merge, `_merge_chunks`, in-kernel as the rows kernel's fused combine does: the rows kernel's separate
-combine kernel gives other bfloat16 bits. So a prefill writes the KV a decode would, and a retraction's
-recompute or a prefix-cache hit changes no output. Tested bitwise against the rows kernel on the GPU.
+combine kernel gives other bfloat16 bits. So a prefill row's attention is the decode row's, and a retraction's
+recompute or a prefix-cache hit reads and writes the attention bits a decode would (the prefill's GEMMs still run at
+its own row counts: `fast_engine.md`). Tested bitwise against the rows kernel on the GPU (heads of 64, groups of
+1 and 3). A group of more than 16 query heads a KV head (the rows kernel's tile grows past 16) takes the rows kernel.
+
+A non-finite K or V entry of one request reaches the other rows of its 16-row blocks (``0 * inf`` in the shared
+``P V`` product), where the rows kernel keeps it to the rows that attend it: a request whose prompt overflows can
+make the request sharing its boundary block fail with non-finite logits too. The flash kernel shares this.
 
 **Flash** (`paged_attention_prefill_triton`, ``SPECCYCLE_PREFILL_ATTENTION=prefill``). For each request among its
 rows a program walks the request's keys ``[0, n)`` (``n`` the longest prefix of its rows in the block) in
@@ -146,7 +152,7 @@ if triton is not None:
     ):  # fmt: skip
         """Programs ``(block of BLOCK_M rows, query head, p)``: program ``p`` runs chunks ``p, p + P, ...`` of the
         block's rows (module docstring, "Exact"). A row of one chunk stores its output; a row of several stores
-        each chunk's ``(max, sum, accumulator)`` for `attention_triton`'s combine kernel."""
+        each chunk's ``(max, sum, accumulator)``, and the block's last program to finish merges them."""
         block = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // GROUP
@@ -263,6 +269,8 @@ def paged_attention_prefill_exact(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table)):
         if t.stride(-1) != 1:
             raise ValueError(f"paged_attention_prefill_exact: {name} needs a contiguous last dimension")
+    if num_heads // num_kv_heads > EXACT_BLOCK_M:  # the rows kernel's tile is taller than 16 rows: its own bits
+        return fallback(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
@@ -282,7 +290,7 @@ def paged_attention_prefill_exact(
     counters = part_max  # not read: no row of several chunks
     if chunk_bound > 1:
         counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
-        if counters is None:  # none may be allocated inside this capture: the rows kernel itself, same bits
+        if counters is None:  # none may be allocated inside this capture: the rows kernel, as the decode would run
             return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
                                                page_table, page_size, kv_bound)  # fmt: skip
     _prefill_attention_exact_kernel[grid](
@@ -300,8 +308,8 @@ def paged_attention_prefill_exact(
 
 
 def fits_prefill_kernel(q: torch.Tensor, extra_slots: torch.Tensor) -> bool:
-    """Whether `paged_attention_prefill_triton` runs its own kernel: no extra slots, a power-of-two head size of
-    at least `MIN_HEAD_DIM`, a float dtype (else it hands the call to the rows kernel)."""
+    """Whether the prefill kernels (flash and exact) run their own kernel: no extra slots, a power-of-two head size
+    of at least `MIN_HEAD_DIM`, a float dtype (else they hand the call to their fallback, the decode's kernel)."""
     head_dim = q.shape[-1]
     return (
         triton is not None

@@ -705,8 +705,8 @@ def paged_attention_prefill_auto(q, k_cache, v_cache, row_request, prefix_lens, 
 def triton_prefill_attention():
     """The fast path's attention for a prefill's rows (`core.ports.ForwardBatch.prefill`), read once, at import:
     ``SPECCYCLE_PREFILL_ATTENTION=exact`` (the default, `paged_attention_prefill_auto`: blocks of a prompt's rows
-    share their key loads and each row keeps the decode kernel's bits, so KV that a decode wrote and KV that a
-    prefill wrote are the same, and a prefix-cache hit or a recompute changes no output), ``prefill``
+    share their key loads and each row keeps the decode kernel's attention bits, so a prefix-cache hit or a
+    recompute reads what a decode wrote as a prefill would have written it), ``prefill``
     (`attention_prefill.paged_attention_prefill_triton`: flash attention's tiles, other roundings than the decode's;
     shapes it does not take go to the decode's kernel) or ``rows`` (the decode's kernel, `triton_attention`)."""
     choice = os.environ.get("SPECCYCLE_PREFILL_ATTENTION", "exact")

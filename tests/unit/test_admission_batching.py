@@ -151,3 +151,34 @@ def test_an_admission_cut_short_leaves_the_rest_due():
     assert list(scheduler.finished[a].output) == target.greedy([5, 6, 7, 8], 4)
     assert list(scheduler.finished[b].output) == target.greedy([9, 10, 11, 12], 4)
     assert pool.num_free_pages == pool.num_pages
+
+
+class _RecordingDraft(NoisyDraft):
+    """`NoisyDraft` that records, per extend, whether its batch is marked a prefill and its rows' least position."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extends: list[tuple[bool, int]] = []
+
+    def extend(self, batch, target_hidden):
+        self.extends.append((batch.prefill, int(batch.positions.min())))
+        return super().extend(batch, target_hidden)
+
+
+def test_a_prefills_draft_extend_is_marked_a_prefill():
+    """The draft extend over admitted prompts runs as a prefill (`ExtendRows.prefill`: the fast path attends it with
+    the prefill kernel), with a request finished at its first token retired before it and a request that does not
+    speculate left out of it; a cycle's extend never is."""
+    config = SpecConfig(num_steps=3, topk=1, page_size=2)
+    pool = FingerprintPool(num_pages=2048, page_size=2)
+    target = HashedNgramTarget(pool, vocab_size=24)
+    draft = _RecordingDraft(target, agreement=0.6)
+    scheduler = Scheduler(Ports(target=target, draft=draft, kv_pool=pool), config, checked=True)
+    scheduler.submit([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=1))  # finishes at the prefill: retired first
+    scheduler.submit([6, 7, 8], SamplingParams(max_new_tokens=6, speculate=False))
+    scheduler.submit([9, 10, 11, 12], SamplingParams(max_new_tokens=6))
+    done = scheduler.run()
+    assert len(done) == 3 and all(r.finish_reason == "length" for r in done)
+    prefills = [marked for marked, first in draft.extends if first == 0]  # prompt rows start at position 0
+    cycles = [marked for marked, first in draft.extends if first > 0]
+    assert prefills == [True] and cycles and not any(cycles)
