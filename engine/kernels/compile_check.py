@@ -22,6 +22,7 @@ import sys
 import triton
 
 from ...backends.cuda.compile_specs import TARGETS, compile_kernel, cycle_specs, kernel_specs, require_compiled
+from . import attention_prefill as prefill
 from . import attention_tiles as tiles
 from . import attention_triton as attention
 from . import decode_step, int8_linear, linear_triton
@@ -91,6 +92,30 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
         combine_aligned = ("out_ptr", "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "prefix_ptr", "extra_ptr",
                            "stride_ot", "stride_oh", "page_size", "table_width", "chunk_bound")  # fmt: skip
         out.append((attention._paged_attention_combine_kernel, combine_signature, combine_sets, combine_aligned))
+        # the prefill kernels (engine/kernels/attention_prefill.py) at SmolLM2's and Llama-3-8B's heads
+        pre_strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+                       "stride_oh", "stride_table")  # fmt: skip
+        pre_rows = dict(row_request_ptr=i64, prefix_lens_ptr=i64, table_ptr=i64, num_rows=i32)
+        exact_signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, part_acc_ptr=f32, part_max_ptr=f32,
+                               part_sum_ptr=f32, counter_ptr="*i32", **pre_rows, **{n: i32 for n in pre_strides},
+                               page_size=i32, table_width=i32, num_heads=i32, chunk_bound=i32,
+                               scale="fp32")  # fmt: skip
+        flash_signature = dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, **pre_rows, **{n: i32 for n in pre_strides},
+                               page_size=i32, scale_log2="fp32")  # fmt: skip
+        pre_aligned = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "row_request_ptr", "prefix_lens_ptr", "table_ptr",
+                       *pre_strides[:8], "page_size")  # fmt: skip
+        for group, dim in ((3, 64), (4, 128)):
+            exact = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_M=prefill.EXACT_BLOCK_M,
+                         BLOCK_N=attention.BLOCK_N, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS,
+                         BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), LOW_PRECISION=low,
+                         UPCAST=False)  # fmt: skip
+            out.append((prefill._prefill_attention_exact_kernel, exact_signature,
+                        [{**exact, "FUSED_MERGE": True}, {**exact, "FUSED_MERGE": False, "chunk_bound": 1}],
+                        (*pre_aligned, "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr", "table_width",
+                         "chunk_bound")))  # fmt: skip
+            flash = dict(GROUP=group, HEAD_DIM=dim, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N,
+                         IEEE=not low, UPCAST=False)  # fmt: skip
+            out.append((prefill._prefill_attention_kernel, flash_signature, [flash], pre_aligned))
         rope_strides = ("stride_qkv", "stride_table", "stride_qt", "stride_qh", "stride_ks", "stride_kh",
                         "stride_vs", "stride_vh")  # fmt: skip
         out.append(
