@@ -247,6 +247,18 @@ if triton is not None:
                                               BLOCK_C, ".cg", False)  # fmt: skip
 
 
+def _check_layout(kernel: str, q, k_cache, v_cache, page_table) -> int:
+    """The KV head count, once the query heads split evenly over it and every tensor the kernels index has a
+    contiguous last dimension (else a one-line ValueError naming ``kernel``)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{kernel}: {num_heads} query heads over {num_kv_heads} KV heads")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{kernel}: {name} needs a contiguous last dimension")
+    return num_kv_heads
+
+
 def paged_attention_prefill_exact(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -263,12 +275,7 @@ def paged_attention_prefill_exact(
     if not fits_prefill_kernel(q, extra_slots):
         return fallback(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention_prefill_exact: {num_heads} query heads over {num_kv_heads} KV heads")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"paged_attention_prefill_exact: {name} needs a contiguous last dimension")
+    num_kv_heads = _check_layout("paged_attention_prefill_exact", q, k_cache, v_cache, page_table)
     if num_heads // num_kv_heads > EXACT_BLOCK_M:  # the rows kernel's tile is taller than 16 rows: its own bits
         return fallback(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
     out = torch.empty_like(q)
@@ -277,22 +284,20 @@ def paged_attention_prefill_exact(
     row_request, prefix_lens = row_request.contiguous(), prefix_lens.contiguous()
     table_width = page_table.shape[1]
     chunk_bound = min(rows_kernel.MAX_CHUNKS, max(1, -(-(table_width * page_size) // rows_kernel.CHUNK)))
-    if chunk_bound > 1:
-        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
-        part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
-        part_max, part_sum = part_stats[0], part_stats[1]
-    else:
-        part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
-    warps = rows_kernel.default_num_warps(head_dim)
     grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads, chunk_bound)
-    block_c = triton.next_power_of_2(rows_kernel.MAX_CHUNKS)
-    counters = part_max  # not read: no row of several chunks
     if chunk_bound > 1:
         counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
         if counters is None:  # none may be allocated inside this capture: the rows kernel, as the decode would run
             return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
                                                page_table, page_size, kv_bound)  # fmt: skip
+        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
+        part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
+        part_max, part_sum = part_stats[0], part_stats[1]
+    else:  # every row has one chunk and stores its output: nothing merged, no counter read
+        part_acc = part_max = part_sum = counters = torch.empty(1, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    warps = rows_kernel.default_num_warps(head_dim)
+    block_c = triton.next_power_of_2(rows_kernel.MAX_CHUNKS)
     _prefill_attention_exact_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters, row_request,
         prefix_lens, page_table, num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -342,12 +347,7 @@ def paged_attention_prefill_triton(
     if not fits_prefill_kernel(q, extra_slots):
         return fallback(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention_prefill_triton: {num_heads} query heads over {num_kv_heads} KV heads")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"paged_attention_prefill_triton: {name} needs a contiguous last dimension")
+    num_kv_heads = _check_layout("paged_attention_prefill_triton", q, k_cache, v_cache, page_table)
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
