@@ -107,6 +107,24 @@ def test_rows_with_extra_slots_take_the_rows_kernel(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_a_non_finite_value_stays_in_its_own_request(kernel):
+    """A request whose cached values hold an inf (an overflowed prompt) shares 16-row blocks with its neighbours;
+    their rows stay finite and are the bits they have with that value finite, as with the rows kernel (which
+    never loads another row's keys): a row updates its state only from a key block where it owns a key."""
+    args, _ = _prefill(6, (21, 9, 40), (0, 0, 0), 8, 4, 2, 16, torch.float32)
+    q, k, v, row_request, prefix_lens, extra, table, page_size = args
+    clean = KERNELS[kernel](*args)
+    poisoned = v.clone()
+    poisoned[int(table[0, 1]) * page_size + 3] = float("inf")  # request 0's key at position 11
+    got = KERNELS[kernel](q, k, poisoned, row_request, prefix_lens, extra, table, page_size)
+    others = row_request != 0
+    assert torch.isfinite(got[others]).all(), "another request's rows caught the inf"
+    assert torch.equal(got[others], clean[others])
+    # request 0's own last row attends the inf and fails (its earlier rows, which share key blocks with it, may too)
+    assert not torch.isfinite(got[20]).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_kernel_bfloat16(kernel, head_dim):
     """bfloat16 products (the interpreter takes them through float32, as the rows kernel does), float32 sums."""
