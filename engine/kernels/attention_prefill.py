@@ -118,7 +118,7 @@ if triton is not None:
                 else:
                     s = tl.dot(q, tl.trans(k))
                 seen = mine[:, None] & (keys[None, :] < prefix[:, None])
-                has = tl.max(seen.to(tl.int32), axis=1) > 0  # the row sees a key of this block
+                has = mine & (prefix > start)  # the row sees a key of this block
                 s = tl.where(seen, s * scale_log2, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: nothing to scale
@@ -205,7 +205,7 @@ if triton is not None:
                         s = tl.dot(q, tl.trans(k), input_precision="ieee")
                     s = s * scale
                     own = mine[:, None] & valid[None, :] & (key[None, :] >= lo[:, None]) & (key[None, :] < hi[:, None])
-                    has = tl.max(own.to(tl.int32), axis=1) > 0  # the row owns a key of this block
+                    has = mine & (lo < start + BLOCK_N) & (hi > start)  # the row owns a key of this block
                     s = tl.where(own, s, float("-inf"))  # a block outside a row's chunk leaves its state as it is
                     m_new = tl.maximum(m_i, tl.max(s, axis=1))
                     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -233,21 +233,22 @@ if triton is not None:
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & dims)
             tl.store(part_max_ptr + part, m_i, mask=split)
             tl.store(part_sum_ptr + part, l_i, mask=split)
-        if FUSED_MERGE:  # each row's last program to finish merges the row, as the rows kernel's fused merge does
-            arriving = in_range & (row_chunks > 1) & (tl.program_id(2) < row_chunks)
-            if tl.max(arriving.to(tl.int32), axis=0) > 0:
-                tl.debug_barrier()  # every thread's states stored before the arrivals are counted
-                counters = counter_ptr + rows.to(tl.int64) * num_heads + head
-                arrived = tl.atomic_add(counters, 1, mask=arriving, sem="acq_rel", scope="gpu")
-                last = arriving & (arrived == tl.minimum(tl.num_programs(2), row_chunks) - 1)
-                tl.store(counters, 0, mask=last)
-                lane = tl.arange(0, BLOCK_M)
-                for i in tl.static_range(BLOCK_M):
-                    chunks = tl.sum(tl.where((lane == i) & last, row_chunks, 0), axis=0)  # 0 unless this one merges
-                    if chunks > 1:
-                        _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, block * BLOCK_M + i, head,
-                                      chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
-                                      BLOCK_C, ".cg", False)  # fmt: skip
+        if FUSED_MERGE:  # the last of the block's programs (for this head) merges its rows, as the rows kernel does
+            if (block_chunks > 1) & (tl.program_id(2) < block_chunks):
+                tl.debug_barrier()  # every thread's states stored before the arrival is counted
+                counter = counter_ptr + block * num_heads + head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.minimum(tl.num_programs(2), block_chunks) - 1:
+                    tl.store(counter, 0)
+                    for i in tl.static_range(BLOCK_M):
+                        row = block * BLOCK_M + i
+                        if row < num_rows:
+                            row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
+                            _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
+                            if chunks > 1:
+                                _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
+                                              num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
+                                              BLOCK_C, ".cg", False)  # fmt: skip
 
 
 def _check_layout(kernel: str, q, k_cache, v_cache, page_table) -> int:
@@ -289,7 +290,7 @@ def paged_attention_prefill_exact(
     chunk_bound = min(rows_kernel.MAX_CHUNKS, max(1, -(-(table_width * page_size) // rows_kernel.CHUNK)))
     grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads, chunk_bound)
     if chunk_bound > 1:
-        counters = rows_kernel._arrival_counters(q.device, num_rows * num_heads)
+        counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
         if counters is None:  # none may be allocated inside this capture: the rows kernel, as the decode would run
             return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
                                                page_table, page_size, kv_bound)  # fmt: skip
