@@ -170,7 +170,9 @@ if triton is not None:
         last = tl.max(tl.where(live, request, -1), axis=0)
         d = tl.arange(0, BLOCK_D)
         dims = d[None, :] < HEAD_DIM
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=in_range[:, None] & dims,
+        # a program past the block's chunks loads nothing (a limit, not `mask & scalar`: the interpreter's int32)
+        working = rows < tl.where(tl.program_id(2) < block_chunks, num_rows, 0)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=working[:, None] & dims,
                     other=0.0)  # fmt: skip
         offs = tl.arange(0, BLOCK_N)
         part_row = (rows.to(tl.int64) * num_heads + head) * chunk_bound  # [row, head, 0] of the scratch
@@ -274,8 +276,14 @@ def paged_attention_prefill_exact(
     page_size: int,
     kv_bound: int | None = None,
     fallback=paged_attention_rows_triton,
+    *,
+    programs_per_block: int | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_prefill_triton`'s contract, each row bitwise the rows kernel's (module docstring, "Exact")."""
+    """`paged_attention_prefill_triton`'s contract, each row bitwise the rows kernel's (module docstring, "Exact").
+
+    ``programs_per_block``: programs per (block of rows, query head), each taking every ``programs_per_block``-th
+    chunk of the block's rows (default: `attention_triton.default_programs_per_row` over the blocks, as the rows
+    kernel picks its own); a launch choice that changes no bit (each chunk starts afresh and keeps its state)."""
     if not fits_prefill_kernel(q, extra_slots):
         return fallback(q, k_cache, v_cache, row_request, prefix_lens, extra_slots, page_table, page_size, kv_bound)
     num_rows, num_heads, head_dim = q.shape
@@ -288,7 +296,16 @@ def paged_attention_prefill_exact(
     row_request, prefix_lens = row_request.contiguous(), prefix_lens.contiguous()
     table_width = page_table.shape[1]
     chunk_bound = min(rows_kernel.MAX_CHUNKS, max(1, -(-(table_width * page_size) // rows_kernel.CHUNK)))
-    grid = (triton.cdiv(num_rows, EXACT_BLOCK_M), num_heads, chunk_bound)
+    if programs_per_block is not None and programs_per_block < 1:
+        raise ValueError(f"paged_attention_prefill_exact: programs_per_block={programs_per_block} must be at least 1")
+    blocks = triton.cdiv(num_rows, EXACT_BLOCK_M)
+    # The page table of a captured forward spans the pool, so ``chunk_bound`` is MAX_CHUNKS there while a prompt's
+    # blocks hold a few chunks: a program per chunk of the bound would mostly find nothing to do.
+    if programs_per_block is None:
+        programs = rows_kernel.default_programs_per_row(q.device, blocks, num_heads, chunk_bound)
+    else:
+        programs = min(programs_per_block, chunk_bound)
+    grid = (blocks, num_heads, programs)
     if chunk_bound > 1:
         counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
         if counters is None:  # none may be allocated inside this capture: the rows kernel, as the decode would run
