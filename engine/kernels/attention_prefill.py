@@ -142,14 +142,14 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["merge_pass"])
+    @triton.jit
     def _prefill_attention_exact_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row_request_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, row_request_ptr,
         prefix_lens_ptr, table_ptr, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_ot, stride_oh, stride_table, page_size, table_width, num_heads, chunk_bound, scale, merge_pass,
+        stride_ot, stride_oh, stride_table, page_size, table_width, num_heads, chunk_bound, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MERGE: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(block of BLOCK_M rows, query head, p)``: program ``p`` runs chunks ``p, p + P, ...`` of the
         block's rows (module docstring, "Exact"). A row of one chunk stores its output; a row of several stores
@@ -171,13 +171,12 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         dims = d[None, :] < HEAD_DIM
         # a program past the block's chunks loads nothing (a limit, not `mask & scalar`: the interpreter's int32)
-        chunk_end = tl.where(merge_pass == 0, block_chunks, 0)  # the merge pass runs no chunk
-        working = rows < tl.where(tl.program_id(2) < chunk_end, num_rows, 0)
+        working = rows < tl.where(tl.program_id(2) < block_chunks, num_rows, 0)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=working[:, None] & dims,
                     other=0.0)  # fmt: skip
         offs = tl.arange(0, BLOCK_N)
         part_row = (rows.to(tl.int64) * num_heads + head) * chunk_bound  # [row, head, 0] of the scratch
-        for chunk in range(tl.program_id(2), chunk_end, tl.num_programs(2)):
+        for chunk in range(tl.program_id(2), block_chunks, tl.num_programs(2)):
             # each row's chunk: keys [lo, hi) (lo a multiple of CHUNK, hence of BLOCK_N), from scratch
             lo = chunk * chunk_keys
             hi = tl.minimum(total, lo + chunk_keys)
@@ -236,17 +235,22 @@ if triton is not None:
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & dims)
             tl.store(part_max_ptr + part, m_i, mask=split)
             tl.store(part_sum_ptr + part, l_i, mask=split)
-        if MERGE:  # the second launch: program p merges the block's rows p, p + P, ... with the rows kernel's merge
-            if merge_pass == 1:
-                for i in tl.static_range(BLOCK_M):
-                    row = block * BLOCK_M + i
-                    if (row < num_rows) & (i % tl.num_programs(2) == tl.program_id(2)):
-                        row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
-                        _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
-                        if chunks > 1:
-                            _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
-                                          num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_C,
-                                          ".cg", False)  # fmt: skip
+        if FUSED_MERGE:  # the last of the block's programs (for this head) merges its rows, as the rows kernel does
+            if (block_chunks > 1) & (tl.program_id(2) < block_chunks):
+                tl.debug_barrier()  # every thread's states stored before the arrival is counted
+                counter = counter_ptr + block * num_heads + head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.minimum(tl.num_programs(2), block_chunks) - 1:
+                    tl.store(counter, 0)
+                    for i in tl.static_range(BLOCK_M):
+                        row = block * BLOCK_M + i
+                        if row < num_rows:
+                            row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
+                            _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
+                            if chunks > 1:
+                                _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
+                                              num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
+                                              BLOCK_C, ".cg", False)  # fmt: skip
 
 
 def _check_layout(kernel: str, q, k_cache, v_cache, page_table) -> int:
@@ -301,34 +305,31 @@ def paged_attention_prefill_exact(
         programs = rows_kernel.default_programs_per_row(q.device, blocks, num_heads, chunk_bound)
     else:
         programs = min(programs_per_block, chunk_bound)
+    grid = (blocks, num_heads, programs)
     if chunk_bound > 1:
+        counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
+        if counters is None:  # none may be allocated inside this capture: the rows kernel, as the decode would run
+            return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
+                                               page_table, page_size, kv_bound)  # fmt: skip
         part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
         part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
         part_max, part_sum = part_stats[0], part_stats[1]
-    else:  # every row has one chunk and stores its output: nothing merged
-        part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
+    else:  # every row has one chunk and stores its output: nothing merged, no counter read
+        part_acc = part_max = part_sum = counters = torch.empty(1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     warps = rows_kernel.default_num_warps(head_dim)
     block_c = triton.next_power_of_2(rows_kernel.MAX_CHUNKS)
-    # The chunks, then (rows of several chunks) one program per row and head merges (one per block and head on the
-    # interpreter, whose programs run one after another). The chunks' launch is compiled without the merge, whose
-    # [BLOCK_C, BLOCK_D] float32 tile would set its registers: with the merge code in it that launch took 4.5 ms
-    # of the 13 prompts' attention on an H200, without it 2.3. The merge's launch is compiled with the whole body
-    # (its chunk loop runs no chunk), which is what keeps its bits the rows kernel's fused merge's.
-    mergers = EXACT_BLOCK_M if q.is_cuda else 1
-    passes = ((0, programs), (1, mergers)) if chunk_bound > 1 else ((0, programs),)
-    for merge_pass, per_block in passes:
-        _prefill_attention_exact_kernel[(blocks, num_heads, per_block)](
-            q, k_cache, v_cache, out, part_acc, part_max, part_sum, row_request,
-            prefix_lens, page_table, num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size,
-            table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim), merge_pass,
-            GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=EXACT_BLOCK_M,
-            BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS, BLOCK_C=block_c,
-            LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
-            UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1", MERGE=merge_pass == 1,
-            num_warps=warps,
-        )  # fmt: skip
+    _prefill_attention_exact_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum, counters, row_request,
+        prefix_lens, page_table, num_rows, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0), page_size,
+        table_width, num_heads, chunk_bound, 1.0 / math.sqrt(head_dim),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=EXACT_BLOCK_M,
+        BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS, BLOCK_C=block_c,
+        LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
+        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1", FUSED_MERGE=chunk_bound > 1,
+        num_warps=warps,
+    )  # fmt: skip
     return out
 
 
