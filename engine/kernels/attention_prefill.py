@@ -16,7 +16,8 @@ prompts, each request's rows consecutive, and no extra slots (a call with extra 
 
 **Exact** (`paged_attention_prefill_exact`, the fast path's default). Each row's output is the rows kernel's bits
 for that row: a program holds 16 rows (the rows kernel's tensor-core tile height) of one query head and one of
-their chunks (program ``(block, head, p)`` takes the block's chunks ``p, p + P, ...``), each row's chunks cut by
+their chunks (program ``(block, head, p)`` takes the block's chunks ``p, p + P, ...``, ``P`` chosen as the rows
+kernel chooses its programs per row: a launch choice that changes no bit), each row's chunks cut by
 its own key count as `attention_triton._row_chunks` cuts them; per 32-key block it runs the rows kernel's
 ``[16, D] x [D, 32]`` products in the rows kernel's warp count, its masked online softmax from scratch each chunk,
 its probabilities rounded to the value dtype for ``P V``. A row's blocks outside its chunk, and the other rows'
@@ -29,9 +30,12 @@ recompute or a prefix-cache hit reads and writes the attention bits a decode wou
 its own row counts: `fast_engine.md`). Tested bitwise against the rows kernel on the GPU (heads of 64, groups of
 1 and 3). A group of more than 16 query heads a KV head (the rows kernel's tile grows past 16) takes the rows kernel.
 
-A non-finite K or V entry of one request reaches the other rows of its 16-row blocks (``0 * inf`` in the shared
-``P V`` product), where the rows kernel keeps it to the rows that attend it: a request whose prompt overflows can
-make the request sharing its boundary block fail with non-finite logits too. The flash kernel shares this.
+**Non-finite values.** A block's ``P V`` product is shared by its 16 rows, so another request's infinite value
+would reach a row through ``0 * inf`` (its probability there is 0). Both kernels therefore update a row's state
+only from a key block where the row owns a key (where it owns none, the update would leave the state as it is for
+finite values, so no bit moves: the GPU's bitwise test is unchanged): an overflowing prompt fails its own request
+only, as with the rows kernel. Its own earlier rows may turn non-finite where the rows kernel's would not (they
+share key blocks with the value), which changes nothing the request reports: its last row attends the value.
 
 **Flash** (`paged_attention_prefill_triton`, ``SPECCYCLE_PREFILL_ATTENTION=prefill``). For each request among its
 rows a program walks the request's keys ``[0, n)`` (``n`` the longest prefix of its rows in the block) in
@@ -75,9 +79,14 @@ MIN_HEAD_DIM = 16  # tl.dot's smallest K on NVIDIA GPUs
 EXACT_BLOCK_M = 16  # rows a program of the exact kernel (the rows kernel's tensor-core tile: 16 heads' lanes)
 
 
+# Row counts and page-table widths vary from call to call (eager prefills take their batch's own table, captured ones
+# a bucket's rows): not specialized, so one compiled kernel serves them all. Each new specialization compiled in the
+# middle of serving: an H200 soak (64 clients) stalled 3.4 s on one exact-kernel compile inside its timed run.
+_VARYING = ["num_rows", "stride_table", "table_width", "chunk_bound"]
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_VARYING[:2])
     def _prefill_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, row_request_ptr, prefix_lens_ptr, table_ptr,
         num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -142,7 +151,7 @@ if triton is not None:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_VARYING)
     def _prefill_attention_exact_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr, row_request_ptr,
         prefix_lens_ptr, table_ptr, num_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
