@@ -30,7 +30,9 @@ MAX_MOVES = 1024  # moves held in one program's registers; the backend moves lar
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@triton.jit
+# The batch's size, its positions' width and its page table's shape change from call to call in serving: not
+# specialized, so a new shape compiles no kernel mid-serving (only a new block size does).
+@triton.jit(do_not_specialize=["table_stride", "max_pages", "bs", "width"])
 def _slots_kernel(
     page_table_ptr,
     table_stride,

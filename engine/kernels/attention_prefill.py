@@ -158,7 +158,7 @@ if triton is not None:
         stride_ot, stride_oh, stride_table, page_size, table_width, num_heads, chunk_bound, scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
-        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_MERGE: tl.constexpr,
+        LOW_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """Programs ``(block of BLOCK_M rows, query head, p)``: program ``p`` runs chunks ``p, p + P, ...`` of the
         block's rows (module docstring, "Exact"). A row of one chunk stores its output; a row of several stores
@@ -244,22 +244,22 @@ if triton is not None:
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=split[:, None] & dims)
             tl.store(part_max_ptr + part, m_i, mask=split)
             tl.store(part_sum_ptr + part, l_i, mask=split)
-        if FUSED_MERGE:  # the last of the block's programs (for this head) merges its rows, as the rows kernel does
-            if (block_chunks > 1) & (tl.program_id(2) < block_chunks):
-                tl.debug_barrier()  # every thread's states stored before the arrival is counted
-                counter = counter_ptr + block * num_heads + head
-                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if arrived == tl.minimum(tl.num_programs(2), block_chunks) - 1:
-                    tl.store(counter, 0)
-                    for i in tl.static_range(BLOCK_M):
-                        row = block * BLOCK_M + i
-                        if row < num_rows:
-                            row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
-                            _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
-                            if chunks > 1:
-                                _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
-                                              num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
-                                              BLOCK_C, ".cg", False)  # fmt: skip
+        # the last of the block's programs (for this head) merges its rows, as the rows kernel does
+        if (block_chunks > 1) & (tl.program_id(2) < block_chunks):
+            tl.debug_barrier()  # every thread's states stored before the arrival is counted
+            counter = counter_ptr + block * num_heads + head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.minimum(tl.num_programs(2), block_chunks) - 1:
+                tl.store(counter, 0)
+                for i in tl.static_range(BLOCK_M):
+                    row = block * BLOCK_M + i
+                    if row < num_rows:
+                        row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
+                        _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
+                        if chunks > 1:
+                            _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
+                                          num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
+                                          BLOCK_C, ".cg", False)  # fmt: skip
 
 
 def _check_layout(kernel: str, q, k_cache, v_cache, page_table) -> int:
@@ -323,8 +323,10 @@ def paged_attention_prefill_exact(
         part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
         part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
         part_max, part_sum = part_stats[0], part_stats[1]
-    else:  # every row has one chunk and stores its output: nothing merged, no counter read
-        part_acc = part_max = part_sum = counters = torch.empty(1, dtype=torch.float32, device=q.device)
+    else:  # every row has one chunk and stores its output: nothing merged, no counter read (the types of the real
+        # ones, so the kernel compiled for them serves: a table this narrow comes from an eager call in mid-serving)
+        part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
+        counters = torch.zeros(1, dtype=torch.int32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     warps = rows_kernel.default_num_warps(head_dim)
     block_c = triton.next_power_of_2(rows_kernel.MAX_CHUNKS)
@@ -336,7 +338,7 @@ def paged_attention_prefill_exact(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=EXACT_BLOCK_M,
         BLOCK_N=rows_kernel.BLOCK_N, CHUNK=rows_kernel.CHUNK, MAX_CHUNKS=rows_kernel.MAX_CHUNKS, BLOCK_C=block_c,
         LOW_PRECISION=q.dtype in (torch.bfloat16, torch.float16),
-        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1", FUSED_MERGE=chunk_bound > 1,
+        UPCAST=q.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps,
     )  # fmt: skip
     return out
