@@ -110,9 +110,8 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                          BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), LOW_PRECISION=low,
                          UPCAST=False)  # fmt: skip
             out.append((prefill._prefill_attention_exact_kernel, exact_signature,
-                        [{**exact, "FUSED_MERGE": True}, {**exact, "FUSED_MERGE": False, "chunk_bound": 1}],
-                        (*pre_aligned, "part_acc_ptr", "part_max_ptr", "part_sum_ptr", "counter_ptr", "table_width",
-                         "chunk_bound")))  # fmt: skip
+                        [exact], (*pre_aligned, "part_acc_ptr", "part_max_ptr", "part_sum_ptr",
+                                  "counter_ptr")))  # fmt: skip
             flash = dict(GROUP=group, HEAD_DIM=dim, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N,
                          IEEE=not low, UPCAST=False)  # fmt: skip
             out.append((prefill._prefill_attention_kernel, flash_signature, [flash], pre_aligned))
