@@ -422,7 +422,21 @@ NUM_WARPS: int | None = None
 # autoregressive decode went 982.0 / 969.3 / 981.6 / 982.9 -> 959.1 / 960.6 / 972.8 / 971.4 tokens/s and the
 # fused S6 K4 N24 cycles 2,641 / 2,652 -> 2,579 / 2,703 (bench/results/fused_bench-H100-20261126-71cfdab-rows-s1/).
 # The tile kernel keeps its own (`attention_tiles.NUM_STAGES`), which paid end to end at the 8B shape.
-NUM_STAGES: int | None = None
+# Calls of several rows a request (a verify of two rows or more, a draft extend) take one stage: at 64 clients in
+# the scheduler (H200, SmolLM2 bf16, EAGLE-3) the rows kernel was 62% of a chain cycle's GPU time, and one stage
+# for every call took a 256-row chain verify's attention from 35.0 to 25.6 µs alone and the whole S4 cycle from
+# 3.00 to 2.59 ms of GPU time, while the autoregressive step (64 rows of 64 requests) went from 1.38 to 1.43 ms
+# (CUDA event timings of the scheduler's graph replays, two alternations on one machine). So a call of one row a
+# request keeps Triton's default. Launch only: a verify row at one stage is the decode row's bits
+# (test_attention_kernel's bitwise test, on a GPU).
+NUM_STAGES: int | None = None  # one row a request: decodes, draft levels, the autoregressive step
+MULTI_ROW_NUM_STAGES: int | None = 1  # several rows a request
+
+
+def default_num_stages(num_rows: int, num_requests: int) -> int | None:
+    """The rows kernel's pipelining stages for a call of ``num_rows`` rows over a page table of ``num_requests``
+    rows (None: Triton's default)."""
+    return MULTI_ROW_NUM_STAGES if num_rows > num_requests else NUM_STAGES
 
 
 def launch_options(num_stages: int | None, maxnreg: int | None) -> dict:
@@ -503,7 +517,7 @@ def paged_attention_rows_triton(
     programs_per_row: int | None = None,
     fused_combine: bool = True,
     num_warps: int | None = None,
-    num_stages: int | None = NUM_STAGES,
+    num_stages: int | None = None,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_attention_rows_torch` (``kv_bound`` is not needed).
@@ -520,8 +534,8 @@ def paged_attention_rows_triton(
     the one kernel (default), or by `_paged_attention_combine_kernel`, a second launch (the first design;
     benchmarks compare them). Either way a row's output is a function of its own chunks only.
     ``num_warps``: warps per program (default `default_num_warps`), for benchmarks; rows agree bitwise
-    only between calls with the same count. ``num_stages`` (Triton's software pipelining, default
-    `NUM_STAGES`; None: Triton's default) and ``maxnreg`` (a cap on registers per thread; None: none) change
+    only between calls with the same count. ``num_stages`` (Triton's software pipelining; None: `default_num_stages`,
+    by rows a request) and ``maxnreg`` (a cap on registers per thread; None: none) change
     the launch only.
     """
     if triton is None:
@@ -634,7 +648,9 @@ def paged_attention_rows_triton(
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
         num_warps=warps,
-        **launch_options(num_stages, maxnreg),
+        **launch_options(
+            default_num_stages(num_rows, page_table.shape[0]) if num_stages is None else num_stages, maxnreg
+        ),
     )
     if chunk_bound > 1 and not fused:
         _paged_attention_combine_kernel[(num_rows, num_heads)](

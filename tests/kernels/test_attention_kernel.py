@@ -30,6 +30,7 @@ from speccycle.engine.kernels.attention_triton import (  # noqa: E402
     CHUNK,
     MAX_CHUNKS,
     chunk_layout,
+    default_num_stages,
     paged_attention_rows_triton,
 )
 
@@ -266,6 +267,36 @@ def test_verify_row_and_decode_row_are_bitwise_equal(dtype, length, split):
         decode_table.to(DEVICE), page_size, **options,
     ).cpu()  # fmt: skip
     assert torch.equal(verify, decode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [40, 300])
+def test_a_chains_verify_rows_are_the_decode_rows_bits(dtype, length):
+    """A chain's 5 verify rows of each of 2 requests (several rows a request: the launch's one pipelining stage)
+    equal the decode rows at their positions (one row a request: Triton's default stages), bitwise."""
+    gen = torch.Generator().manual_seed(7)
+    page_size, heads, kv_heads, dim, n, bs = 16, 6, 2, 64, 5, 2
+    width = (length + n) // page_size + 1
+    perm = torch.randperm(bs * width + 4, generator=gen)
+    table = perm[: bs * width].view(bs, width)
+    k_cache = torch.randn((bs * width + 4) * page_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    q = torch.randn(bs * n, heads, dim, generator=gen).to(dtype)
+    lens = torch.tensor([length, length - 13])
+    positions = lens[:, None] + torch.arange(n)[None]  # row d of request b at L_b + d
+    slots = table.gather(1, positions // page_size) * page_size + positions % page_size
+    extra = torch.where(torch.ones(n, n, dtype=torch.bool).tril()[None], slots[:, None, :], -1).reshape(bs * n, n)
+    rows = torch.arange(bs).repeat_interleave(n)
+    assert default_num_stages(bs * n, bs) != default_num_stages(bs, bs)  # the two launches differ
+    dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table)]
+    verify = paged_attention_rows_triton(dev[0], dev[1], dev[2], rows.to(DEVICE), lens.repeat_interleave(n).to(DEVICE),
+                                         extra.to(DEVICE), dev[3], page_size).cpu()  # fmt: skip
+    no_extra = torch.empty((bs, 0), dtype=torch.long, device=DEVICE)
+    for d in range(n):  # the decode step at depth d: one row a request, its position's keys in the page table
+        decode = paged_attention_rows_triton(dev[0].view(bs, n, heads, dim)[:, d], dev[1], dev[2],
+                                             torch.arange(bs, device=DEVICE), (lens + d + 1).to(DEVICE), no_extra,
+                                             dev[3], page_size).cpu()  # fmt: skip
+        assert torch.equal(verify.view(bs, n, heads, dim)[:, d], decode)
 
 
 def test_rows_without_extra_columns_allocate_nothing_and_equal_a_column_of_holes():
