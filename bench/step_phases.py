@@ -2,7 +2,8 @@
 
 `overlap_profile` says how long the GPU sits idle; this says what the host is doing meanwhile. One closed loop of
 ``--clients`` clients (the shipped prompts cycled, ``--max-new-tokens`` each, ``--requests-per-client`` each) runs
-through the continuous-batching `Scheduler` on the fast path, twice untimed, then once with the phases below
+through the continuous-batching `Scheduler` on the fast path (every mode's graphs captured first by
+`Scheduler.warm_up`), twice untimed, then once with the phases below
 wrapped in a timer (each wrapper calls the real function; nothing else changes):
 
 * the scheduler's own steps (`Scheduler.step`, ``_advance``, ``_launch``, ``_admit``, ``_collect``, ``_join``, ...);
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     from speccycle.engine.bench import load_prompts
     from speccycle.engine.engine import Engine
     from speccycle.engine.serving.adaptive import AdaptiveSpeculation, ShapeController
+    from speccycle.engine.serving.scheduler import Scheduler
     from speccycle.engine.tokenizers.tokenizer import Tokenizer
     from speccycle.engine.weights.weights_gguf import default_model_path
 
@@ -224,6 +226,12 @@ def main(argv: list[str] | None = None) -> dict:
     kv_tokens = (args.clients + 4) * per_request
     engine = Engine.load(draft="eagle", spec=spec, device=args.device, dtype=dtype, kv_tokens=kv_tokens, fast=True)
     controller = ShapeController(AdaptiveSpeculation(), spec)  # one for the adaptive runs, warm-up included
+    # every shape's graphs at every bucket the runs pass through, before anything is timed (as
+    # `scheduler_throughput` and a server do): an adaptive run would otherwise capture the shapes it probes
+    buckets = sorted({1 << k for k in range(args.clients.bit_length())} | {args.clients})
+    for mode in modes:
+        speculation = {"ar": "off", "spec": "on", "adaptive": controller}[mode]
+        Scheduler.from_engine(engine, speculation=speculation, max_batch_size=args.clients).warm_up(buckets)
     phases = Phases()
     results = {}
     try:
@@ -250,7 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
             finally:
                 phases.on = False
             steps = phases.calls["Scheduler.step"]
-            keys = ("tokens_per_s", "seconds", "prefills", "fused_cycles", "pipelined_cycles", "step_seconds")
+            # captures: graphs captured inside the timed run (their time counts; 0 once the warm-up covered them)
+            keys = ("tokens_per_s", "seconds", "prefills", "fused_cycles", "pipelined_cycles", "captures",
+                    "step_seconds")  # fmt: skip
             results[mode] = {
                 "steps": steps,
                 **{k: run[k] for k in keys},
@@ -260,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
             }
             print(
                 f"== {mode} at {args.clients} clients: {run['tokens_per_s']} tokens/s, {steps} steps, "
-                f"{run['prefills']} prefills, {run['fused_cycles']} cycles ({run['pipelined_cycles']} pipelined)"
+                f"{run['prefills']} prefills, {run['fused_cycles']} cycles ({run['pipelined_cycles']} pipelined), "
+                f"{run['captures']} graphs captured inside it"
             )
             print(f"{'phase':36s} {'calls':>6s} {'incl ms':>9s} {'excl ms':>9s} {'wait ms':>9s} {'us/step':>9s}")
             for row in results[mode]["phases"]:
