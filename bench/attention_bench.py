@@ -56,10 +56,13 @@ ROWS = {
     "tree32": (32, 0),  # a 32-node tree verify: row i's extra slots are its ancestors in a binary heap, and itself
 }
 CONTEXTS = (128, 512, 2048, 8192)
-# name -> keyword options of paged_attention_rows_triton ({} = the defaults)
+# name -> keyword options of paged_attention_rows_triton ({} = the defaults; since fe47623 the default launch takes
+# one pipelining stage for a call of more rows than page-table rows, so `split`'s verify and padded-decode cases run
+# at one stage and `split-s3` is the earlier default's launch)
 VARIANTS = {
     "single": dict(max_chunks=1),
     "split": {},
+    "split-s3": dict(num_stages=3),  # Triton's default stages for every call
     "split-2k": dict(fused_combine=False),  # the merge in a second kernel
     "split-pmax": dict(programs_per_row=1 << 20),  # one program per chunk of the static bound
     "split-p4": dict(programs_per_row=4),

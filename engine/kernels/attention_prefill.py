@@ -317,7 +317,7 @@ def paged_attention_prefill_exact(
     grid = (blocks, num_heads, programs)
     if chunk_bound > 1:
         counters = rows_kernel._arrival_counters(q.device, grid[0] * num_heads)
-        if counters is None:  # none may be allocated inside this capture: the rows kernel, as the decode would run
+        if counters is None:  # none may be allocated inside this capture: the rows kernel, the decode row's bits
             return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
                                                page_table, page_size, kv_bound)  # fmt: skip
         part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)

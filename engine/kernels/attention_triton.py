@@ -422,15 +422,20 @@ NUM_WARPS: int | None = None
 # autoregressive decode went 982.0 / 969.3 / 981.6 / 982.9 -> 959.1 / 960.6 / 972.8 / 971.4 tokens/s and the
 # fused S6 K4 N24 cycles 2,641 / 2,652 -> 2,579 / 2,703 (bench/results/fused_bench-H100-20261126-71cfdab-rows-s1/).
 # The tile kernel keeps its own (`attention_tiles.NUM_STAGES`), which paid end to end at the 8B shape.
-# Calls of several rows a request (a verify of two rows or more, a draft extend) take one stage: at 64 clients in
-# the scheduler (H200, SmolLM2 bf16, EAGLE-3) the rows kernel was 62% of a chain cycle's GPU time, and one stage
-# for every call took a 256-row chain verify's attention from 35.0 to 25.6 µs alone and the whole S4 cycle from
-# 3.00 to 2.59 ms of GPU time, while the autoregressive step (64 rows of 64 requests) went from 1.38 to 1.43 ms
-# (CUDA event timings of the scheduler's graph replays, two alternations on one machine). So a call of one row a
-# request keeps Triton's default. Launch only: a verify row at one stage is the decode row's bits
-# (test_attention_kernel's bitwise test, on a GPU).
-NUM_STAGES: int | None = None  # one row a request: decodes, draft levels, the autoregressive step
-MULTI_ROW_NUM_STAGES: int | None = 1  # several rows a request
+# A call with more rows than page-table rows takes one stage. In the scheduler's fused cycles (a table row per
+# request of the bucket) those are the verifies of two rows or more, the draft extends and a tree's draft levels
+# (K rows a request), and also the autoregressive shape's step when the bucket of its rows, padded to at least
+# N, outgrows the batch (1 to 4 clients with N = 5); the chain's draft levels, and the autoregressive step at 8
+# clients or more, keep Triton's default. Where the table is a static buffer of the engine's `max_requests` rows
+# (`ForwardGraphs`), only calls of more rows than that take one stage. Measured at 64 clients in the scheduler
+# (H200, SmolLM2 bf16, EAGLE-3; CUDA event timings of its graph replays and kernel times, printed, not in result
+# files): the rows kernel was 62% of an S3 cycle's GPU time; one stage for every call took a 256-row chain verify's
+# attention alone from 35.0 to 25.6 µs and the S4 cycle from 3.00 to 2.59 ms, but the autoregressive step (64 rows
+# of 64 requests) from 1.38 to 1.43 ms; with this rule the S3 cycle went from 2.48-2.51 to 2.17-2.18 ms and the
+# autoregressive step stayed at 1.38 (two alternations on one machine). Launch only, never a bit: a verify row at
+# one stage is the decode row's bits (test_attention_kernel, on a GPU).
+NUM_STAGES: int | None = None  # a call of one row a request (or fewer)
+MULTI_ROW_NUM_STAGES: int | None = 1  # a call with more rows than page-table rows
 
 
 def default_num_stages(num_rows: int, num_requests: int) -> int | None:

@@ -271,9 +271,11 @@ def test_verify_row_and_decode_row_are_bitwise_equal(dtype, length, split):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length", [40, 300])
-def test_a_chains_verify_rows_are_the_decode_rows_bits(dtype, length):
-    """A chain's 5 verify rows of each of 2 requests (several rows a request: the launch's one pipelining stage)
-    equal the decode rows at their positions (one row a request: Triton's default stages), bitwise."""
+@pytest.mark.parametrize("stages", [None, 1, 2, 4] if torch.cuda.is_available() else [None])  # the interpreter: none
+def test_a_chains_verify_rows_are_the_decode_rows_bits(dtype, length, stages):
+    """A chain's 5 verify rows of each of 2 requests equal the decode rows at their positions, bitwise, whatever
+    the verify's pipelining stages (None: the default launch, one stage for more rows than page-table rows) against
+    the decode's default (Triton's). The interpreter ignores stages; a GPU compiles each count."""
     gen = torch.Generator().manual_seed(7)
     page_size, heads, kv_heads, dim, n, bs = 16, 6, 2, 64, 5, 2
     width = (length + n) // page_size + 1
@@ -290,7 +292,7 @@ def test_a_chains_verify_rows_are_the_decode_rows_bits(dtype, length):
     assert default_num_stages(bs * n, bs) != default_num_stages(bs, bs)  # the two launches differ
     dev = [t.to(DEVICE) for t in (q, k_cache, v_cache, table)]
     verify = paged_attention_rows_triton(dev[0], dev[1], dev[2], rows.to(DEVICE), lens.repeat_interleave(n).to(DEVICE),
-                                         extra.to(DEVICE), dev[3], page_size).cpu()  # fmt: skip
+                                         extra.to(DEVICE), dev[3], page_size, num_stages=stages).cpu()  # fmt: skip
     no_extra = torch.empty((bs, 0), dtype=torch.long, device=DEVICE)
     for d in range(n):  # the decode step at depth d: one row a request, its position's keys in the page table
         decode = paged_attention_rows_triton(dev[0].view(bs, n, heads, dim)[:, d], dev[1], dev[2],
