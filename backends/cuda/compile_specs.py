@@ -128,9 +128,10 @@ def require_compiled(kernel) -> None:
 
 
 def compile_kernel(kernel, signature, constexprs, aligned, target, **launch):
-    """Compile one specialization and return Triton's compiled kernel; ``enable_fp_fusion`` in ``constexprs`` is
-    the launch option of that name, ``launch`` more launch options (``num_warps``, ``num_stages``, ``maxnreg``)."""
-    options = {k: constexprs[k] for k in ("enable_fp_fusion",) if k in constexprs}
+    """Compile one specialization and return Triton's compiled kernel; ``enable_fp_fusion``, ``num_warps`` and
+    ``num_stages`` in ``constexprs`` are the launch options of those names (a set that fixes the launch the engine
+    uses), ``launch`` more launch options (``num_warps``, ``num_stages``, ``maxnreg``)."""
+    options = {k: constexprs[k] for k in ("enable_fp_fusion", "num_warps", "num_stages") if k in constexprs}
     constexprs = {k: v for k, v in constexprs.items() if k not in options}
     full = {**signature, **{key: "constexpr" for key in constexprs}}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in constexprs}
