@@ -103,6 +103,8 @@ def test_speculative_equals_autoregressive(smollm2, prompts, autoregressive, dra
     for result, expected in zip(results, autoregressive):
         assert list(result.output) == expected, f"{draft} {spec}: diverged from autoregressive greedy"
     assert stats.verifies > 0 and 1.0 <= stats.tau <= spec.num_steps + 1
+    if draft == "ngram":  # not a speed test: the drafts must actually be accepted where the answers quote the prompts
+        assert stats.tau > 1.0, stats
     assert engine.pool.num_free_pages == engine.pool.num_pages, "KV pages leaked"
 
 
@@ -111,13 +113,6 @@ def test_eagle3_head_is_lossless_with_a_reduced_vocabulary(smollm2, prompts, aut
     engine = _engine(smollm2, spec, "eagle", eagle_version=3)
     results, _ = engine.generate(prompts[:1], NEW_TOKENS, checked=True)
     assert list(results[0].output) == autoregressive[0]
-
-
-def test_ngram_accepts_drafts_on_a_repetitive_prompt(smollm2, prompts, autoregressive):
-    """Not a speed test: the n-gram draft must actually be accepted where the answer quotes the prompt."""
-    engine = _engine(smollm2, SpecConfig(num_steps=5, topk=1), "ngram")
-    _, stats = engine.generate(prompts, NEW_TOKENS)
-    assert stats.tau > 1.0, stats
 
 
 def test_prompt_longer_than_the_pool_is_refused_and_nothing_leaks(smollm2):

@@ -24,15 +24,31 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engines(model_path):
-    out = {}
+    out = {}  # 1,024 KV slots hold every batch below; the CPU attention reads every slot the page table spans
     for name, spec in (
         ("chain", SpecConfig(num_steps=4)),
         ("tree", SpecConfig(num_steps=4, topk=2, num_draft_tokens=8, page_size=16)),
     ):
-        engine = Engine.load(model_path, draft="eagle", spec=spec, dtype=torch.float32, fast=True, kv_tokens=2048)
+        engine = Engine.load(model_path, draft="eagle", spec=spec, dtype=torch.float32, fast=True, kv_tokens=1024)
         assert engine.fused_cycles is not None
         out[name] = engine
     return out
+
+
+@pytest.fixture(scope="module")
+def replies(engines):
+    """``replies(name, prompt, n)``: engine ``name``'s autoregressive reply to ``prompt``, its first ``n`` tokens. The
+    reply is decoded once, `NEW_TOKENS` long, per engine and prompt (a shorter budget's is a prefix of it)."""
+    cache = {}
+
+    def reply(name, prompt, n=NEW_TOKENS):
+        assert n <= NEW_TOKENS
+        key = (name, tuple(prompt))
+        if key not in cache:
+            cache[key] = engines[name].generate_autoregressive([prompt], NEW_TOKENS)[0]
+        return cache[key][:n]
+
+    return reply
 
 
 def _both(engine, prompts, new_tokens):
@@ -47,11 +63,11 @@ def _both(engine, prompts, new_tokens):
 
 
 @pytest.mark.parametrize("name", ["chain", "tree"])
-def test_fused_equals_autoregressive_and_the_state_machine(engines, name):
+def test_fused_equals_autoregressive_and_the_state_machine(engines, replies, name):
     engine = engines[name]
     prompts = [engine.chat_prompt(m) for m in MESSAGES]
     free = engine.pool.num_free_pages
-    ar = [engine.generate_autoregressive([p], NEW_TOKENS)[0] for p in prompts]
+    ar = [replies(name, p) for p in prompts]
     for batch in ([prompts[0]], prompts):  # one request, then a ragged batch of two
         (results, stats), (ref_results, ref_stats) = _both(engine, batch, NEW_TOKENS)
         for result, ref, expected in zip(results, ref_results, ar):
@@ -64,10 +80,10 @@ def test_fused_equals_autoregressive_and_the_state_machine(engines, name):
     assert engine.pool.num_free_pages == free
 
 
-def test_stop_token_and_length_cut_runs_like_the_state_machine(engines, monkeypatch):
+def test_stop_token_and_length_cut_runs_like_the_state_machine(engines, replies, monkeypatch):
     engine = engines["tree"]
     prompt = engine.chat_prompt(MESSAGES[1])
-    ar = engine.generate_autoregressive([prompt], NEW_TOKENS)[0]
+    ar = replies("tree", prompt)
     stop = ar[6]  # a token the reply reaches: the stop cuts a run in the middle of a cycle's commit
     monkeypatch.setattr(type(engine), "stop_token_ids", property(lambda self: (stop,)))
     (results, stats), (ref_results, ref_stats) = _both(engine, [prompt], NEW_TOKENS)
@@ -128,14 +144,14 @@ def test_a_bfloat16_head_over_a_float32_target_stays_lossless(model_path):
     assert stats.tau > 1.0
 
 
-def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engines):
+def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engines, replies):
     """`SamplingParams.stop_token_ids` of a greedy call reach the fused cycles (merged with the engine's EOS ids),
     and a call with stop strings, which `accept_commit` does not cover, runs the table instead."""
     from speccycle.core.config import SamplingParams
 
     engine = engines["chain"]
     prompt = engine.chat_prompt(MESSAGES[1])
-    ar = engine.generate_autoregressive([prompt], NEW_TOKENS)[0]
+    ar = replies("chain", prompt)
     stop = ar[5]
     before = engine.fused_cycles.run_s
     results, _ = engine.generate([prompt], NEW_TOKENS, sampling=SamplingParams(stop_token_ids=(stop,)))
@@ -148,7 +164,7 @@ def test_a_callers_stop_token_is_honoured_and_stop_strings_take_the_table(engine
     assert results[0].finish_reason == "stop" and len(results[0].output) < len(ar)
 
 
-def test_history_dependent_logits_and_speculation_off_take_the_table(engines):
+def test_history_dependent_logits_and_speculation_off_take_the_table(engines, replies):
     """A call with one SamplingParams per prompt where one request has a penalty or speculation off: the fused
     cycles, which take the raw argmax of every request, do not run; the table does, and the plain request stays
     the autoregressive output."""
@@ -156,7 +172,7 @@ def test_history_dependent_logits_and_speculation_off_take_the_table(engines):
 
     engine = engines["chain"]
     prompts = [engine.chat_prompt(m) for m in MESSAGES[:2]]
-    ar = engine.generate_autoregressive(prompts[:1], NEW_TOKENS)[0]
+    ar = replies("chain", prompts[0])
     before = engine.fused_cycles.run_s
     results, _ = engine.generate(
         prompts, NEW_TOKENS, sampling=[SamplingParams(), SamplingParams(frequency_penalty=0.5)]
@@ -167,7 +183,7 @@ def test_history_dependent_logits_and_speculation_off_take_the_table(engines):
 
 
 @pytest.mark.parametrize("name,speculation", [("chain", "on"), ("tree", "on"), ("chain", "off"), ("tree", "adaptive")])
-def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, speculation):
+def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, replies, name, speculation):
     """Continuous batching on the graphed executor (`FusedCycles.step`, eagerly on a CPU): requests of different
     budgets finish in different cycles and leave through the table's Ready retire row while a waiting one joins
     (batches of up to three, padded to a power of two); checked at every boundary; every output is the
@@ -180,7 +196,7 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
     engine = engines[name]
     prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.", "Count to five.")]
     budgets = (NEW_TOKENS, 7, 12, 9)
-    ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
+    ar = [replies(name, p, n) for p, n in zip(prompts, budgets)]
     free, before = engine.pool.num_free_pages, engine.fused_cycles.run_s
     # batches of up to three: a batch of three runs padded to the graph bucket of four
     scheduler = Scheduler.from_engine(engine, checked=True, max_batch_size=3, speculation=speculation)
@@ -204,7 +220,7 @@ def test_the_scheduler_runs_its_cycles_as_the_captured_cycle(engines, name, spec
     assert engine.pool.num_free_pages == free
 
 
-def test_the_scheduler_admits_while_a_captured_cycle_runs(engines, monkeypatch):
+def test_the_scheduler_admits_while_a_captured_cycle_runs(engines, replies, monkeypatch):
     """Overlap: the running batch's cycle is launched before the step's admission and collected after it (the
     prefill's host work runs while the GPU runs the cycle); the admitted requests join for the next cycle. The
     order is seen through the real methods, wrapped; every output is still the autoregressive one."""
@@ -213,7 +229,7 @@ def test_the_scheduler_admits_while_a_captured_cycle_runs(engines, monkeypatch):
 
     engine = engines["chain"]
     prompts = [engine.chat_prompt(m) for m in MESSAGES]
-    ar = [engine.generate_autoregressive([p], 6)[0] for p in prompts]
+    ar = [replies("chain", p, 6) for p in prompts]
     scheduler = Scheduler.from_engine(engine, max_batch_size=4, max_prefill_tokens=1)  # one prefill a step
     calls = []
     fused = engine.fused_cycles
@@ -234,7 +250,7 @@ def test_the_scheduler_admits_while_a_captured_cycle_runs(engines, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["chain", "tree"])
-def test_pipelined_cycles_go_on_from_the_devices_state(engines, name):
+def test_pipelined_cycles_go_on_from_the_devices_state(engines, replies, name):
     """A batch nothing joins keeps its cycle in flight past the step; the next step launches the next cycle from
     the device's state (`FusedCycles.launch_next`: the other parity's graph, the same log) before collecting the
     last. Requests finish in different cycles (their rows go on, done, until the batch reloads), one is cancelled
@@ -245,7 +261,7 @@ def test_pipelined_cycles_go_on_from_the_devices_state(engines, name):
     engine = engines[name]
     prompts = [engine.chat_prompt(m) for m in MESSAGES + ("Name three colors.", "Count to five.")]
     budgets = (NEW_TOKENS, 5, 14, 9)
-    ar = [engine.generate_autoregressive([p], n)[0] for p, n in zip(prompts, budgets)]
+    ar = [replies(name, p, n) for p, n in zip(prompts, budgets)]
     free = engine.pool.num_free_pages
     scheduler = Scheduler.from_engine(engine, max_batch_size=4)
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts[:2], budgets[:2])]
@@ -283,7 +299,7 @@ NGRAM_SPECS = {
 def ngram(model_path):
     """An n-gram engine on the fast path (`fast.path.accelerate` builds its graphed executor too)."""
     engine = Engine.load(model_path, draft="ngram", spec=NGRAM_SPECS["tree"], dtype=torch.float32, fast=True,
-                         kv_tokens=2048)  # fmt: skip
+                         kv_tokens=1024)  # fmt: skip
     assert engine.fused_cycles is not None and engine.fused_cycles.draft is engine.draft
     return engine
 
@@ -410,7 +426,7 @@ def test_ngram_cycles_are_captured_and_lossless_on_cuda(model_path, name):
 
 
 @pytest.mark.parametrize("name", ["chain", "tree"])
-def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(engines, name):
+def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(engines, replies, name):
     """A mixed batch (sampled requests with temperature, top-k, top-p and their seeds beside greedy ones) runs as the
     captured cycle (`FusedCycles.covers` it), checked at every boundary, and unchecked, where a batch nothing joins
     goes on from the device's state (`FusedCycles.launch_next`): every output equals the eager scheduler's (the same
@@ -439,12 +455,12 @@ def test_the_scheduler_serves_sampled_and_greedy_requests_on_the_captured_cycle(
         assert stats.fused_cycles == fused and stats.tau > 1.0
         assert (stats.pipelined_cycles > 0) == (mode == "pipelined")
     assert outputs["checked"] == outputs["pipelined"] == outputs["eager"]
-    assert outputs["eager"][1] == engine.generate_autoregressive([prompts[1]], 4)[0]
+    assert outputs["eager"][1] == replies(name, prompts[1], 4)
     assert any(bt.buffers.sampling is not None for bt in engine.fused_cycles._batches.values())
     assert engine.pool.num_free_pages == free
 
 
-def test_two_schedulers_over_one_engine_keep_their_pipelined_cycles_apart(engines):
+def test_two_schedulers_over_one_engine_keep_their_pipelined_cycles_apart(engines, replies):
     """Two schedulers share one engine's graphed executor, so one bucket's buffers: while the first keeps a cycle
     in flight (pipelined), the second loads the same buffers. The first must not go on from them (their load count
     changed): it collects from the state it cloned after its cycle and reloads. Both outputs are autoregressive."""
@@ -453,7 +469,7 @@ def test_two_schedulers_over_one_engine_keep_their_pipelined_cycles_apart(engine
 
     engine = engines["chain"]
     prompts = [engine.chat_prompt(m) for m in MESSAGES]
-    ar = [engine.generate_autoregressive([p], 12)[0] for p in prompts]
+    ar = [replies("chain", p, 12) for p in prompts]
     free = engine.pool.num_free_pages
     first, second = Scheduler.from_engine(engine), Scheduler.from_engine(engine)
     a = first.submit(prompts[0], SamplingParams(max_new_tokens=12))
