@@ -409,8 +409,10 @@ def paged_attention_tiles_triton(
     chunk_bound = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
     if chunk_bound > 1:
         part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
-        part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
-        part_max, part_sum = part_stats[0], part_stats[1]
+        # two allocations, not halves of one: the second half's address is 16-byte aligned only for some
+        # row / head / chunk counts, and Triton compiles a kernel per pointer alignment
+        part_max = torch.empty((num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     # groups of rows that tiles never straddle: a verify's rows of one request (``num_extra`` of them) when the

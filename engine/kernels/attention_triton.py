@@ -593,8 +593,10 @@ def paged_attention_rows_triton(
     chunk_bound = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
     if chunk_bound > 1:  # partial states of rows of several chunks, [T, H, chunk_bound] (static shape)
         part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
-        part_stats = torch.empty((2, num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
-        part_max, part_sum = part_stats[0], part_stats[1]
+        # two allocations, not halves of one: the second half's address is 16-byte aligned only for some
+        # row / head / chunk counts, and Triton compiles a kernel per pointer alignment
+        part_max = torch.empty((num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
     else:  # every row has one chunk and stores its output directly
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
