@@ -320,11 +320,7 @@ def paged_attention_prefill_exact(
         if counters is None:  # none may be allocated inside this capture: the rows kernel, the decode row's bits
             return paged_attention_rows_triton(q, k_cache, v_cache, row_request, prefix_lens, extra_slots,
                                                page_table, page_size, kv_bound)  # fmt: skip
-        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
-        # two allocations, not halves of one: the second half's address is 16-byte aligned only for some row counts,
-        # and Triton compiles a kernel per pointer alignment
-        part_max = torch.empty((num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        part_acc, part_max, part_sum = rows_kernel.chunk_states(num_rows, num_heads, chunk_bound, head_dim, q.device)
     else:  # every row has one chunk and stores its output: nothing merged, no counter read (the types of the real
         # ones, so the kernel compiled for them serves: a table this narrow comes from an eager call in mid-serving)
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)

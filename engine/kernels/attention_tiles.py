@@ -55,6 +55,7 @@ from .attention_triton import (
     PROGRAMS_PER_SM,
     _multiprocessors,
     _ptx_hints,
+    chunk_states,
     launch_options,
     paged_attention_rows_torch,
     triton,
@@ -408,11 +409,7 @@ def paged_attention_tiles_triton(
     table_width = page_table.shape[1]
     chunk_bound = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
     if chunk_bound > 1:
-        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
-        # two allocations, not halves of one: the second half's address is 16-byte aligned only for some
-        # row / head / chunk counts, and Triton compiles a kernel per pointer alignment
-        part_max = torch.empty((num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        part_acc, part_max, part_sum = chunk_states(num_rows, num_heads, chunk_bound, head_dim, q.device)
     else:
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     # groups of rows that tiles never straddle: a verify's rows of one request (``num_extra`` of them) when the

@@ -481,6 +481,16 @@ def default_programs_per_row(device: torch.device, rows: int, kv_heads: int, chu
     return max(1, min(chunk_bound, max(MIN_PROGRAMS_PER_ROW, wanted)))
 
 
+def chunk_states(num_rows: int, num_heads: int, chunk_bound: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
+    """The float32 scratch of the chunks' partial states, ``(accumulator [T, H, C, D], max [T, H, C], sum [T, H, C])``,
+    shared by the attention kernels that split rows into chunks. Max and sum are two allocations, not halves of one:
+    the second half's address is 16-byte aligned only for some row / head / chunk counts, and Triton compiles a kernel
+    per pointer alignment."""
+    acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=device)
+    top = torch.empty((num_rows, num_heads, chunk_bound), dtype=torch.float32, device=device)
+    return acc, top, torch.empty_like(top)
+
+
 # Arrival counters of the fused combine, per device: int32 zeros that every launch leaves at zero (the last
 # program of a (row, KV head) puts its counter back). Allocated outside any graph capture and never freed,
 # since captured graphs keep their addresses: a larger need (more rows) adds a buffer and keeps the old.
@@ -592,11 +602,7 @@ def paged_attention_rows_triton(
     table_width = page_table.shape[1]
     chunk_bound = min(max_chunks, max(1, -(-(table_width * page_size + num_extra) // chunk)))
     if chunk_bound > 1:  # partial states of rows of several chunks, [T, H, chunk_bound] (static shape)
-        part_acc = torch.empty((num_rows, num_heads, chunk_bound, head_dim), dtype=torch.float32, device=q.device)
-        # two allocations, not halves of one: the second half's address is 16-byte aligned only for some
-        # row / head / chunk counts, and Triton compiles a kernel per pointer alignment
-        part_max = torch.empty((num_rows, num_heads, chunk_bound), dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        part_acc, part_max, part_sum = chunk_states(num_rows, num_heads, chunk_bound, head_dim, q.device)
     else:  # every row has one chunk and stores its output directly
         part_acc = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)

@@ -62,8 +62,9 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                       BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, FUSED_COMBINE=True,
                       BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
-            if not page_one and block_m == 16:  # the engine's launches: warps by head dim, one stage for calls of
-                warps = attention.default_num_warps(dim)  # more rows than page-table rows (the others: the defaults)
+            # the engine's launches: warps by head dim, one stage for calls of more rows than page-table rows
+            if not page_one and block_m == 16:
+                warps = attention.default_num_warps(dim)
                 launches = [{"num_warps": warps, "num_stages": 1}] + ([{"num_warps": warps}] if warps != 4 else [])
                 sets += [{**ce, **launch} for launch in launches]
             if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
