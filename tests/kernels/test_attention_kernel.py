@@ -334,14 +334,19 @@ def test_rows_without_extra_columns_allocate_nothing_and_equal_a_column_of_holes
 
 def test_default_launch_gives_a_decode_graph_one_program_per_chunk(monkeypatch):
     """`default_programs_per_row` on an H100 (132 SMs), SmolLM2's 3 KV heads: a decode graph of 8 rows
-    (1 real, 7 padding) gets every chunk its own program; 32 rows get ~8 programs per SM over all rows."""
+    (1 real, 7 padding) gets every chunk its own program; 32 rows get ~8 programs per SM over all rows; 64 to 256
+    rows the spread's 8 a row (at most 64 per SM); 512 rows what 64 per SM allows; 1024 rows the minimum."""
     from speccycle.engine.kernels import attention_triton as attention
 
     monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)
     assert attention.default_programs_per_row(cuda, 8, 3, 32) == 32
     assert attention.default_programs_per_row(cuda, 32, 3, 32) == 11  # ceil(8 * 132 / 96)
-    assert attention.default_programs_per_row(cuda, 512, 3, 32) == attention.MIN_PROGRAMS_PER_ROW
+    assert attention.default_programs_per_row(cuda, 64, 3, 32) == attention.SPREAD_PROGRAMS_PER_ROW == 8
+    assert attention.default_programs_per_row(cuda, 256, 3, 32) == 8  # 6,144 programs: 46.5 per SM
+    assert attention.default_programs_per_row(cuda, 512, 3, 32) == 5  # floor(64 * 132 / 1536)
+    assert attention.default_programs_per_row(cuda, 1024, 3, 32) == attention.MIN_PROGRAMS_PER_ROW
+    assert attention.default_programs_per_row(cuda, 64, 3, 32, spread=0) == 6  # the exact prefill's: no spread
     assert attention.default_programs_per_row(cuda, 8, 3, 2) == 2  # never past the bound
 
 
