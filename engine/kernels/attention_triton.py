@@ -407,10 +407,11 @@ PROGRAMS_PER_SM = 8
 # ... and at least this many programs per (row, KV head) while they number at most `MAX_PROGRAMS_PER_SM` per
 # multiprocessor over all rows: a long row's chunks (a 900-key row has 15) then run in two rounds, not four, and
 # the launch is still small enough that the surplus programs cost less than the rounds. Measured alone (H200,
-# SmolLM2 bf16, requests of 44-767 prompt tokens + up to 127 generated, 20 calls in a graph, µs, the old rule ->
-# this one): 64 requests' decode 21.0 -> 17.4, chain verifies of 3 / 4 / 5 rows a request 29.0 / 32.9 / 37.2 ->
-# 25.5 / 30.5 / 34.5; 16 requests' 4-row verify 16.6 -> 14.2; 256 requests' decode 48.0 -> 45.9; past the cap
-# (256 requests' 4-row verifies: 8 programs 105.1 against 102.6) the old rule stands.
+# SmolLM2 bf16, the shipped prompts' lengths plus up to 127 generated, 20 calls in a graph, µs, the old rule's count
+# -> this one's; bench/results/attention_launch-H200-20261127-e262817.json): 64 requests' decode 20.6 -> 16.7, chain
+# verifies of 3 / 4 / 5 rows a request 29.4 / 32.8 / 37.8 -> 25.6 / 29.5 / 34.1; 16 requests' 4-row verify 16.4 ->
+# 14.5; 256 requests' decode 48.9 -> 45.5; past the cap (256 requests' 4-row verifies: 8 programs 103.6 against
+# 101.4) the old rule stands.
 SPREAD_PROGRAMS_PER_ROW = 8
 MAX_PROGRAMS_PER_SM = 64
 # Warps per program of the rows kernel and the combine kernel. Not speed only: the count sets the tensor-core
