@@ -56,7 +56,7 @@ from .attention_triton import paged_attention_rows_torch, paged_attention_rows_t
 if triton is not None:
     import triton.language as tl
 
-    from .attention_triton import _merge_chunks, _row_chunks
+    from .attention_triton import _load_chunks, _row_chunks, _store_merged
 
 
 # The flash kernel's rows per program and keys per block. Launch constants only: a row's output does not depend on
@@ -251,15 +251,27 @@ if triton is not None:
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == tl.minimum(tl.num_programs(2), block_chunks) - 1:
                 tl.store(counter, 0)
+                # the block's rows in turn, each row's chunk count from the block's vector (no reload of its prefix)
+                # and its states loaded before the row before it is stored (a store may alias a later load, so the
+                # loads would otherwise wait for it); a row of one chunk stored its output and loads nothing here
+                lanes = tl.arange(0, BLOCK_M)
+                merged = tl.where(in_range & (row_chunks > 1), row_chunks, 0)
+                m, l, a = _load_chunks(part_acc_ptr, part_max_ptr, part_sum_ptr, block * BLOCK_M, head,
+                                       tl.sum(tl.where(lanes == 0, merged, 0), axis=0), num_heads, chunk_bound,
+                                       HEAD_DIM, BLOCK_D, BLOCK_C, ".cg")  # fmt: skip
                 for i in tl.static_range(BLOCK_M):
                     row = block * BLOCK_M + i
-                    if row < num_rows:
-                        row_total = tl.minimum(tl.load(prefix_lens_ptr + row), table_width * page_size)
-                        _, chunks = _row_chunks(row_total.to(tl.int32), CHUNK, MAX_CHUNKS)
-                        if chunks > 1:
-                            _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, chunks,
-                                          num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
-                                          BLOCK_C, ".cg", False)  # fmt: skip
+                    chunks = tl.sum(tl.where(lanes == i, merged, 0), axis=0)
+                    if i + 1 < BLOCK_M:
+                        m_next, l_next, a_next = _load_chunks(
+                            part_acc_ptr, part_max_ptr, part_sum_ptr, row + 1, head,
+                            tl.sum(tl.where(lanes == i + 1, merged, 0), axis=0), num_heads, chunk_bound, HEAD_DIM,
+                            BLOCK_D, BLOCK_C, ".cg",
+                        )  # fmt: skip
+                    if chunks > 1:
+                        _store_merged(out_ptr, m, l, a, row, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_D)
+                    if i + 1 < BLOCK_M:
+                        m, l, a = m_next, l_next, a_next
 
 
 def _check_layout(kernel: str, q, k_cache, v_cache, page_table) -> int:

@@ -149,18 +149,13 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def _merge_chunks(
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads, chunk_bound, stride_ot,
-        stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
-        DISCARD: tl.constexpr,
+    def _load_chunks(
+        part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads, chunk_bound,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
     ):  # fmt: skip
-        """Merge the ``row_chunks`` partial states of (row, query head) and store its output.
-
-        All ``BLOCK_C`` chunk lanes are reduced in one fixed tree, absent chunks contributing exact zeros,
-        so the result depends on the row's own chunks only. ``CACHE``: the loads' cache modifier (".cg",
-        past the SM's L1, where other programs of the same launch wrote the states). ``DISCARD``: once merged,
-        the chunks' accumulators are dropped from L2 unwritten (`_discard_l2`).
-        """
+        """The ``row_chunks`` partial states of (row, query head), ``(max [BLOCK_C], sum [BLOCK_C], accumulator
+        [BLOCK_C, BLOCK_D])``, absent lanes ``(-inf, 0, 0)``: the loads of `_merge_chunks`. ``CACHE``: the loads'
+        cache modifier (".cg", past the SM's L1, where other programs of the same launch wrote the states)."""
         c = tl.arange(0, BLOCK_C)
         d = tl.arange(0, BLOCK_D)
         live = c < row_chunks
@@ -173,6 +168,15 @@ if triton is not None:
             other=0.0,
             cache_modifier=CACHE,
         )
+        return m, l, a
+
+    @triton.jit
+    def _store_merged(
+        out_ptr, m, l, a, row, head, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr
+    ):  # fmt: skip
+        """Merge loaded partial states (`_load_chunks`) in one fixed reduction over their ``BLOCK_C`` lanes and store
+        (row, head)'s output."""
+        d = tl.arange(0, BLOCK_D)
         top = tl.max(m, axis=0)
         top = tl.where(top == float("-inf"), 0.0, top)
         w = tl.exp(m - top)  # 0 for absent chunks and chunks without a valid key
@@ -180,11 +184,30 @@ if triton is not None:
         o = tl.sum(w[:, None] * a, axis=0)
         o = o / tl.where(total_sum > 0, total_sum, 1.0)
         tl.store(out_ptr + row * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _merge_chunks(
+        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads, chunk_bound, stride_ot,
+        stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, CACHE: tl.constexpr,
+        DISCARD: tl.constexpr,
+    ):  # fmt: skip
+        """Merge the ``row_chunks`` partial states of (row, query head) and store its output.
+
+        All ``BLOCK_C`` chunk lanes are reduced in one fixed tree, absent chunks contributing exact zeros,
+        so the result depends on the row's own chunks only (`_load_chunks`, then `_store_merged`: a merge of
+        several rows in turn loads the next row's states before it stores this one's, the same arithmetic).
+        ``DISCARD``: once merged, the chunks' accumulators are dropped from L2 unwritten (`_discard_l2`).
+        """
+        m, l, a = _load_chunks(part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads,
+                               chunk_bound, HEAD_DIM, BLOCK_D, BLOCK_C, CACHE)  # fmt: skip
+        _store_merged(out_ptr, m, l, a, row, head, stride_ot, stride_oh, HEAD_DIM, BLOCK_D)
         if DISCARD:
             tl.debug_barrier()  # every thread's loads of the states are done (its store used them)
+            c = tl.arange(0, BLOCK_C)
+            part = (row.to(tl.int64) * num_heads + head) * chunk_bound + c
             lines = tl.arange(0, BLOCK_D // 32) * 32  # 128-byte lines of a chunk's float32 accumulator
             _discard_l2(part_acc_ptr + part[:, None] * HEAD_DIM + lines[None, :],
-                        live[:, None] & (lines[None, :] < HEAD_DIM))  # fmt: skip
+                        (c < row_chunks)[:, None] & (lines[None, :] < HEAD_DIM))  # fmt: skip
 
     @triton.jit
     def _paged_attention_kernel(
@@ -228,6 +251,7 @@ if triton is not None:
         UPCAST: tl.constexpr,
         FUSED_COMBINE: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        PIPELINED_MERGE: tl.constexpr,
     ):
         """Programs ``(row, KV head, p)``: program ``p`` runs the online softmax over the row's chunks
         ``p, p + P, p + 2P, ...`` (``P`` programs per row and KV head, a launch choice that changes no
@@ -341,10 +365,28 @@ if triton is not None:
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if arrived == tl.minimum(tl.num_programs(2), row_chunks) - 1:  # the last of the row's programs
                     tl.store(counter, 0)
-                    for h in tl.static_range(GROUP):
-                        _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP + h,
-                                      row_chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
-                                      BLOCK_C, ".cg", False)  # fmt: skip
+                    if PIPELINED_MERGE:
+                        # the group's heads in turn, each head's states loaded before the head before it is stored (a
+                        # store may alias a later load, so the loads would otherwise wait for it): the same arithmetic
+                        m, l, a = _load_chunks(
+                            part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP, row_chunks, num_heads,
+                            chunk_bound, HEAD_DIM, BLOCK_D, BLOCK_C, ".cg",
+                        )  # fmt: skip
+                        for h in tl.static_range(GROUP):
+                            if h + 1 < GROUP:
+                                m_next, l_next, a_next = _load_chunks(
+                                    part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP + h + 1, row_chunks,
+                                    num_heads, chunk_bound, HEAD_DIM, BLOCK_D, BLOCK_C, ".cg",
+                                )  # fmt: skip
+                            _store_merged(out_ptr, m, l, a, row, kv_head * GROUP + h, stride_ot, stride_oh, HEAD_DIM,
+                                          BLOCK_D)  # fmt: skip
+                            if h + 1 < GROUP:
+                                m, l, a = m_next, l_next, a_next
+                    else:  # each head loaded after the head before it is stored: fewer registers
+                        for h in tl.static_range(GROUP):
+                            _merge_chunks(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP + h,
+                                          row_chunks, num_heads, chunk_bound, stride_ot, stride_oh, HEAD_DIM, BLOCK_D,
+                                          BLOCK_C, ".cg", False)  # fmt: skip
 
     @triton.jit
     def _paged_attention_combine_kernel(
@@ -675,6 +717,7 @@ def paged_attention_rows_triton(
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         FUSED_COMBINE=fused,
         BLOCK_C=block_c,
+        PIPELINED_MERGE=num_rows <= page_table.shape[0],
         num_warps=warps,
         **launch_options(
             default_num_stages(num_rows, page_table.shape[0]) if num_stages is None else num_stages, maxnreg

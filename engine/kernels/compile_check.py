@@ -60,12 +60,15 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
             # the merge fused into the kernel (the default) and by the combine kernel (fused_combine=False)
             ce = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=dim, BLOCK_D=dim, BLOCK_N=attention.BLOCK_N,
                       BLOCK_M=block_m, LOW_PRECISION=low, UPCAST=False, FUSED_COMBINE=True,
-                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), **split)  # fmt: skip
+                      BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), PIPELINED_MERGE=True,
+                      **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
-            # the engine's launches: warps by head dim, one stage for calls of more rows than page-table rows
+            # the engine's launches: warps by head dim; one stage and the merge in turn for calls of more rows than
+            # page-table rows
             if not page_one and block_m == 16:
                 warps = attention.default_num_warps(dim)
-                launches = [{"num_warps": warps, "num_stages": 1}] + ([{"num_warps": warps}] if warps != 4 else [])
+                launches = [{"num_warps": warps, "num_stages": 1, "PIPELINED_MERGE": False}]
+                launches += [{"num_warps": warps}] if warps != 4 else []
                 sets += [{**ce, **launch} for launch in launches]
             if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
                 sets.append({**ce, "FUSED_COMBINE": False})
@@ -77,7 +80,7 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
             # group_rows and tiles_per_group 1, constants to the JIT) and verify tiles
             tile_signature = {k: v for k, v in signature.items() if k != "counter_ptr"}
             tile_signature.update(num_rows=i32, rows_per_tile=i32, tail=i32, group_rows=i32, tiles_per_group=i32)
-            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "FUSED_COMBINE", "BLOCK_C")}
+            tile = {k: v for k, v in ce.items() if k not in ("BLOCK_G", "FUSED_COMBINE", "BLOCK_C", "PIPELINED_MERGE")}
             tile.update(BLOCK_Q=tiles.TILE_LINES)
             one_row = {"rows_per_tile": 1, "tail": 1, "group_rows": 1, "tiles_per_group": 1}
             tile_sets = [{**tile, **one_row}, {**tile}]
