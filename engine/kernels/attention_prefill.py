@@ -24,8 +24,9 @@ its probabilities rounded to the value dtype for ``P V``. A row's blocks outside
 blocks, leave its state bitwise as it is (``alpha = 1``, zero terms). A row of one chunk stores its output; a row
 of several stores each chunk's ``(max, sum, accumulator)``, and the last of the block's programs to finish (an
 arrival counter per (block, head), `attention_triton._arrival_counters`) merges each row with the rows kernel's
-own merge, `_merge_chunks`, in-kernel as the rows kernel's fused combine does: the rows kernel's separate
-combine kernel gives other bfloat16 bits. So a prefill row's attention is the decode row's, and a retraction's
+own merge (`_load_chunks`, then `_store_merged`: each row's states loaded before the row before it is stored),
+in-kernel as the rows kernel's fused combine does: the rows kernel's separate combine kernel gives other bfloat16
+bits. So a prefill row's attention is the decode row's, and a retraction's
 recompute or a prefix-cache hit reads and writes the attention bits a decode would (the prefill's GEMMs still run at
 its own row counts: `fast_engine.md`). Tested bitwise against the rows kernel on the GPU (heads of 64, groups of
 1 and 3). A group of more than 16 query heads a KV head (the rows kernel's tile grows past 16) takes the rows kernel.
