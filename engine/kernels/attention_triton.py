@@ -298,11 +298,14 @@ if triton is not None:
                 page_col = tl.minimum(n // page_size, table_width - 1)
                 page = tl.load(table_ptr + request * stride_pt + page_col, mask=in_prefix, other=-1)
                 prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
-                e = n - prefix_len  # index among the valid extra slots
-                pick = (rank[None, :] == e[:, None]) & has_extra[None, :]
-                # the extra slot of rank e (one column at most), plus one: 0 when none, so slot -1 then
-                extra_slot = tl.sum(tl.where(pick, extra[None, :] + 1, 0), axis=1) - 1
-                slot = tl.where(in_prefix, prefix_slot, extra_slot)
+                if start + BLOCK_N <= prefix_len:  # a block of prefix keys only (most): no extra slot to pick
+                    slot = prefix_slot
+                else:
+                    e = n - prefix_len  # index among the valid extra slots
+                    pick = (rank[None, :] == e[:, None]) & has_extra[None, :]
+                    # the extra slot of rank e (one column at most), plus one: 0 when none, so slot -1 then
+                    extra_slot = tl.sum(tl.where(pick, extra[None, :] + 1, 0), axis=1) - 1
+                    slot = tl.where(in_prefix, prefix_slot, extra_slot)
                 # slot >= 0 implies n < total. Kept to one select on `slot`: Triton 3.6's layout pass
                 # (TritonGPURemoveLayoutConversions) fails on `tl.where((n < total) & (slot >= 0), slot, 0)`.
                 valid = slot >= 0
