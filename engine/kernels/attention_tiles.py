@@ -246,10 +246,13 @@ if triton is not None:
                             column = tl.minimum(n // page_size, table_width - 1)
                             page = tl.load(table_ptr + r_request * stride_pt + column, mask=in_prefix, other=-1)
                             prefix_slot = tl.where(page >= 0, page * page_size + n % page_size, -1)
-                            e = n - r_prefix  # index among the row's valid extra slots
-                            pick = (r_rank[None, :] == e[:, None]) & r_has[None, :]
-                            extra_slot = tl.sum(tl.where(pick, r_extra[None, :] + 1, 0), axis=1) - 1
-                            slot = tl.where(in_prefix, prefix_slot, extra_slot)
+                            if start + BLOCK_N <= r_prefix:  # prefix keys only: no extra slot to pick
+                                slot = prefix_slot
+                            else:
+                                e = n - r_prefix  # index among the row's valid extra slots
+                                pick = (r_rank[None, :] == e[:, None]) & r_has[None, :]
+                                extra_slot = tl.sum(tl.where(pick, r_extra[None, :] + 1, 0), axis=1) - 1
+                                slot = tl.where(in_prefix, prefix_slot, extra_slot)
                             valid = slot >= 0
                             safe = tl.maximum(slot, 0).to(tl.int64)
                             k = tl.load(k_ptr + safe[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
