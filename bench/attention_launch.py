@@ -15,7 +15,7 @@ continuous-batching scheduler gives them:
 Per case: µs per call at the default launch and at each fixed ``--programs`` (20 calls captured in one CUDA
 graph, replayed: the median of rounds), each output checked bitwise against the default launch's.
 
-    python -m bench.attention_launch --device cuda
+    python -m bench.attention_launch
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def rows_case(lengths: list[int], requests: int, n: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     table, k, v = cache(requests, gen)
     keys = torch.tensor(
-        [min(lengths[i % len(lengths)] + rng.randint(0, 127), PAGES * PAGE - 8) for i in range(requests)], device="cuda"
+        [min(lengths[i % len(lengths)] + rng.randint(0, 127), PAGES * PAGE - n) for i in range(requests)], device="cuda"
     )
     row_request = torch.arange(requests, device="cuda").repeat_interleave(n)
     if n == 1:
@@ -94,7 +94,6 @@ def sweep(fn, args, keyword: str, programs: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda", choices=["cuda"])
     parser.add_argument("--requests", default="16,64,256")
     parser.add_argument("--rows-per-request", default="1,3,4,5")
     parser.add_argument("--programs", default="4,6,8,12,16", help="fixed programs per row (and per block) to time")

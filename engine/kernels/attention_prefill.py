@@ -323,7 +323,8 @@ def paged_attention_prefill_exact(
     blocks = triton.cdiv(num_rows, EXACT_BLOCK_M)
     # The page table of a captured forward spans the pool, so ``chunk_bound`` is MAX_CHUNKS there while a prompt's
     # blocks hold a few chunks: a program per chunk of the bound would mostly find nothing to do. No spread past
-    # `MIN_PROGRAMS_PER_ROW`: 13 prompts' rows (2,367) took 119.0 µs at 4 programs a block, 130.3 at 8 (H200).
+    # `MIN_PROGRAMS_PER_ROW`: the 13 shipped prompts' rows (2,367) took 107.6 µs at 4 programs a block, 112.7 at 6 (what
+    # the spread would give) and 119.2 at 8 (H200, bench/results/attention_launch-H200-20261127-e262817.json).
     if programs_per_block is None:
         programs = rows_kernel.default_programs_per_row(q.device, blocks, num_heads, chunk_bound, spread=0)
     else:

@@ -194,8 +194,9 @@ if triton is not None:
         """Merge the ``row_chunks`` partial states of (row, query head) and store its output.
 
         All ``BLOCK_C`` chunk lanes are reduced in one fixed tree, absent chunks contributing exact zeros,
-        so the result depends on the row's own chunks only (`_load_chunks`, then `_store_merged`: a merge of
-        several rows in turn loads the next row's states before it stores this one's, the same arithmetic).
+        so the result depends on the row's own chunks only (`_load_chunks`, then `_store_merged`; the rows kernel's
+        fused merge and the exact prefill kernel call the two halves themselves, loading the next head's or row's
+        states before they store this one's: the same arithmetic).
         ``DISCARD``: once merged, the chunks' accumulators are dropped from L2 unwritten (`_discard_l2`).
         """
         m, l, a = _load_chunks(part_acc_ptr, part_max_ptr, part_sum_ptr, row, head, row_chunks, num_heads,
@@ -368,9 +369,10 @@ if triton is not None:
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if arrived == tl.minimum(tl.num_programs(2), row_chunks) - 1:  # the last of the row's programs
                     tl.store(counter, 0)
-                    if PIPELINED_MERGE:
+                    if PIPELINED_MERGE:  # calls of no more rows than page-table rows (the launcher's choice)
                         # the group's heads in turn, each head's states loaded before the head before it is stored (a
-                        # store may alias a later load, so the loads would otherwise wait for it): the same arithmetic
+                        # store may alias a later load, so the loads would otherwise wait for it): the same arithmetic.
+                        # Two states held: the verifies' many programs lost residency with it (12-25% slower alone)
                         m, l, a = _load_chunks(
                             part_acc_ptr, part_max_ptr, part_sum_ptr, row, kv_head * GROUP, row_chunks, num_heads,
                             chunk_bound, HEAD_DIM, BLOCK_D, BLOCK_C, ".cg",
@@ -449,7 +451,7 @@ MIN_PROGRAMS_PER_ROW = 4  # the default launch: at least this many programs per 
 # ("split-pmax") 1 row + 7 padding rows at 2,048 keys took 11.8 us against 18.2 with about 2 per SM, 6 rows
 # at 8,192 keys 41.4 against 50.8; 32 rows at 128-512 keys in an engine-wide table lost 1.8 us.
 PROGRAMS_PER_SM = 8
-# ... and at least this many programs per (row, KV head) while they number at most `MAX_PROGRAMS_PER_SM` per
+# ... and up to this many programs per (row, KV head), as many as keep the launch at `MAX_PROGRAMS_PER_SM` per
 # multiprocessor over all rows: a long row's chunks (a 900-key row has 15) then run in two rounds, not four, and
 # the launch is still small enough that the surplus programs cost less than the rounds. Measured alone (H200,
 # SmolLM2 bf16, the shipped prompts' lengths plus up to 127 generated, 20 calls in a graph, µs, the old rule's count
@@ -529,8 +531,8 @@ def default_programs_per_row(
 ) -> int:
     """Programs per (row, KV head) of the default launch: about `PROGRAMS_PER_SM` per multiprocessor over
     all rows (a decode graph of 1 real row and 7 padding rows, SmolLM2's 3 KV heads: one program per chunk
-    up to the bound), at least `MIN_PROGRAMS_PER_ROW`, and at least ``spread`` (default
-    `SPREAD_PROGRAMS_PER_ROW`) while the launch holds at most `MAX_PROGRAMS_PER_SM` per multiprocessor; at most
+    up to the bound), at least `MIN_PROGRAMS_PER_ROW`, and up to ``spread`` (default `SPREAD_PROGRAMS_PER_ROW`) as
+    many as keep the launch at `MAX_PROGRAMS_PER_SM` per multiprocessor; at most
     ``chunk_bound``. Speed only: any count gives the same bits."""
     if device.type != "cuda":
         return chunk_bound  # the interpreter: one program per chunk

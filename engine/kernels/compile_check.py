@@ -63,12 +63,13 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                       BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), PIPELINED_MERGE=True,
                       **split)  # fmt: skip
             sets = [{**ce, "page_size": 1} if page_one else ce]
-            # the engine's launches: warps by head dim; one stage and the merge in turn for calls of more rows than
-            # page-table rows
-            if not page_one and block_m == 16:
+            # the engine's launches: warps by head dim; one stage and the head-after-head merge (PIPELINED_MERGE=False)
+            # for calls of more rows than page-table rows
+            # (a call of more than 16 extra slots, block_m 32 or 64, is a verify's: only the first)
+            if not page_one:
                 warps = attention.default_num_warps(dim)
                 launches = [{"num_warps": warps, "num_stages": 1, "PIPELINED_MERGE": False}]
-                launches += [{"num_warps": warps}] if warps != 4 else []
+                launches += [{"num_warps": warps}] if warps != 4 and block_m == 16 else []
                 sets += [{**ce, **launch} for launch in launches]
             if not page_one:  # the single-pass kernel (max_chunks=1): one chunk, the JIT's constant chunk_bound 1
                 sets.append({**ce, "FUSED_COMBINE": False})
@@ -117,9 +118,12 @@ def engine_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
                          BLOCK_N=attention.BLOCK_N, CHUNK=attention.CHUNK, MAX_CHUNKS=attention.MAX_CHUNKS,
                          BLOCK_C=triton.next_power_of_2(attention.MAX_CHUNKS), LOW_PRECISION=low,
                          UPCAST=False)  # fmt: skip
+            # and at the engine's launch: the rows kernel's warps by head dim
+            warps = attention.default_num_warps(dim)
+            exact_sets = [exact] + ([{**exact, "num_warps": warps}] if warps != 4 else [])
             out.append((prefill._prefill_attention_exact_kernel, exact_signature,
-                        [exact], (*pre_aligned, "part_acc_ptr", "part_max_ptr", "part_sum_ptr",
-                                  "counter_ptr")))  # fmt: skip
+                        exact_sets, (*pre_aligned, "part_acc_ptr", "part_max_ptr", "part_sum_ptr",
+                                     "counter_ptr")))  # fmt: skip
             flash = dict(GROUP=group, HEAD_DIM=dim, BLOCK_M=prefill.BLOCK_M, BLOCK_N=prefill.BLOCK_N,
                          IEEE=not low, UPCAST=False)  # fmt: skip
             out.append((prefill._prefill_attention_kernel, flash_signature, [flash], pre_aligned))
