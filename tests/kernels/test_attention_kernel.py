@@ -275,7 +275,8 @@ def test_verify_row_and_decode_row_are_bitwise_equal(dtype, length, split):
 def test_a_chains_verify_rows_are_the_decode_rows_bits(dtype, length, stages):
     """A chain's 5 verify rows of each of 2 requests equal the decode rows at their positions, bitwise, whatever
     the verify's pipelining stages (None: the default launch, one stage for more rows than page-table rows) against
-    the decode's default (Triton's). The interpreter ignores stages; a GPU compiles each count."""
+    the decode's default (Triton's). The interpreter ignores stages; a GPU compiles each count. The decode merges a
+    row's chunks with the pipelined merge, the verify head after head (`PIPELINED_MERGE`): the same bits too."""
     gen = torch.Generator().manual_seed(7)
     page_size, heads, kv_heads, dim, n, bs = 16, 6, 2, 64, 5, 2
     width = (length + n) // page_size + 1
