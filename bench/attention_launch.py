@@ -97,6 +97,12 @@ def main() -> None:
     parser.add_argument("--requests", default="16,64,256")
     parser.add_argument("--rows-per-request", default="1,3,4,5")
     parser.add_argument("--programs", default="4,6,8,12,16", help="fixed programs per row (and per block) to time")
+    parser.add_argument(
+        "--lengths",
+        default=None,
+        help="comma-separated prompt lengths (default: the shipped prompts', which needs the model)",
+    )
+    parser.add_argument("--no-exact", action="store_true", help="skip the exact prefill kernel")
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -104,7 +110,7 @@ def main() -> None:
     from speccycle.engine.kernels.attention_prefill import paged_attention_prefill_exact
     from speccycle.engine.kernels.attention_triton import paged_attention_rows_triton
 
-    lengths = prompt_lengths()
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else prompt_lengths()
     programs = [int(p) for p in args.programs.split(",")]
     cases = []
     for requests in (int(r) for r in args.requests.split(",")):
@@ -113,9 +119,10 @@ def main() -> None:
                           programs)  # fmt: skip
             cases.append({"kernel": "rows", "requests": requests, "rows_per_request": n, **found})
             print("rows", requests, n, found, flush=True)
-    found = sweep(paged_attention_prefill_exact, exact_case(lengths, 0), "programs_per_block", programs)
-    cases.append({"kernel": "exact", "requests": len(lengths), "rows": sum(lengths), **found})
-    print("exact", len(lengths), found, flush=True)
+    if not args.no_exact:
+        found = sweep(paged_attention_prefill_exact, exact_case(lengths, 0), "programs_per_block", programs)
+        cases.append({"kernel": "exact", "requests": len(lengths), "rows": sum(lengths), **found})
+        print("exact", len(lengths), found, flush=True)
     payload = {
         "config": {
             "heads": HEADS,

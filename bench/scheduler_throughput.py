@@ -197,6 +197,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=None)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--draft-floor", type=float, default=0.0, help="SpecConfig.draft_floor (a chain's cut rows)")
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="cap on tokens prefilled per step")
     parser.add_argument(
         "--admit-fraction", type=float, default=None,
@@ -240,7 +241,11 @@ def main() -> None:
     if unknown or "ar" not in modes:
         raise SystemExit(f"--modes: choose from {MODES} and include 'ar' (the reference); got {modes}")
     spec = SpecConfig(
-        num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens, page_size=args.page_size
+        num_steps=args.num_steps,
+        topk=args.topk,
+        num_draft_tokens=args.num_draft_tokens,
+        page_size=args.page_size,
+        draft_floor=args.draft_floor,
     )
     tokenizer = Tokenizer.from_gguf(default_model_path())
     items = load_prompts(args.prompts)
@@ -359,7 +364,13 @@ def main() -> None:
         "draft": args.draft,
         "fast": args.fast,
         "graphed_executor": engine.fused_cycles is not None,
-        "config": {"S": spec.num_steps, "K": spec.topk, "N": spec.num_draft_tokens, "P": spec.page_size},
+        "config": {
+            "S": spec.num_steps,
+            "K": spec.topk,
+            "N": spec.num_draft_tokens,
+            "P": spec.page_size,
+            "draft_floor": spec.draft_floor,
+        },
         "max_new_tokens": args.max_new_tokens,
         "budget_spread": args.budget_spread,
         "repeats": args.repeats,

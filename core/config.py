@@ -34,17 +34,33 @@ class SpecConfig:
       value ``S + 1`` when ``K == 1`` or ``S == 0``, and the largest tree ``1 + K + (S-1)K^2`` capped at 64
       otherwise.
     * ``page_size`` (``P``): tokens per page of the paged KV pool.
+    * ``draft_floor``: a chain's verify rows per request cut where the draft's confidence runs out: depth ``d`` is
+      verified only while the product of the draft's top-1 probabilities up to ``d`` is at least the floor, so a
+      greedy request verifies ``1 + #{d : p_1 ... p_d >= floor}`` rows (its `DraftTree.widths`; the rows past it
+      attend nothing). 0 (the default) verifies all ``N``. Lossless at any value (a verify only commits fewer
+      tokens); it pays where a verify row costs (many requests: docs/serving.md). Chains of a forward draft
+      (EAGLE, layer-skip, MTP) only; sampled requests and lookup drafts keep every row.
     """
 
     num_steps: int = 4
     topk: int = 1
     num_draft_tokens: int | None = attrs.field(default=None)
     page_size: int = 1
+    draft_floor: float = 0.0
 
     def __attrs_post_init__(self) -> None:
         _positive("num_steps (S)", self.num_steps, 64, lower=0)
         _positive("topk (K)", self.topk, 16)
         _positive("page_size (P)", self.page_size, 1024)
+        floor = self.draft_floor
+        if isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not 0.0 <= floor < 1.0:
+            raise ValueError(f"draft_floor must be a number in [0, 1), got {floor!r}")
+        object.__setattr__(self, "draft_floor", float(floor))
+        if floor and self.topk != 1:
+            raise ValueError(
+                f"draft_floor={floor} cuts a chain's rows: it needs topk (K)=1, got K={self.topk} (set draft_floor=0 "
+                "for a tree)"
+            )
         if self.num_draft_tokens is None:
             n = self.num_steps + 1 if self.is_chain else min(64, 1 + max_tree_nodes(self.num_steps, self.topk))
             object.__setattr__(self, "num_draft_tokens", n)

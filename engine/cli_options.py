@@ -104,6 +104,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-tokens", type=int, default=None, help="N: verify rows per request (tree)")
     p.add_argument("--page-size", type=int, default=16, help="P: tokens per KV page")
+    p.add_argument(
+        "--draft-floor",
+        type=float,
+        default=0.0,
+        help="a chain's verify rows stop where the product of the draft's top-1 probabilities falls below this "
+        "(0: verify all S + 1; pays with many requests at once; chains only: give --topk 1)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: lossless sampling")
     p.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass to keep (1: all)")
@@ -168,20 +175,22 @@ def resolve_draft(args: argparse.Namespace) -> None:
 
 
 def spec_from_args(args: argparse.Namespace, device) -> SpecConfig:
-    """The `SpecConfig` of ``--steps/--topk/--draft-tokens/--page-size``. None of the first three given: the
-    draft's default on ``device`` (`default_spec`: a chain of 16 for ngram on a CPU, a tree S3 K2 N6 for
+    """The `SpecConfig` of ``--steps/--topk/--draft-tokens/--page-size/--draft-floor``. None of the first three given:
+    the draft's default on ``device`` (`default_spec`: a chain of 16 for ngram on a CPU, a tree S3 K2 N6 for
     eagle on a CPU, else a chain of 4) in pages of ``--page-size``; otherwise a chain (``--topk`` 1) without
     ``--steps`` takes the default chain's depth, a tree S=4."""
     from .engine import default_spec  # the engine module (models, drafts) only when a spec is read
 
     default = default_spec(args.draft, device)
+    floor = getattr(args, "draft_floor", 0.0)
     if args.steps is None and args.topk is None and args.draft_tokens is None:
-        return attrs.evolve(default, page_size=args.page_size)
+        return attrs.evolve(default, page_size=args.page_size, draft_floor=floor)
     topk = 1 if args.topk is None else args.topk
     steps = args.steps
     if steps is None:
         steps = default.num_steps if topk == 1 and default.topk == 1 else 4
-    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size)
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=args.draft_tokens, page_size=args.page_size,
+                      draft_floor=floor)  # fmt: skip
 
 
 def check_engine_args(args: argparse.Namespace) -> SpecConfig:

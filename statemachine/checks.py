@@ -388,6 +388,15 @@ def _check_drafted(record: Drafted, ports) -> None:
         )
         resting = [b for b, r in enumerate(record.requests) if not r.sampling.speculate]
         require(all(int(widths[b]) == 1 for b in resting), 4, "a request with speculate=False must have width 1")
+        if cfg.draft_floor and tree.scores is not None:  # a chain cut where its draft's confidence runs out
+            cut = 1 + (tree.scores[:, 1:] >= cfg.draft_floor).long().sum(1)
+            greedy = [b for b, r in enumerate(record.requests) if r.sampling.speculate and r.sampling.greedy]
+            require(
+                all(int(widths[b]) == int(cut[b]) for b in greedy),
+                4,
+                f"widths {widths.tolist()} are not the rows whose cumulative draft probability reaches the floor "
+                f"{cfg.draft_floor} (expected {cut.tolist()} for the greedy requests)",
+            )
     offset = _offset(record, ports)
     steps = record.draft_positions.shape[1]
     if steps:

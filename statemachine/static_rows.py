@@ -33,7 +33,7 @@ from ..core.records import Compacted, Drafted, DraftTree, ExtendRows, OutputLog,
 from ..core.transfer import to_device
 from ..core.tree import draft_scratch_offsets
 from . import sampling
-from .transitions import CycleError, draft_levels
+from .transitions import CycleError, draft_levels, floor_widths
 
 MAX_STOPS = 8  # stop token ids a static cycle compares each committed token with
 
@@ -347,7 +347,13 @@ def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted
             tokens, parents, scores = (torch.where(on, s, g) for s, g in zip(level, (tokens, parents, scores)))
     if sampled is not None:  # a draft that ran out of mass left -1: padding rows, never accepted
         padding, tokens = tokens < 0, tokens.clamp(min=0)
-    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding)
+    widths = None
+    if K == 1 and cfg.draft_floor:  # rows past the draft's confidence: padding the verify skips (`floor_widths`)
+        widths = floor_widths(cand_scores, cfg.draft_floor, None if sampled is None else sampled.sampled)
+        scores = torch.cat([torch.ones_like(cand_scores[:, :1]), cand_scores.float().cumprod(1)], 1)
+        cut = buf.chain_depths >= widths[:, None]
+        padding = cut if padding is None else padding | cut
+    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding, widths=widths)
     return Drafted(config=cfg, requests=rec.requests, seq_lens=L, tree=tree, verify_slots=verify_slots,
                    draft_slots=draft_slots, draft_positions=positions, draft_probs=probs, log=rec.log)  # fmt: skip
 
@@ -456,7 +462,7 @@ def accept_commit_static(rec: Drafted, ports, backend, ctx: StaticContext) -> Co
     B, L, tokens = buf.batch, rec.seq_lens, rec.tree.tokens
     parents = None if cfg.is_chain else rec.tree.parents
     # the verify's row inputs (the tree mask as extra slots), padded to the row bucket of the decode step
-    ctx.ops.verify_rows(tokens, parents, L, rec.verify_slots, S, buf.verify, backend)
+    ctx.ops.verify_rows(tokens, parents, L, rec.verify_slots, S, buf.verify, backend, rec.tree.widths)
     out = ctx.forwards.forward(_batch(buf.verify, buf.table, P), ctx.kv_bound)
     # the vocabulary argmax the decode step takes (ties included): what the verify row commits
     predict = backend.greedy_predict(out.logits[: B * N]).view(B, N)
@@ -538,6 +544,8 @@ def draft_extend_static(rec: Compacted, ports, backend, ctx: StaticContext) -> R
     if sampled is not None:
         out = sampled.full_vocab(out)
     backend.select_topk(out.logits, cfg.topk, out.vocab_map, out=(nxt["topk_p"], nxt["topk_index"]))
+    if cfg.draft_floor:  # a chain cut by confidence: the top token's probability (`transitions.floor_widths`)
+        nxt["topk_p"][:, 0].copy_(backend.top1_probability(out.logits))
     if sampled is not None:  # sampled requests draw their depth-1 children from q, without replacement
         probs = sampled.dq[ctx.into]
         drawn = sampling.draw_children(sampled.rows(rec.log), out.logits, 1, nxt["topk_p"], nxt["topk_index"], 0,

@@ -653,6 +653,8 @@ def _depth_one(requests, cfg: SpecConfig, out: ModelOutput, ports: Ports, backen
         topk_p, topk_index = out.topk  # taken inside the port's forward (`ModelOutput.topk`)
     else:
         topk_p, topk_index = backend.select_topk(logits, cfg.topk, out.vocab_map)
+    if cfg.draft_floor:  # a chain cut by confidence: the top token's probability (`floor_widths`)
+        topk_p = backend.top1_probability(logits)[:, None]
     draft_probs = None
     if rows is not None:  # sampled requests draw their depth-1 candidates from q, without replacement
         topk_p, topk_index, draft_probs = sampling.draw_children(rows, logits, 1, topk_p, topk_index, 0, backend)
@@ -739,6 +741,16 @@ def _refuse_draft_vocabulary_when_sampled(out: ModelOutput, rows) -> None:
     """Sampling draws from ``q`` over the target vocabulary; logits over a draft's own (``vocab_map``) are not it."""
     if out.vocab_map is not None and rows is not None:
         raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
+
+
+def floor_widths(confidence: torch.Tensor, floor: float, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """A chain's verify rows per request at ``floor`` (`SpecConfig.draft_floor`): ``1 + #{d : c_1 ... c_d >= floor}``
+    for ``confidence [bs, S]`` (each depth's top-1 probability, the backend's ``top1_probability``), every row where
+    ``keep [bs]`` (sampled requests). The products never grow (each factor is at most 1): a prefix of rows stays."""
+    widths = 1 + (confidence.float().cumprod(1) >= floor).long().sum(1)
+    if keep is not None:
+        widths = torch.where(keep, confidence.shape[1] + 1, widths)
+    return widths
 
 
 def draft_levels(
@@ -834,6 +846,8 @@ def draft_levels(
             )
             sampling.store_rows(draft_probs, q.view(bs, K, -1), frontier_cand + 1 if K > 1 else frontier_cand + 1 + j)
         if K == 1:  # a chain: the child is the next frontier, nothing to rescore
+            if cfg.draft_floor:  # the child's probability, for the verify's cut (`floor_widths`)
+                cand_scores.append(backend.top1_probability(logits)[:, None])
             frontier_tokens = child_ids
             if adjusting:
                 frontier_paths = torch.cat([frontier_paths, child_ids[:, :, None]], 2)
@@ -864,8 +878,9 @@ def draft_levels(
         draft_positions = level_positions[:, ::K].t()  # [bs, S - 1]: L + j + offset (a view: the fused cycle drops it)
     else:
         draft_positions = torch.empty((bs, 0), dtype=torch.long, device=device)
-    if K == 1:
-        return torch.cat(cand_tokens, 1), cand_scores[0], cand_parents[0], draft_positions
+    if K == 1:  # a chain's scores: each depth's probability with a floor (`floor_widths`), else the first's
+        scores = torch.cat(cand_scores, 1) if cfg.draft_floor else cand_scores[0]
+        return torch.cat(cand_tokens, 1), scores, cand_parents[0], draft_positions
     return torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1), draft_positions
 
 
@@ -970,10 +985,18 @@ def _draft_rows(rec: Ready, ports: Ports, backend, ids, page_table, draft_slots)
             parents = torch.where(sampled, s_parents, parents)
             scores = torch.where(sampled, s_scores, scores)
         depths = tree_depths(parents)
-    padding = None
+    padding = widths = None
     if rows is not None and bool((tokens < 0).any()):
         padding, tokens = tokens < 0, tokens.clamp(min=0)
-    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding)
+    if K == 1 and cfg.draft_floor:  # rows past the draft's confidence are padding the verify skips
+        sampled = None
+        if rows is not None:
+            sampled = torch.zeros(bs, dtype=torch.bool, device=device).index_fill_(0, rows.index, True)
+        widths = floor_widths(cand_scores, cfg.draft_floor, sampled)
+        scores = torch.cat([torch.ones_like(cand_scores[:, :1]), cand_scores.float().cumprod(1)], 1)
+        cut = shapes.arange(N, device)[None, :] >= widths[:, None]
+        padding = cut if padding is None else padding | cut
+    tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding, widths=widths)
     return tree, draft_probs, draft_positions
 
 
@@ -1004,6 +1027,8 @@ def _with_resting(rec, cfg: SpecConfig, index: torch.Tensor, part) -> tuple[Draf
             scores[index] = sub_tree.scores.to(scores.dtype)
         if sub_tree.padding is not None:
             padding[index] = sub_tree.padding
+        if sub_tree.widths is not None:
+            widths[index] = sub_tree.widths
         draft_probs = _scatter_rows(sub_probs, index, bs)
     if not cfg.is_chain:
         depths = tree_depths(parents)

@@ -1,4 +1,5 @@
-"""Fused vocabulary argmax: the ``K == 1`` draft and the greedy verify (reference: ``logits.argmax(-1)``).
+"""Fused vocabulary argmax: the ``K == 1`` draft and the greedy verify (reference: ``logits.argmax(-1)``); and the
+top token's probability a chain's cut reads (`vocab_top1_probability`, reference `TorchBackend.top1_probability`).
 
 No softmax: the chain never uses the probability, and argmax of the logits is exact in any dtype.
 Each row's vocabulary is split into chunks; stage 1 runs one program per (rows, chunk), each walking
@@ -145,4 +146,51 @@ def vocab_argmax(logits: torch.Tensor, num_chunks: int | None = None) -> torch.T
     _argmax_reduce_kernel[(triton.cdiv(rows, reduce_r),)](
         values, indices, out, rows, num_chunks, BLOCK_R=reduce_r, BLOCK=next_power_of_2(num_chunks), NONE=_NONE
     )
+    return out
+
+
+@triton.jit
+def _top1_probability_kernel(logits_ptr, num_rows, row_stride, vocab_size, out_ptr, BLOCK_R: tl.constexpr,
+                             BLOCK: tl.constexpr):  # fmt: skip
+    """Each row's ``max softmax = 1 / sum(exp(x - max))``: one online pass over the row in float32."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_inside = rows < num_rows
+    lanes = tl.arange(0, BLOCK)
+    base = rows.to(tl.int64)[:, None] * row_stride
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for offset in range(0, vocab_size, BLOCK):
+        cols = (offset + lanes)[None, :]
+        x = tl.load(logits_ptr + base + cols, mask=row_inside[:, None] & (cols < vocab_size), other=float("-inf"))
+        x = x.to(tl.float32)
+        new_top = tl.maximum(top, tl.max(x, axis=1))
+        safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+        total = total * tl.exp(top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+        top = new_top
+    p = tl.where(total > 0, 1.0 / total, 0.0)
+    tl.store(out_ptr + rows, tl.where(p == p, p, 0.0), mask=row_inside)  # a NaN row: 0, as the reference
+
+
+def vocab_top1_probability(logits: torch.Tensor) -> torch.Tensor:
+    """The probability of each row's top token, ``softmax(logits).max(-1)`` in float32 (0 for a row without a finite
+    logit or with a NaN), one launch: ``logits [R, V]`` float16 / bfloat16 / float32 (float8 widened) -> ``[R]``
+    float32. Equal to `TorchBackend.top1_probability` up to float32 rounding (its sums run in another order)."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"vocab_top1_probability needs logits [R, V >= 1], got {tuple(logits.shape)}")
+    if logits.dtype not in _NATIVE:
+        if not logits.dtype.is_floating_point or logits.dtype == torch.float64:
+            raise ValueError(
+                f"vocab_top1_probability takes float16, bfloat16, float32 or float8 logits, got {logits.dtype}"
+            )
+        logits = logits.float()  # float8 -> float32 is exact
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return out
+    block = min(_BLOCK, next_power_of_2(vocab))
+    block_r = min(next_power_of_2(rows), ROWS_PER_PROGRAM if interpreted() else max(1, _BLOCK // block))
+    _top1_probability_kernel[(triton.cdiv(rows, block_r),)](logits, rows, logits.stride(0), vocab, out, BLOCK_R=block_r,
+                                                             BLOCK=block)  # fmt: skip
     return out

@@ -99,11 +99,14 @@ def cycle_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]],
                      out_ptr=i64, C=i32, page_size=i32),
                 [dict(BLOCK_C=32)], ("table_ptr", "L_ptr", "offsets_ptr", "out_ptr", "page_size")))  # fmt: skip
     rows_signature = dict(tokens_ptr=i64, parents_ptr=i64, L_ptr=i64, slots_ptr=i64, ids_ptr=i64, positions_ptr=i64,
-                          out_slots_ptr=i64, prefix_ptr=i64, extra_ptr=i64, extra_stride=i32, N=i32)  # fmt: skip
+                          out_slots_ptr=i64, prefix_ptr=i64, extra_ptr=i64, extra_stride=i32, N=i32,
+                          widths_ptr=i64)  # fmt: skip
     out.append((cycle._verify_rows_kernel, rows_signature,
-                [dict(ROUNDS=5, TREE=False, BLOCK_N=8), dict(ROUNDS=5, TREE=True, BLOCK_N=16),
-                 dict(ROUNDS=6, TREE=True, BLOCK_N=32)],
-                ("tokens_ptr", "L_ptr", "extra_ptr", "extra_stride")))  # fmt: skip
+                [dict(ROUNDS=5, TREE=False, BLOCK_N=8, WIDTHS=False),
+                 dict(ROUNDS=5, TREE=False, BLOCK_N=8, WIDTHS=True),
+                 dict(ROUNDS=5, TREE=True, BLOCK_N=16, WIDTHS=False),
+                 dict(ROUNDS=6, TREE=True, BLOCK_N=32, WIDTHS=False)],
+                ("tokens_ptr", "L_ptr", "extra_ptr", "extra_stride", "widths_ptr")))  # fmt: skip
     accept_signature = dict(
         tokens_ptr=i64, parents_ptr=i64, predict_ptr=i64, walk_ptr=i64, slots_ptr=i64, L_ptr=i64, done_ptr="*i1",
         out_len_ptr=i64, cycle_ptr=i64, max_new_ptr=i64, stops_ptr=i64, num_stops=i32, out_ptr=i64, out_stride=i32,

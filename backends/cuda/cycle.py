@@ -100,13 +100,15 @@ def tree_depths_torch(parents: torch.Tensor, rounds: int) -> torch.Tensor:
     return depths
 
 
-def verify_rows_torch(tokens, parents, L, verify_slots, rounds: int, rows: dict, backend) -> None:
+def verify_rows_torch(tokens, parents, L, verify_slots, rounds: int, rows: dict, backend, widths=None) -> None:
     """Write the verify forward's first ``B * N`` rows into the static buffers ``rows``.
 
     ``rows``: ``input_ids, positions, out_slots, prefix_lens [T]`` and ``extra_slots [T, N]`` (``T >= B * N``;
     the padding rows past ``B * N`` are left as they are). ``parents`` None: a chain (row ``i``'s parent is
     ``i - 1``). ``rounds``: a bound on the trees' depth (``S``). Shapes: ``tokens, parents, verify_slots
-    [B, N]``, ``L [B]``. ``backend`` gives the tree mask (`TorchBackend.tree_mask`).
+    [B, N]``, ``L [B]``. ``backend`` gives the tree mask (`TorchBackend.tree_mask`). ``widths [B]`` (a chain's,
+    `DraftTree.widths`; None: ``N`` each): a request's rows from its width on attend nothing and write no KV (prefix
+    0, no extra slot, out slot -1): the walk never accepts them, and the attention kernel skips a row without keys.
     """
     B, N = tokens.shape
     n = B * N
@@ -117,26 +119,38 @@ def verify_rows_torch(tokens, parents, L, verify_slots, rounds: int, rows: dict,
     else:
         depths = tree_depths_torch(parents, rounds)
         mask = backend.tree_mask(parents)
+    prefix = L[:, None].expand(B, N)
+    extra = torch.where(mask, verify_slots[:, None, :], -1)  # [B, N, N]
+    if widths is not None:
+        live = offs[None, :] < widths[:, None]  # [B, N]
+        verify_slots = torch.where(live, verify_slots, -1)
+        prefix = torch.where(live, prefix, 0)
+        extra = torch.where(live[:, :, None], extra, -1)
     rows["input_ids"][:n].copy_(tokens.reshape(-1))
     rows["positions"][:n].copy_((L[:, None] + depths).reshape(-1))
     rows["out_slots"][:n].copy_(verify_slots.reshape(-1))
-    rows["prefix_lens"][:n].copy_(L.repeat_interleave(N))
-    rows["extra_slots"][:n].copy_(torch.where(mask, verify_slots[:, None, :], -1).reshape(n, N))
+    rows["prefix_lens"][:n].copy_(prefix.reshape(-1))
+    rows["extra_slots"][:n].copy_(extra.reshape(n, N))
 
 
 if triton is not None:
 
     @triton.jit
     def _verify_rows_kernel(tokens_ptr, parents_ptr, L_ptr, slots_ptr, ids_ptr, positions_ptr, out_slots_ptr,
-                            prefix_ptr, extra_ptr, extra_stride, N, ROUNDS: tl.constexpr, TREE: tl.constexpr,
-                            BLOCK_N: tl.constexpr):  # fmt: skip
-        """One program per request: its ``N`` rows (row ``i`` sees column ``j``: ``j`` an ancestor or ``i``)."""
+                            prefix_ptr, extra_ptr, extra_stride, N, widths_ptr, ROUNDS: tl.constexpr,
+                            TREE: tl.constexpr, BLOCK_N: tl.constexpr, WIDTHS: tl.constexpr):  # fmt: skip
+        """One program per request: its ``N`` rows (row ``i`` sees column ``j``: ``j`` an ancestor or ``i``); with
+        ``WIDTHS``, rows from the request's width on attend nothing and write no KV."""
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         inside = i < N
         L = tl.load(L_ptr + b)
         token = tl.load(tokens_ptr + b * N + i, mask=inside, other=0)
         slot = tl.load(slots_ptr + b * N + i, mask=inside, other=-1)
+        live = inside
+        if WIDTHS:
+            live = i < tl.load(widths_ptr + b)
+            slot = tl.where(live, slot, -1)
         cols = i[None, :]
         if TREE:
             # walk up ROUNDS parents from every row at once: each step marks one more ancestor
@@ -155,15 +169,15 @@ if triton is not None:
         tl.store(ids_ptr + row, token, mask=inside)
         tl.store(positions_ptr + row, L + depth, mask=inside)
         tl.store(out_slots_ptr + row, slot, mask=inside)
-        tl.store(prefix_ptr + row, tl.zeros([BLOCK_N], dtype=tl.int64) + L, mask=inside)
-        extra = tl.where(sees, slot[None, :], -1)
+        tl.store(prefix_ptr + row, tl.where(live, L, 0).to(tl.int64), mask=inside)
+        extra = tl.where(sees & live[:, None], slot[None, :], -1)
         tl.store(extra_ptr + row[:, None] * extra_stride + cols, extra, mask=inside[:, None] & (cols < N))
 
 
-def verify_rows(tokens, parents, L, verify_slots, rounds: int, rows: dict, backend) -> None:
+def verify_rows(tokens, parents, L, verify_slots, rounds: int, rows: dict, backend, widths=None) -> None:
     """`verify_rows_torch` as one kernel where kernels run (`use_kernels`). Same contract."""
     if not use_kernels(tokens):
-        return verify_rows_torch(tokens, parents, L, verify_slots, rounds, rows, backend)
+        return verify_rows_torch(tokens, parents, L, verify_slots, rounds, rows, backend, widths)
     B, N = tokens.shape
     if B == 0:
         return None
@@ -171,8 +185,9 @@ def verify_rows(tokens, parents, L, verify_slots, rounds: int, rows: dict, backe
     tokens, verify_slots = tokens.contiguous(), verify_slots.contiguous()
     parents = tokens if parents is None else parents.contiguous()  # a chain reads no parent
     _verify_rows_kernel[(B,)](tokens, parents, L, verify_slots, rows["input_ids"], rows["positions"],
-                              rows["out_slots"], rows["prefix_lens"], extra, extra.stride(0), N, ROUNDS=rounds,
-                              TREE=parents is not tokens, BLOCK_N=next_power_of_2(N))  # fmt: skip
+                              rows["out_slots"], rows["prefix_lens"], extra, extra.stride(0), N,
+                              L if widths is None else widths, ROUNDS=rounds, TREE=parents is not tokens,
+                              BLOCK_N=next_power_of_2(N), WIDTHS=widths is not None)  # fmt: skip
     return None
 
 

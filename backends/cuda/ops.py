@@ -79,6 +79,12 @@ class CudaBackend(SamplingKernels, TorchBackend):
             return write_out(out, *topk_ops.softmax_topk(logits, topk, vocab_map))
         return topk_ops.softmax_topk(logits, topk, vocab_map, out)
 
+    def top1_probability(self, logits):
+        """`TorchBackend.top1_probability` in one launch (`argmax.vocab_top1_probability`)."""
+        if logits.dtype not in KERNEL_LOGITS or not runs_triton(logits):
+            return super().top1_probability(logits)
+        return argmax.vocab_top1_probability(logits)
+
     def expand_frontier(self, frontier_scores, child_p, child_ids, topk):
         """See `speccycle.core.tree.expand_frontier`."""
         if not (

@@ -48,6 +48,12 @@ class TorchBackend:
             ids = vocab_map[ids]
         return write_out(out, probs, ids)
 
+    def top1_probability(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's probability of its top token, ``[R, V] -> [R]`` float32: ``exp(max - logsumexp)`` (0 for a row
+        without a finite logit). The confidence `SpecConfig.draft_floor` reads (the token is the argmax's)."""
+        x = logits.float()
+        return torch.nan_to_num(torch.exp(x.amax(-1) - torch.logsumexp(x, -1)), nan=0.0)
+
     def expand_frontier(self, frontier_scores, child_p, child_ids, topk):
         """See `speccycle.core.tree.expand_frontier`."""
         return tree.expand_frontier(frontier_scores, child_p, child_ids, topk)

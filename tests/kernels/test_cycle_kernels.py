@@ -73,6 +73,27 @@ def test_argmax_all_ties_nan_and_minus_inf_rows():
         assert _equal(argmax.vocab_argmax(logits, chunks), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top1_probability_equals_the_torch_reference(dtype):
+    """`vocab_top1_probability` (the chain's confidence, `SpecConfig.draft_floor`) against
+    `TorchBackend.top1_probability`: draft-vocabulary rows, a peaked and a flat row, an unaligned tail; a row of
+    ``-inf`` and a row with a NaN give 0 in both."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 2100, generator=gen) * 4).to(dtype)
+    logits[1] = 0.0  # flat: 1 / 2100
+    logits[2, 17] = 60.0  # peaked: ~1
+    logits[3] = float("-inf")
+    logits[4, 5] = float("nan")
+    logits[5, 2099] = 30.0  # the top in the unaligned tail
+    want = TorchBackend().top1_probability(logits)
+    got = argmax.vocab_top1_probability(logits.to(DEVICE)).cpu()
+    assert got.dtype == torch.float32 and got.shape == (7,)
+    assert float(got[3]) == float(want[3]) == 0.0 and float(got[4]) == float(want[4]) == 0.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert abs(float(got[1]) - 1 / 2100) < 1e-7 and float(got[2]) > 0.999
+    assert torch.equal(CudaBackend().top1_probability(logits.to(DEVICE)).cpu(), got)
+
+
 # ---- softmax top-K ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", SEEDS)
 def test_topk_equals_softmax_topk(seed):

@@ -143,6 +143,36 @@ def test_verify_rows_equal_their_twin(batch, steps, topk, nodes):
     assert torch.equal(outputs[1]["extra_slots"][: batch * nodes], expected)
 
 
+def test_verify_rows_past_a_chains_width_attend_nothing_and_write_nothing():
+    """A chain cut by `SpecConfig.draft_floor` (`DraftTree.widths`): a request's rows from its width on get prefix 0,
+    no extra slot and out slot -1 (the attention kernel skips a row without keys), in the kernel and its twin; the
+    rows before it are the uncut call's."""
+    batch, steps = 4, 4
+    nodes = steps + 1
+    tokens, parents, _, slots, _, gen = _case(5, batch, steps, 1, nodes)
+    L = torch.randint(5, 50, (batch,), generator=gen)
+    widths = torch.tensor([1, 3, 5, 2])
+    outputs = []
+    for kernel, cut in ((False, None), (False, widths), (True, widths)):
+        rows = _to(dict(input_ids=torch.full((batch * nodes,), 5), positions=torch.full((batch * nodes,), 6),
+                        out_slots=torch.full((batch * nodes,), -1), prefix_lens=torch.full((batch * nodes,), 7),
+                        extra_slots=torch.full((batch * nodes, nodes), -1)), DEVICE)  # fmt: skip
+        fn = ck.verify_rows if kernel else ck.verify_rows_torch
+        fn(*[_to(t, DEVICE) for t in (tokens, parents, L, slots)], steps, rows, BACKEND,
+           None if cut is None else cut.to(DEVICE))  # fmt: skip
+        outputs.append({k: v.cpu() for k, v in rows.items()})
+    full, twin, got = outputs
+    for name in twin:
+        assert torch.equal(got[name], twin[name]), name
+    live = (torch.arange(nodes)[None, :] < widths[:, None]).reshape(-1)
+    for name in ("input_ids", "positions"):
+        assert torch.equal(twin[name], full[name]), name
+    for name in ("out_slots", "prefix_lens", "extra_slots"):
+        assert torch.equal(twin[name][live], full[name][live]), name
+    assert (twin["prefix_lens"][~live] == 0).all() and (twin["out_slots"][~live] == -1).all()
+    assert (twin["extra_slots"][~live] == -1).all() and not live.all()
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_cycle_slots_equal_their_twin(page_size):
     gen = torch.Generator().manual_seed(page_size)

@@ -64,7 +64,9 @@ def configs(draw) -> SpecConfig:
     if steps == 0:  # no draft: the root alone, a plain decode step through the cycle
         return SpecConfig(num_steps=0, topk=topk, page_size=16)
     n = steps + 1 if topk == 1 else draw(st.integers(2, min(1 + max_tree_nodes(steps, topk), 12)))
-    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n, page_size=16)
+    # a chain may be cut where its draft's confidence runs out (`SpecConfig.draft_floor`: widths per request)
+    floor = draw(st.sampled_from([0.0, 0.3, 0.7])) if topk == 1 else 0.0
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=n, page_size=16, draft_floor=floor)
 
 
 def _requests(engine, count: int, max_new: int, stops: tuple[int, ...], sampled=()) -> list[Request]:

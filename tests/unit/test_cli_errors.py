@@ -155,6 +155,8 @@ def test_cuda_on_a_torch_without_cuda_is_one_line(capsys, monkeypatch, no_model)
         (["--steps", "-1"], dict(num_steps=-1, topk=1)),
         (["--topk", "17"], dict(num_steps=4, topk=17)),
         (["--page-size", "0", "--steps", "3"], dict(num_steps=3, page_size=0)),
+        (["--topk", "2", "--draft-floor", "0.2"], dict(num_steps=4, topk=2, draft_floor=0.2)),
+        (["--topk", "1", "--draft-floor", "1.5"], dict(num_steps=16, topk=1, draft_floor=1.5)),
     ],
 )
 def test_a_config_spec_config_refuses_is_refused_with_its_message(capsys, no_model, options, spec):
