@@ -207,6 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
             "K": engine.spec.topk,
             "N": engine.spec.num_draft_tokens,
             "P": engine.spec.page_size,
+            "draft_floor": engine.spec.draft_floor,
             "dtype": str(engine.model.dtype).replace("torch.", ""),
         },
         "prompts_file": args.prompts or "speccycle.engine/data/spec_bench_sample.jsonl",
@@ -265,6 +266,9 @@ def _bench_transformers(args: argparse.Namespace, prompts: list[dict]) -> int:
         spec_configs,
     )
 
+    if args.draft_floor:
+        raise UsageError("--backend transformers runs its fixed chain and tree: drop --draft-floor (speccycle's own "
+                         "engine takes it)")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))

@@ -188,11 +188,12 @@ class DraftTree:
     parents: torch.Tensor  # [bs, N] int64: row index of the parent, -1 for the root
     depths: torch.Tensor | None  # [bs, N] int64: 0 for the root; None: not materialized (a static verify derives them)
     scores: torch.Tensor | None = None  # [bs, N] float32: cumulative draft probability (root 1)
-    # [bs, N] bool: rows a sampled draft had no token for (it ran out of mass); their token is a
-    # placeholder the verify never accepts. None: no such row.
+    # [bs, N] bool: placeholder rows the verify never accepts: a sampled draft had no token for them (it ran out of
+    # mass), a lookup draft proposed fewer, or they lie past the request's width. None: no such row.
     padding: torch.Tensor | None = None
     # [bs] int64: rows ``[0, width)`` of each request are verified; the rest are padding the verify forward
-    # skips (``SamplingParams(speculate=False)``: width 1, the root alone). None: every request verifies N rows.
+    # skips (``SamplingParams(speculate=False)``: width 1, the root alone; a chain under ``SpecConfig.draft_floor``:
+    # the rows its draft's confidence reaches). None: every request verifies N rows.
     widths: torch.Tensor | None = None
 
 

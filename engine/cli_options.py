@@ -210,10 +210,17 @@ def check_engine_args(args: argparse.Namespace) -> SpecConfig:
             f"--eagle-head {args.eagle_head}: no such file or folder; pass an EAGLE head's .safetensors file or a "
             "published head's folder"
         )
+    if getattr(args, "draft_floor", 0.0) and args.draft in ("ngram", "none"):
+        raise UsageError(
+            f"--draft-floor cuts a forward draft's chain by its confidence; --draft {args.draft} has no draft "
+            "probabilities: drop --draft-floor or use --draft eagle / layerskip / model with --topk 1"
+        )
     try:  # the library's own checks of a tree shape and of sampling options, as one-line usage errors
         sampling = sampling_from_args(args)
         spec = spec_from_args(args, args.device)
     except ValueError as err:
+        if getattr(args, "draft_floor", 0.0) and args.topk != 1 and "needs topk (K)=1" in str(err):
+            raise UsageError(f"{err}; on the command line: --topk 1, or drop --draft-floor") from None
         raise UsageError(str(err)) from None
     if args.draft == "none" and not sampling.greedy:
         raise UsageError("--draft none is the greedy autoregressive baseline: sample (--temperature > 0) with a draft")

@@ -389,6 +389,7 @@ def _check_drafted(record: Drafted, ports) -> None:
         resting = [b for b, r in enumerate(record.requests) if not r.sampling.speculate]
         require(all(int(widths[b]) == 1 for b in resting), 4, "a request with speculate=False must have width 1")
         if cfg.draft_floor and tree.scores is not None:  # a chain cut where its draft's confidence runs out
+            require(tuple(tree.scores.shape) == (bs, n), 4, f"scores shape {tuple(tree.scores.shape)} != ({bs}, {n})")
             cut = 1 + (tree.scores[:, 1:] >= cfg.draft_floor).long().sum(1)
             greedy = [b for b, r in enumerate(record.requests) if r.sampling.speculate and r.sampling.greedy]
             require(

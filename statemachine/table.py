@@ -81,9 +81,17 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.draft_extend,
         guard=t.extend_ready,
-        ops=("slots_for_positions", "select_topk", "apply_token_mask", "process_logits", "sample_without_replacement"),
+        ops=(
+            "slots_for_positions",
+            "select_topk",
+            "top1_probability",
+            "apply_token_mask",
+            "process_logits",
+            "sample_without_replacement",
+        ),
         grammar=("draft_masks",),
-        doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q).",
+        doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q; "
+        "a chain under draft_floor: its top token's probability).",
         static=sr.draft_extend_static,
     ),
     Transition(
@@ -139,7 +147,7 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.first_level,
         guard=t.first_level_due,
-        ops=("select_topk", "apply_token_mask", "process_logits", "sample_without_replacement"),
+        ops=("select_topk", "top1_probability", "apply_token_mask", "process_logits", "sample_without_replacement"),
         grammar=("draft_masks",),
         doc="A batch whose top-K a cycle of S == 0 deferred, moved to a shape that drafts: the draft's logits from "
         "its hidden state (the extend's, exactly), then the depth-1 top-K as the extend takes it.",
@@ -153,6 +161,7 @@ TABLE: tuple[Transition, ...] = (
         ops=(
             "slots_for_positions",
             "select_topk",
+            "top1_probability",
             "apply_token_mask",
             "process_logits",
             "sample_without_replacement",
@@ -161,7 +170,8 @@ TABLE: tuple[Transition, ...] = (
         ),
         grammar=("FrontierMasks", "row_masks"),
         doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "
-        "(sampled: children drawn from q, level order, no rerank; speculate=False: no draft rows, width 1).",
+        "(sampled: children drawn from q, level order, no rerank; speculate=False: no draft rows, width 1; "
+        "a chain under draft_floor: a greedy request's rows cut where its draft's confidence runs out).",
         static=sr.draft_tree_static,
     ),
     Transition(

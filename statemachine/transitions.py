@@ -772,7 +772,8 @@ def draft_levels(
     """The ``S - 1`` draft forwards of `draft_tree`: every candidate level, EAGLE-2 rescored.
 
     Returns ``cand_tokens, cand_scores, cand_parents [bs, C]`` (level order, ``C = K + (S - 1) K^2``;
-    a chain: ``C = S``) and ``draft_positions [bs, S - 1]``. Greedy (``rows`` None), it has no host
+    a chain: ``C = S`` tokens, and scores ``[bs, S]``, each depth's top-1 probability, under ``draft_floor``, else
+    ``[bs, 1]``) and ``draft_positions [bs, S - 1]``. Greedy (``rows`` None), it has no host
     sync and no data-dependent shape, so an engine may capture it whole in a CUDA graph; sampled
     ``rows`` draw children and fill ``draft_probs`` in place. ``requests`` whose logits depend on their
     history (`statemachine.logits`) have each node's logits changed by its path first, as the verify will.
@@ -1024,6 +1025,9 @@ def _with_resting(rec, cfg: SpecConfig, index: torch.Tensor, part) -> tuple[Draf
         tokens[index] = sub_tree.tokens
         if not cfg.is_chain:
             parents[index] = sub_tree.parents
+            scores[index] = sub_tree.scores.to(scores.dtype)
+        elif sub_tree.scores is not None:  # a chain cut by draft_floor: its scores (the resting rows' ones)
+            scores = torch.ones((bs, N), dtype=torch.float32, device=device)
             scores[index] = sub_tree.scores.to(scores.dtype)
         if sub_tree.padding is not None:
             padding[index] = sub_tree.padding

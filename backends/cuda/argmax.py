@@ -1,7 +1,8 @@
 """Fused vocabulary argmax: the ``K == 1`` draft and the greedy verify (reference: ``logits.argmax(-1)``); and the
 top token's probability a chain's cut reads (`vocab_top1_probability`, reference `TorchBackend.top1_probability`).
 
-No softmax: the chain never uses the probability, and argmax of the logits is exact in any dtype.
+No softmax: the chain's token needs no probability (its cut reads one apart), and argmax of the logits is exact in
+any dtype.
 Each row's vocabulary is split into chunks; stage 1 runs one program per (rows, chunk), each walking
 its chunk in blocks and keeping, per lane, the largest value and the first index holding it; stage 2
 reduces the chunk winners of a row. With one chunk per row (many rows) stage 1 writes the answer
@@ -92,20 +93,25 @@ def _argmax_reduce_kernel(
     tl.store(out_ptr + rows, best.to(tl.int64), mask=row_inside)
 
 
+def _kernel_logits(logits: torch.Tensor, name: str) -> torch.Tensor:
+    """``logits [R, V >= 1]`` as the kernels here read them: float16 / bfloat16 / float32 with a contiguous last
+    dimension (float8 widened to float32, exactly)."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"{name} needs logits [R, V >= 1], got {tuple(logits.shape)}")
+    if logits.dtype not in _NATIVE:
+        if not logits.dtype.is_floating_point or logits.dtype == torch.float64:
+            raise ValueError(f"{name} takes float16, bfloat16, float32 or float8 logits, got {logits.dtype}")
+        logits = logits.float()  # float8 -> float32 is exact
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
 def vocab_argmax(logits: torch.Tensor, num_chunks: int | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` for float16 / bfloat16 / float32 (float8 is widened to float32 first).
 
     ``num_chunks`` splits each row (default: enough programs to fill the device). Shapes:
     ``logits [R, V]`` -> ``[R]`` int64.
     """
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(f"vocab_argmax needs logits [R, V >= 1], got {tuple(logits.shape)}")
-    if logits.dtype not in _NATIVE:
-        if not logits.dtype.is_floating_point or logits.dtype == torch.float64:
-            raise ValueError(f"vocab_argmax takes float16, bfloat16, float32 or float8 logits, got {logits.dtype}")
-        logits = logits.float()  # float8 -> float32 is exact
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits = _kernel_logits(logits, "vocab_argmax")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -175,16 +181,7 @@ def vocab_top1_probability(logits: torch.Tensor) -> torch.Tensor:
     """The probability of each row's top token, ``softmax(logits).max(-1)`` in float32 (0 for a row without a finite
     logit or with a NaN), one launch: ``logits [R, V]`` float16 / bfloat16 / float32 (float8 widened) -> ``[R]``
     float32. Equal to `TorchBackend.top1_probability` up to float32 rounding (its sums run in another order)."""
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(f"vocab_top1_probability needs logits [R, V >= 1], got {tuple(logits.shape)}")
-    if logits.dtype not in _NATIVE:
-        if not logits.dtype.is_floating_point or logits.dtype == torch.float64:
-            raise ValueError(
-                f"vocab_top1_probability takes float16, bfloat16, float32 or float8 logits, got {logits.dtype}"
-            )
-        logits = logits.float()  # float8 -> float32 is exact
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits = _kernel_logits(logits, "vocab_top1_probability")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:

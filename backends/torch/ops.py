@@ -29,9 +29,10 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``K`` draft candidates of each row.
 
-        ``K == 1`` takes ``argmax`` of the logits and skips the full-vocabulary softmax: the chain
-        never uses the probability, and argmax is exact in any dtype, where softmax + max in low
-        precision can round two logits to one probability and pick the lower index.
+        ``K == 1`` takes ``argmax`` of the logits and skips the full-vocabulary softmax: the chain's token
+        needs no probability (a cut by ``draft_floor`` reads it apart, `top1_probability`), and argmax is exact in
+        any dtype, where softmax + max in low precision can round two logits to one probability and pick the lower
+        index.
 
         ``vocab_map [V]`` int64: the logits' columns are a draft vocabulary and the ids come back as
         ``vocab_map[column]`` (`ModelOutput.vocab_map`). ``out``: ``(probs, ids)`` tensors to write and

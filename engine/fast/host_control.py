@@ -70,7 +70,7 @@ class HostBackend(TorchBackend):
       ops; measured 14 us against 5-11 us on a CPU, `bench/cycle_overhead.py`).
     * ``move_kv``: a tree's KV move runs on the KV's device: the indices (at most ``bs * (S + 1)``)
       go there in one pinned copy and the device's backend moves every buffer (one Triton launch on CUDA).
-    * ``select_topk``: of logits on the device, the device backend's, brought over.
+    * ``select_topk`` and ``top1_probability``: of logits on the device, the device backend's, brought over.
 
     Each is tested equal to the torch reference (tests/property/test_host_backend.py,
     tests/unit/test_fast_path.py for the top-K).
@@ -88,6 +88,11 @@ class HostBackend(TorchBackend):
             probs, ids = self.device_backend.select_topk(logits, topk, device_map)
             return write_out(out, probs.cpu(), ids.cpu())
         return super().select_topk(logits, topk, vocab_map, out)
+
+    def top1_probability(self, logits):
+        if logits.device.type != "cpu":  # logits on the device: its backend's probabilities, brought over
+            return self.device_backend.top1_probability(logits).cpu()
+        return super().top1_probability(logits)
 
     def verify_greedy(
         self, tokens: torch.Tensor, parents: torch.Tensor, predict: torch.Tensor, accept_width: int

@@ -544,7 +544,8 @@ class GraphedDraftLevels(DraftCapabilities):
         rows = bucket(bs)
         if rows is None or rows > self.options.max_requests or width > self._levels_width:
             return None
-        key = (rows, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, hidden_dtype is not None)
+        # draft_floor too: a chain's depth scores are [bs, S] under a floor, [bs, 1] without (`draft_levels`)
+        key = (rows, cfg.num_steps, cfg.topk, cfg.num_draft_tokens, cfg.draft_floor, hidden_dtype is not None)
         entry = self._levels.get(key)
         if entry is None:
             entry = self._levels[key] = self._level_buffers(rows, cfg, hidden_dtype, self.options.device)

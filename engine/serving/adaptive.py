@@ -106,16 +106,18 @@ def _check_shapes(instance, attribute, value) -> None:
         return
     if not isinstance(value, tuple) or not value or not all(isinstance(c, SpecConfig) for c in value):
         raise ValueError(f"AdaptiveSpeculation.shapes={value!r} must be None or a non-empty tuple of SpecConfig")
-    if len({(c.topk, c.page_size) for c in value}) > 1:
-        raise ValueError("AdaptiveSpeculation.shapes must share topk (K) and page_size (P): one family of shapes")
+    if len({(c.topk, c.page_size, c.draft_floor) for c in value}) > 1:
+        raise ValueError(
+            "AdaptiveSpeculation.shapes must share topk (K), page_size (P) and draft_floor: one family of shapes"
+        )
 
 
 @attrs.frozen
 class AdaptiveSpeculation:
     """Which draft shape each cycle runs (module docstring).
 
-    * ``shapes``: the menu, one family (the same ``K`` and page size); None: `shape_family` of the scheduler's
-      config.
+    * ``shapes``: the menu, one family (the same ``K``, page size and ``draft_floor``); None: `shape_family` of the
+      scheduler's config.
     * ``cost(shape, batch_size)``: a fixed cost model, seconds a cycle; None measures the cycles.
     * ``ema_weight``: weight of the newest cycle in the moving average of a shape's committed tokens per
       request (per `TAU_REQUESTS` request-verifies).

@@ -155,8 +155,6 @@ def test_cuda_on_a_torch_without_cuda_is_one_line(capsys, monkeypatch, no_model)
         (["--steps", "-1"], dict(num_steps=-1, topk=1)),
         (["--topk", "17"], dict(num_steps=4, topk=17)),
         (["--page-size", "0", "--steps", "3"], dict(num_steps=3, page_size=0)),
-        (["--topk", "2", "--draft-floor", "0.2"], dict(num_steps=4, topk=2, draft_floor=0.2)),
-        (["--topk", "1", "--draft-floor", "1.5"], dict(num_steps=16, topk=1, draft_floor=1.5)),
     ],
 )
 def test_a_config_spec_config_refuses_is_refused_with_its_message(capsys, no_model, options, spec):
@@ -165,6 +163,17 @@ def test_a_config_spec_config_refuses_is_refused_with_its_message(capsys, no_mod
     code, _, err = run(["generate", "hi", "--draft", "ngram", *options], capsys)
     line = one_line_error(code, err)
     assert line == f"speccycle: error: {refused.value}"
+
+
+def test_a_draft_floor_without_a_forward_drafts_chain_is_refused_with_what_to_do(capsys, no_model):
+    code, _, err = run(["generate", "hi", "--draft", "eagle", "--topk", "2", "--draft-floor", "0.2"], capsys)
+    one_line_error(code, err, "draft_floor=0.2", "needs topk (K)=1", "--topk 1")
+    code, _, err = run(["generate", "hi", "--draft", "eagle", "--draft-floor", "0.2"], capsys)  # a tree by default
+    one_line_error(code, err, "needs topk (K)=1", "--topk 1")
+    code, _, err = run(["generate", "hi", "--draft", "ngram", "--draft-floor", "0.2"], capsys)
+    one_line_error(code, err, "--draft-floor", "--draft ngram", "drop --draft-floor")
+    code, _, err = run(["generate", "hi", "--draft", "eagle", "--topk", "1", "--draft-floor", "1.5"], capsys)
+    one_line_error(code, err, "draft_floor must be a number in [0, 1), got 1.5")
 
 
 def test_bad_sampling_and_draft_options_are_refused_before_loading(tmp_path, capsys, no_model):

@@ -79,3 +79,22 @@ def test_greedy_output_is_the_same_at_any_floor_and_rows_are_cut(engine, fused, 
         engine.fused_cycles = fused_cycles
         engine.spec = SpecConfig(num_steps=4, page_size=16)
     assert seen and any(w < 5 for widths in seen for w in widths)  # the floors cut rows
+
+
+def test_a_floor_beside_a_request_that_does_not_speculate(engine):
+    """`SamplingParams(speculate=False)` keeps width 1 while the others are cut by the floor (the eager table, checked
+    mode holds the cut to the scores of the requests that speculate); every output is the autoregressive one."""
+    from speccycle.core.config import SamplingParams
+
+    prompts = [engine.chat_prompt(p["text"]) for p in load_prompts(None)[:3]]
+    reference = engine.generate_autoregressive(prompts, 12)
+    fused_cycles = engine.fused_cycles
+    try:
+        engine.fused_cycles = None
+        engine.spec = SpecConfig(num_steps=4, page_size=16, draft_floor=0.3)
+        sampling = [SamplingParams(), SamplingParams(speculate=False), SamplingParams()]
+        outputs, _ = engine.generate(prompts, max_new_tokens=12, sampling=sampling, checked=True)
+    finally:
+        engine.fused_cycles = fused_cycles
+        engine.spec = SpecConfig(num_steps=4, page_size=16)
+    assert [list(o.output) for o in outputs] == [list(r) for r in reference]

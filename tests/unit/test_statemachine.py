@@ -36,9 +36,12 @@ def _requests(n=2, max_new=12):
     return tuple(Request(i, tuple(range(1 + i, 6 + 2 * i)), SamplingParams(max_new_tokens=max_new)) for i in range(n))
 
 
-@pytest.mark.parametrize("family", ["shifted", "lookup"])
-def test_each_transition_calls_only_the_ops_its_row_names(family):
+@pytest.mark.parametrize("family,floor", [("shifted", None), ("lookup", None), ("shifted", 0.3)])
+def test_each_transition_calls_only_the_ops_its_row_names(family, floor):
+    """Also a chain cut by its draft's confidence (`SpecConfig.draft_floor`: the top-1 probabilities)."""
     config = SpecConfig(num_steps=3, topk=2, num_draft_tokens=5, page_size=2)
+    if floor is not None:
+        config = SpecConfig(num_steps=3, topk=1, page_size=2, draft_floor=floor)
     ports = _ports(config, family)
     backend = RecordingBackend()
     record = Admitted(config=config, requests=_requests(2, max_new=8))
