@@ -1148,6 +1148,12 @@ def target_verify_forward(rec: Drafted, ports: Ports, mask: torch.Tensor) -> tup
     )
     out = ports.target.forward(ragged)
     full = ModelOutput(logits=_scatter_rows(out.logits, kept, bs * N), hidden=_scatter_rows(out.hidden, kept, bs * N))
+    # the port's own reductions, where it handed them over (the host plane: on the host, beside the records)
+    if out.greedy is not None:
+        full = attrs.evolve(full, greedy=_scatter_rows(out.greedy, kept.to(out.greedy.device), bs * N))
+    if out.finite is not None:  # a skipped row has no logit to be non-finite
+        finite = torch.ones(bs * N, dtype=torch.bool, device=out.finite.device)
+        full = attrs.evolve(full, finite=finite.index_copy_(0, kept.to(finite.device), out.finite))
     return full, row_request
 
 
