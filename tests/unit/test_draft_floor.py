@@ -3,6 +3,7 @@ real model's greedy output unchanged by any floor, on the table's eager rows and
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from speccycle.core import SpecConfig
@@ -98,3 +99,56 @@ def test_a_floor_beside_a_request_that_does_not_speculate(engine):
         engine.fused_cycles = fused_cycles
         engine.spec = SpecConfig(num_steps=4, page_size=16)
     assert [list(o.output) for o in outputs] == [list(r) for r in reference]
+
+
+class _Reducing:
+    """A target port that hands its greedy and finite reductions over with its logits (`ModelOutput.greedy`,
+    ``finite``), as the fast path's host plane does."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, batch):
+        out = self.inner.forward(batch)
+        return attrs.evolve(out, greedy=out.logits.argmax(-1), finite=torch.isfinite(out.logits).all(-1))
+
+
+def test_a_cut_verify_keeps_the_ports_reductions():
+    """The eager verify runs only the rows a request's width keeps (a ragged forward) and puts them back at their
+    flat rows: the port's greedy and finite reductions come back with them (a skipped row finite), so a target that
+    computes them where its records live keeps every prediction there; the outputs match a run of the same target
+    without the reductions."""
+    from speccycle.backends.torch import TorchBackend
+    from speccycle.core import Admitted, Ports, Request, SamplingParams
+    from speccycle.statemachine import select, step
+    from speccycle.testing import FingerprintPool, HashedNgramTarget, NoisyDraft
+
+    config = SpecConfig(num_steps=4, page_size=2, draft_floor=0.5)
+    outputs, cut = [], False
+    for reducing in (False, True):
+        pool = FingerprintPool(num_pages=256, page_size=2)
+        target = HashedNgramTarget(pool, vocab_size=32, n=3)
+        ports = Ports(target=_Reducing(target) if reducing else target, draft=NoisyDraft(target, 0.7, "shifted"),
+                      kv_pool=pool)  # fmt: skip
+        requests = tuple(
+            Request(i, tuple(range(1 + i, 6 + 2 * i)), SamplingParams(max_new_tokens=16)) for i in range(3)
+        )
+        record, done = Admitted(config=config, requests=requests), {}
+        for _ in range(200):
+            if not record.requests:
+                break
+            if reducing and select(record, ports).event == "verify" and record.tree.widths is not None:
+                widths = record.tree.widths
+                cut |= bool((widths < config.num_draft_tokens).any())
+                mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(len(record.requests), 5, 5)
+                out, _ = transitions.target_verify_forward(record, ports, mask)
+                live = (torch.arange(5)[None, :] < widths[:, None]).reshape(-1)
+                assert out.greedy is not None and out.finite is not None
+                assert torch.equal(out.greedy[live], out.logits[live].argmax(-1)) and bool(out.finite[~live].all())
+            record = step(record, ports, TorchBackend(), checked=True)
+            done.update({r.request_id: r.output for r in getattr(record, "retired", ())})
+        outputs.append(done)
+    assert cut and outputs[0] == outputs[1] and len(outputs[0]) == 3
