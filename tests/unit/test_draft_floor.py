@@ -52,7 +52,7 @@ def engine():
 @pytest.mark.parametrize("fused", [False, True])
 def test_greedy_output_is_the_same_at_any_floor_and_rows_are_cut(engine, fused, monkeypatch):
     """The eager table (the verify compacts each request's rows to its width) and the static executor (the rows past
-    the width attend nothing): the autoregressive output at floors 0, 0.3 and 0.9, checked mode, with rows cut."""
+    the width attend nothing): the autoregressive output at floors 0.3 and 0.9, checked mode, with rows cut."""
     prompts = [engine.chat_prompt(p["text"]) for p in load_prompts(None)[:2]]
     reference = engine.generate_autoregressive(prompts, 16)
     seen: list[list[int]] = []
@@ -69,7 +69,7 @@ def test_greedy_output_is_the_same_at_any_floor_and_rows_are_cut(engine, fused, 
 
     fused_cycles = engine.fused_cycles
     try:
-        for floor in (0.0, 0.3, 0.9):
+        for floor in (0.3, 0.9):
             engine.spec = SpecConfig(num_steps=4, page_size=16, draft_floor=floor)
             # the fused cycles run the config they are built with (`Engine.load(spec=...)` builds them so)
             engine.fused_cycles = (FusedCycles(engine.target, engine.draft, engine.pool, engine.spec,
