@@ -349,8 +349,7 @@ def draft_tree_static(rec: Ready, ports, backend, ctx: StaticContext) -> Drafted
         padding, tokens = tokens < 0, tokens.clamp(min=0)
     widths = None
     if K == 1 and cfg.draft_floor:  # rows past the draft's confidence: padding the verify skips (`floor_widths`)
-        widths = floor_widths(cand_scores, cfg.draft_floor, None if sampled is None else sampled.sampled)
-        scores = torch.cat([torch.ones_like(cand_scores[:, :1]), cand_scores.float().cumprod(1)], 1)
+        widths, scores = floor_widths(cand_scores, cfg.draft_floor, None if sampled is None else sampled.sampled)
         cut = buf.chain_depths >= widths[:, None]
         padding = cut if padding is None else padding | cut
     tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding, widths=widths)

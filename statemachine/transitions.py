@@ -743,14 +743,18 @@ def _refuse_draft_vocabulary_when_sampled(out: ModelOutput, rows) -> None:
         raise ValueError("a sampled draft needs logits over the target vocabulary (ModelOutput.vocab_map set)")
 
 
-def floor_widths(confidence: torch.Tensor, floor: float, keep: torch.Tensor | None = None) -> torch.Tensor:
+def floor_widths(
+    confidence: torch.Tensor, floor: float, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A chain's verify rows per request at ``floor`` (`SpecConfig.draft_floor`): ``1 + #{d : c_1 ... c_d >= floor}``
     for ``confidence [bs, S]`` (each depth's top-1 probability, the backend's ``top1_probability``), every row where
-    ``keep [bs]`` (sampled requests). The products never grow (each factor is at most 1): a prefix of rows stays."""
-    widths = 1 + (confidence.float().cumprod(1) >= floor).long().sum(1)
+    ``keep [bs]`` (sampled requests); and the chain's scores ``[bs, S + 1]`` (`DraftTree.scores`: the products, root
+    1). The products never grow (each factor is at most 1): a prefix of rows stays. Returns ``(widths, scores)``."""
+    scores = torch.cat([torch.ones_like(confidence[:, :1], dtype=torch.float32), confidence.float().cumprod(1)], 1)
+    widths = 1 + (scores[:, 1:] >= floor).long().sum(1)
     if keep is not None:
         widths = torch.where(keep, confidence.shape[1] + 1, widths)
-    return widths
+    return widths, scores
 
 
 def draft_levels(
@@ -993,8 +997,7 @@ def _draft_rows(rec: Ready, ports: Ports, backend, ids, page_table, draft_slots)
         sampled = None
         if rows is not None:
             sampled = torch.zeros(bs, dtype=torch.bool, device=device).index_fill_(0, rows.index, True)
-        widths = floor_widths(cand_scores, cfg.draft_floor, sampled)
-        scores = torch.cat([torch.ones_like(cand_scores[:, :1]), cand_scores.float().cumprod(1)], 1)
+        widths, scores = floor_widths(cand_scores, cfg.draft_floor, sampled)
         cut = shapes.arange(N, device)[None, :] >= widths[:, None]
         padding = cut if padding is None else padding | cut
     tree = DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, padding=padding, widths=widths)
