@@ -56,6 +56,47 @@ def device_name(device: str = "cpu") -> str:
     return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
+class KernelSpecializations:
+    """Counts the Triton kernel specializations a block of code meets for the first time in this process (each one
+    compiles, or at least loads from Triton's disk cache, before its launch), by kernel name.
+
+    A serving run should meet none: each costs a compile (tenths of a second to seconds) inside some request's
+    time. Triton calls ``knobs.runtime.jit_cache_hook`` for every new specialization; where it has no such hook
+    (an older Triton, or none installed) ``counts`` stays None. The interpreter (``TRITON_INTERPRET=1``) compiles
+    nothing, so it counts nothing::
+
+        with KernelSpecializations() as seen:
+            run()
+        seen.counts  # {"_fill_bonus_kernel": 1, ...}, or None where it cannot tell
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] | None = None
+        self._runtime = self._before = None
+
+    def _hook(self, **kwargs):
+        name = str(kwargs.get("repr", "?")).split("[", 1)[0]
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return self._before(**kwargs) if self._before is not None else None  # a truthy answer would skip the compile
+
+    def __enter__(self) -> KernelSpecializations:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        runtime = getattr(knobs, "runtime", None)
+        if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+            return self
+        self.counts, self._runtime, self._before = {}, runtime, runtime.jit_cache_hook
+        runtime.jit_cache_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook = self._before
+            self._runtime = None
+
+
 def result_record(name: str, payload: dict, device: str = "cpu", now: _dt.datetime | None = None) -> dict:
     """A benchmark record: ``payload`` under the benchmark's name, device, date, commit, torch, and the ``SPECCYCLE_*``
     settings of the environment (the attention kernel, the BLAS library, ...) where any is set."""

@@ -55,7 +55,7 @@ from speccycle.engine.serving.scheduler import Scheduler
 from speccycle.engine.tokenizers.tokenizer import Tokenizer
 from speccycle.engine.weights.weights_gguf import default_model_path
 
-from .common import RESULTS, commit, latency_ms, result_record
+from .common import RESULTS, KernelSpecializations, commit, latency_ms, result_record
 
 MODES = ("off", "on", "adaptive")
 REASONS = ("stop", "length", "cancelled", "error")
@@ -316,8 +316,9 @@ def run_mode(
         admit_fraction=admit_fraction,
     )
     sync()
-    tracks, done, seconds = run_load(scheduler, workload, prompts, clients)
-    sync()
+    with KernelSpecializations() as compiled:
+        tracks, done, seconds = run_load(scheduler, workload, prompts, clients)
+        sync()
     stats = scheduler.stats
     figures = latency_figures(tracks, seconds)
     figures.update(
@@ -328,6 +329,7 @@ def run_mode(
         retractions=stats.retractions,
         cancelled=stats.cancelled,
         captures=stats.captures,  # graphs captured inside the timed run (their time counts)
+        compiles=compiled.counts,  # Triton kernel specializations first met inside it, by kernel (None: unknown)
     )
     return figures, tracks, done
 
@@ -370,6 +372,7 @@ def summary_row(mode: str, row: dict) -> dict:
         "finished": f"{c['finished']}/{c['submitted']}",
         "cancelled": c["finish_reasons"]["cancelled"],
         "captures": row["captures"],
+        "compiles": None if row["compiles"] is None else sum(row["compiles"].values()),
         "greedy_identical": f"{c['greedy_identical']}/{c['greedy']}",
         "pool_empty": c["pool_empty_at_end"],
         "passed": c["passed"],
@@ -488,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{mode:>8}: {row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_ms']['p50']} p99 {row['ttft_ms']['p99']} "
             f"ms, TPOT p50 {row['tpot_ms']['p50']} p99 {row['tpot_ms']['p99']} ms; finished {c['finished']}/"
             f"{c['submitted']} {c['finish_reasons']}, greedy identical {c['greedy_identical']}/{c['greedy']}, "
-            f"pool empty {c['pool_empty_at_end']}, passed {c['passed']}; {row['captures']} graphs captured in the run"
+            f"pool empty {c['pool_empty_at_end']}, passed {c['passed']}; {row['captures']} graphs captured in the run, "
+            f"kernels compiled in it: {row['compiles'] if row['compiles'] is not None else 'unknown'}"
         )
     payload = {
         "model": f"{default_model_path().name} ({args.dtype})",

@@ -54,3 +54,28 @@ def test_write_result_records_the_speccycle_settings(tmp_path, monkeypatch):
     for key in [k for k in os.environ if k.startswith("SPECCYCLE_") and k != "SPECCYCLE_COMMIT"]:
         monkeypatch.delenv(key)
     assert "settings" not in json.loads(write_result("probe", {}, directory=tmp_path / "b").read_text())
+
+
+def test_kernel_specializations_counts_what_triton_announces_and_restores_its_hook():
+    """`bench.common.KernelSpecializations` counts each new specialization by kernel name from Triton's cache hook
+    (called as Triton calls it: keywords only), passes the call on to a hook installed before it, and puts that hook
+    back on exit."""
+    import pytest
+
+    knobs = pytest.importorskip("triton").knobs
+    from bench.common import KernelSpecializations
+
+    before, seen = knobs.runtime.jit_cache_hook, []
+    knobs.runtime.jit_cache_hook = lambda **kwargs: seen.append(kwargs["repr"])
+    try:
+        with KernelSpecializations() as compiled:
+            for name in ("_fill_bonus_kernel", "_slots_kernel", "_fill_bonus_kernel"):
+                call = dict(key=None, fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+                assert not knobs.runtime.jit_cache_hook(repr=f"{name}[num_warps=4](bs: i32)", **call)
+        assert compiled.counts == {"_fill_bonus_kernel": 2, "_slots_kernel": 1}
+        assert len(seen) == 3 and knobs.runtime.jit_cache_hook is not compiled._hook
+        with KernelSpecializations() as quiet:
+            pass
+        assert quiet.counts == {}
+    finally:
+        knobs.runtime.jit_cache_hook = before
