@@ -68,15 +68,19 @@ class KernelSpecializations:
         with KernelSpecializations() as seen:
             run()
         seen.counts  # {"_fill_bonus_kernel": 1, ...}, or None where it cannot tell
+        seen.variants  # each one's launch options and argument types as Triton names them, in order
     """
 
     def __init__(self) -> None:
         self.counts: dict[str, int] | None = None
+        self.variants: list[str] = []
         self._runtime = self._before = None
 
     def _hook(self, **kwargs):
-        name = str(kwargs.get("repr", "?")).split("[", 1)[0]
+        text = str(kwargs.get("repr", "?"))
+        name = text.split("[", 1)[0]
         self.counts[name] = self.counts.get(name, 0) + 1
+        self.variants.append(text)
         return self._before(**kwargs) if self._before is not None else None  # a truthy answer would skip the compile
 
     def __enter__(self) -> KernelSpecializations:

@@ -17,9 +17,13 @@ import triton.language as tl
 from .launch import next_power_of_2
 
 GATHER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32, torch.int64)
+FILL_BONUS_BLOCK = 128  # requests a program of `fill_bonus`: fixed, so every batch size runs one compiled kernel
 
 
-@triton.jit
+# The entry count (requests x accepted positions) and the batch size change from call to call in serving: not
+# specialized, and the entry blocks do not follow them, so a new batch compiles no kernel mid-serving. The features
+# (a call site's row width) stay specialized: they are fixed per call site.
+@triton.jit(do_not_specialize=["num_entries"])
 def _gather_accepted_kernel(
     rows_ptr,
     accept_index_ptr,
@@ -57,7 +61,7 @@ def gather_accepted(rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Ten
         raise IndexError("gather_accepted: accept_index points into an empty rows tensor")
     flat = rows.reshape(rows.shape[0], features).contiguous()
     block_f = min(1024, next_power_of_2(features))
-    block_e = min(next_power_of_2(num_entries), max(1, 4096 // block_f))
+    block_e = max(1, 4096 // block_f)  # not from num_entries: one compiled kernel per row width
     grid = (triton.cdiv(num_entries, block_e), triton.cdiv(features, block_f))
     _gather_accepted_kernel[grid](
         flat, accept_index.contiguous(), out, num_entries, features, BLOCK_E=block_e, BLOCK_F=block_f
@@ -65,7 +69,7 @@ def gather_accepted(rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Ten
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bs", "stride"])
 def _fill_bonus_kernel(tokens_ptr, accept_len_ptr, out_ptr, bs, stride, BLOCK: tl.constexpr):
     requests = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = requests < bs
@@ -82,8 +86,7 @@ def fill_bonus(accept_tokens: torch.Tensor, accept_len: torch.Tensor, stride: in
         raise ValueError(f"accept_tokens holds {flat.numel()} entries, expected bs * stride = {bs * stride}")
     out = torch.empty(bs, dtype=flat.dtype, device=flat.device)
     if bs:
-        block = min(1024, next_power_of_2(bs))
-        _fill_bonus_kernel[(triton.cdiv(bs, block),)](
-            flat.contiguous(), accept_len.contiguous(), out, bs, stride, BLOCK=block
+        _fill_bonus_kernel[(triton.cdiv(bs, FILL_BONUS_BLOCK),)](
+            flat.contiguous(), accept_len.contiguous(), out, bs, stride, BLOCK=FILL_BONUS_BLOCK
         )
     return out

@@ -28,10 +28,13 @@ from .launch import ROWS_PER_PROGRAM, interpreted, next_power_of_2
 
 MAX_MOVES = 1024  # moves held in one program's registers; the backend moves larger plans in torch
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SLOTS_BLOCK_R, SLOTS_BLOCK = 16, 64  # `slots_for_positions`' requests x positions a program, where it compiles
 
 
 # The batch's size, its positions' width and its page table's shape change from call to call in serving: not
-# specialized, so a new shape compiles no kernel mid-serving (only a new block size does).
+# specialized, and the blocks are fixed (`SLOTS_BLOCK_R` x `SLOTS_BLOCK`) where the kernel compiles, so a new shape
+# compiles no kernel mid-serving (a soak on an H200 compiled it twice inside a timed run when the blocks followed
+# the batch's shape).
 @triton.jit(do_not_specialize=["table_stride", "max_pages", "bs", "width"])
 def _slots_kernel(
     page_table_ptr,
@@ -67,8 +70,11 @@ def slots_for_positions(
     if bs and width:
         if page_table.stride(1) != 1:
             page_table = page_table.contiguous()
-        block = min(1024, next_power_of_2(width))
-        block_r = min(next_power_of_2(bs), ROWS_PER_PROGRAM if interpreted() else max(1, 1024 // block))
+        if interpreted():  # nothing compiles: blocks that fit the call keep the interpreter's steps few
+            block = min(1024, next_power_of_2(width))
+            block_r = min(next_power_of_2(bs), ROWS_PER_PROGRAM)
+        else:
+            block_r, block = SLOTS_BLOCK_R, SLOTS_BLOCK
         _slots_kernel[(triton.cdiv(bs, block_r), triton.cdiv(width, block))](
             page_table,
             page_table.stride(0),

@@ -82,7 +82,9 @@ def _final_token(
     return tl.where(best_key > -float("inf"), best, -1)
 
 
-@triton.jit
+# The draft depth (a shape of adaptive speculation's family: 0 with speculation off) and a tree's row count change
+# between batches in serving: not specialized (an int equal to 1 would compile a kernel of its own mid-serving).
+@triton.jit(do_not_specialize=["num_steps"])
 def _chain_kernel(
     tokens_ptr,  # [bs, S] int64
     q_ptr,  # [bs, S, V] float32 (unused for point masses)
@@ -129,7 +131,7 @@ def _chain_kernel(
     tl.store(accept_len_ptr + b, correct + 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "width"])
 def _tree_kernel(
     tokens_ptr,  # [bs, N] int64, -1 padding
     parents_ptr,  # [bs, N] int64
