@@ -20,3 +20,10 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=10, stateful_step_count=8, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# In worker processes (pytest-xdist, as scripts/test.sh runs the suite) the cores are shared among the workers: each
+# takes its share of torch's threads, so they do not oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
