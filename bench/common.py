@@ -80,7 +80,9 @@ class KernelSpecializations:
         text = str(kwargs.get("repr", "?"))
         name = text.split("[", 1)[0]
         self.counts[name] = self.counts.get(name, 0) + 1
-        self.variants.append(text)
+        compiled = kwargs.get("compile") or {}
+        attrs = (compiled.get("configs") or [{}])[0]  # argument index -> its specialization (16-divisible, ...)
+        self.variants.append(f"{text} constants {compiled.get('constants')} attrs {attrs}")
         return self._before(**kwargs) if self._before is not None else None  # a truthy answer would skip the compile
 
     def __enter__(self) -> KernelSpecializations:

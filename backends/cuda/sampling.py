@@ -83,8 +83,10 @@ def _final_token(
 
 
 # The draft depth (a shape of adaptive speculation's family: 0 with speculation off) and a tree's row count change
-# between batches in serving: not specialized (an int equal to 1 would compile a kernel of its own mid-serving).
-@triton.jit(do_not_specialize=["num_steps"])
+# between batches in serving: not specialized (an int equal to 1 would compile a kernel of its own mid-serving), nor
+# the alignment of the per-request vectors, which a batch of one can pass as views at any offset (the vocabulary-wide
+# rows keep theirs: their loads are the kernels' work).
+@triton.jit(do_not_specialize=["num_steps"], do_not_specialize_on_alignment=["tokens_ptr", "coins_ptr"])
 def _chain_kernel(
     tokens_ptr,  # [bs, S] int64
     q_ptr,  # [bs, S, V] float32 (unused for point masses)
@@ -131,7 +133,7 @@ def _chain_kernel(
     tl.store(accept_len_ptr + b, correct + 1)
 
 
-@triton.jit(do_not_specialize=["n", "width"])
+@triton.jit(do_not_specialize=["n", "width"], do_not_specialize_on_alignment=["tokens_ptr", "parents_ptr", "coins_ptr"])
 def _tree_kernel(
     tokens_ptr,  # [bs, N] int64, -1 padding
     parents_ptr,  # [bs, N] int64

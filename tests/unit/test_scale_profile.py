@@ -73,8 +73,8 @@ def test_kernel_specializations_counts_what_triton_announces_and_restores_its_ho
                 call = dict(key=None, fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
                 assert not knobs.runtime.jit_cache_hook(repr=f"{name}[num_warps=4](bs: i32)", **call)
         assert compiled.counts == {"_fill_bonus_kernel": 2, "_slots_kernel": 1}
-        assert compiled.variants == [f"{name}[num_warps=4](bs: i32)" for name in ("_fill_bonus_kernel", "_slots_kernel",
-                                                                                 "_fill_bonus_kernel")]  # fmt: skip
+        assert compiled.variants == [f"{name}[num_warps=4](bs: i32) constants None attrs {{}}" for name in (
+            "_fill_bonus_kernel", "_slots_kernel", "_fill_bonus_kernel")]  # fmt: skip
         assert len(seen) == 3 and knobs.runtime.jit_cache_hook is not compiled._hook
         with KernelSpecializations() as quiet:
             pass
