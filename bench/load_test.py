@@ -27,9 +27,9 @@ and the KV pool is empty at the end. Sampled outputs are not compared across mod
 reproduces its output only in the same batch with the same draft (docs/sampling.md), and a closed loop changes
 the batch around it. The greedy references run afterwards, one prompt at a time, speculation off.
 
-Before the timed runs, every mode's greedy graphs are captured at every batch bucket (`Scheduler.warm_up`), then a
-short warm-up workload runs in each mode (compilation, the allocator, the sampled batches' graphs, which are
-captured on first use); each run reports the graphs still captured inside it (``captures``).
+Before the timed runs, every mode's graphs (greedy and sampled batches) are captured at every batch bucket
+(`Scheduler.warm_up`), then a short warm-up workload runs in each mode (compilation, the allocator); each run reports
+the graphs still captured inside it (``captures``) and the kernels first compiled inside it (``compiles``).
 
     python -m bench.load_test --device cuda --dtype bfloat16 --draft eagle --fast --clients 64 --requests 4000
     .venv/bin/python -m bench.load_test --clients 4 --requests 48 --max-new-tokens 24   # CPU, small
@@ -480,10 +480,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         admit_fraction=args.admit_fraction,
     )  # fmt: skip
     warm = make_workload(len(prompts), args.warmup_requests or 2 * args.clients, seed=args.seed + 1, **draw)
-    for mode in modes:  # every shape's greedy graphs at every bucket, as a server captures them before it serves
+    for mode in modes:  # every shape's graphs at every bucket, as a server captures them before it serves
         speculation = {"off": "off", "on": "on", "adaptive": AdaptiveSpeculation()}[mode]
         Scheduler.from_engine(engine, speculation=speculation, max_batch_size=batch).warm_up()
-    for mode in modes:  # then compilation, the allocator, the sampled batches' graphs (captured on first use)
+    for mode in modes:  # then compilation and the allocator on the workload's own requests
         run_mode(engine, mode, warm, prompts, args.clients, **common)
     rows = soak(engine, workload, prompts, args.clients, modes, check=not args.no_check, **common)
     for mode, row in rows.items():

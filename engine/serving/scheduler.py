@@ -278,16 +278,18 @@ class Scheduler:
             kwargs["speculation"] = "off"
         return cls(ports, engine.spec, **kwargs)
 
-    def warm_up(self, batch_sizes: Sequence[int] | None = None, prompt_len: int = 16) -> int:
+    def warm_up(self, batch_sizes: Sequence[int] | None = None, prompt_len: int = 16, sampled: bool = True) -> int:
         """Capture, before serving, the CUDA graphs a run would otherwise capture inside its first steps (tens of
         milliseconds each, paid by the requests of that step; without graphs, the lazy initialization and kernel
         compilation): for every shape this scheduler may run (the adaptive controller's menu, or its config) and
         every batch bucket of ``batch_sizes`` (None: the powers of two up to ``max_batch_size``'s bucket), a batch
         of ``prompt_len``-token requests, admitted in one prefill, runs at least four cycles of the shape, so its
         graphs of both parities (a pipelined cycle reads the other set) exist; a pool too small for a bucket's
-        batch warms what fits. Returns the graphs captured. Stats, callbacks, the controller's measurements and
-        the prefix cache are left as they were, and if a step raises, no warm-up request stays behind; sampled
-        batches capture their own graphs on first use. Raises `ValueError` on a scheduler with requests."""
+        batch warms what fits. With ``sampled`` (and the graphed executor), a batch of sampled requests follows each
+        greedy one: a batch with a sampled request runs graphs of its own, and their sampling kernels compile in
+        that capture. Returns the graphs captured. Stats, callbacks, the controller's measurements and the prefix
+        cache are left as they were, and if a step raises, no warm-up request stays behind. Raises `ValueError` on
+        a scheduler with requests."""
         if not self.idle:
             raise ValueError("warm_up needs an idle scheduler: call it before submitting requests")
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
@@ -315,16 +317,20 @@ class Scheduler:
             self.admit_fraction = 0.0
             for shape in shapes:
                 self.config = shape  # every cycle and prefill in this shape
+                # no stop ids: every request runs its whole budget, at least four cycles of up to S + 1 tokens
+                greedy = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
+                kinds = [greedy]
+                if sampled and self.fused_cycles is not None:  # seeded: the warm-up draws the same every time
+                    kinds.append(attrs.evolve(greedy, temperature=1.0, top_k=20, top_p=0.95, seed=0))
                 for bucket in buckets:
-                    self.stats = SchedulerStats()
-                    # no stop ids: every request runs its whole budget, at least four cycles of up to S + 1 tokens
-                    sampling = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
-                    for _ in range(min(bucket, self.max_batch_size)):
-                        ids.add(self._enqueue(prompt, sampling))
-                    self.run()
-                    captures += self.stats.captures
-                    self._forget(ids)
-                    ids.clear()
+                    for sampling in kinds:
+                        self.stats = SchedulerStats()
+                        for _ in range(min(bucket, self.max_batch_size)):
+                            ids.add(self._enqueue(prompt, sampling))
+                        self.run()
+                        captures += self.stats.captures
+                        self._forget(ids)
+                        ids.clear()
         finally:
             if ids:  # a step raised: its requests errored (pages freed); the rest leave the queue too
                 self.waiting = deque(r for r in self.waiting if r.request_id not in ids)

@@ -487,8 +487,9 @@ def test_two_schedulers_over_one_engine_keep_their_pipelined_cycles_apart(engine
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_path):
-    """`Scheduler.warm_up` captures each shape's graphs at each bucket (both parities) before serving: the adaptive
-    run after it captures nothing, pipelines, and gives the autoregressive outputs; every page goes back."""
+    """`Scheduler.warm_up` captures each shape's graphs at each bucket (both parities, greedy and sampled batches)
+    before serving: the adaptive run after it, a sampled request among greedy ones, captures nothing, pipelines, and
+    gives the autoregressive outputs; every page goes back."""
     from speccycle.core.config import SamplingParams
     from speccycle.engine.serving.scheduler import Scheduler
 
@@ -499,12 +500,47 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     ar = [engine.generate_autoregressive([p], NEW_TOKENS)[0] for p in prompts]
     free = engine.pool.num_free_pages
     scheduler = Scheduler.from_engine(engine, speculation="adaptive", max_batch_size=4)
-    assert scheduler.warm_up() == 2 * len(scheduler.controller.shapes) * 3  # buckets 1, 2, 4; two parities each
+    # buckets 1, 2, 4, two parities each: the greedy batches' graphs, and the sampled batches' beside them
+    assert scheduler.warm_up() > 2 * len(scheduler.controller.shapes) * 3
     assert scheduler.warm_up() == 0  # all there already
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    sampled = scheduler.submit(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.7, seed=3))
     scheduler.run()
     assert [list(scheduler.finished[i].output) for i in ids] == ar
+    assert len(scheduler.finished[sampled].output) == NEW_TOKENS
     assert scheduler.stats.captures == 0 and scheduler.stats.pipelined_cycles > 0
+    assert engine.pool.num_free_pages == free
+
+
+def test_warm_up_runs_a_sampled_batch_beside_each_greedy_one_and_leaves_no_trace(engines):
+    """With the graphed executor, `Scheduler.warm_up` runs a sampled batch after each greedy one (a batch with a
+    sampled request has buffers and graphs of its own); ``sampled=False`` runs the greedy ones only. Neither leaves a
+    request, a statistic or a page behind."""
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    engine = engines["chain"]
+    free = engine.pool.num_free_pages
+    scheduler = Scheduler.from_engine(engine, max_batch_size=2)
+    runs = []
+    original = Scheduler.run
+
+    def run(self):
+        runs.append(sorted({r.sampling.greedy for r in self.waiting}))
+        return original(self)
+
+    Scheduler.run = run
+    try:
+        scheduler.warm_up([1, 2], prompt_len=8, sampled=False)
+        assert runs == [[True], [True]]
+        runs.clear()
+        scheduler.warm_up([1, 2], prompt_len=8)
+    finally:
+        Scheduler.run = original
+    assert runs == [[True], [False], [True], [False]]
+    batches = engine.fused_cycles._batches
+    assert {key[0] for key in batches if key[1] == engine.spec and key[-1]} >= {1, 2}  # sampled buffers, buckets 1, 2
+    assert all(bt.buffers.sampling is not None for key, bt in batches.items() if key[-1])
+    assert scheduler.idle and not scheduler.finished and scheduler.stats.steps == 0
     assert engine.pool.num_free_pages == free
 
 
