@@ -68,7 +68,7 @@ class KernelSpecializations:
         with KernelSpecializations() as seen:
             run()
         seen.counts  # {"_fill_bonus_kernel": 1, ...}, or None where it cannot tell
-        seen.variants  # each one's launch options and argument types as Triton names them, in order
+        seen.variants  # each one's kernel, signature (argument types), constants and argument specializations
     """
 
     def __init__(self) -> None:
@@ -77,12 +77,14 @@ class KernelSpecializations:
         self._runtime = self._before = None
 
     def _hook(self, **kwargs):
-        text = str(kwargs.get("repr", "?"))
-        name = text.split("[", 1)[0]
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[", 1)[0]
         self.counts[name] = self.counts.get(name, 0) + 1
         compiled = kwargs.get("compile") or {}
         attrs = (compiled.get("configs") or [{}])[0]  # argument index -> its specialization (16-divisible, ...)
-        self.variants.append(f"{text} constants {compiled.get('constants')} attrs {attrs}")
+        self.variants.append(
+            f"{name} signature {compiled.get('signature')} constants {compiled.get('constants')} attrs {attrs}"
+        )
         return self._before(**kwargs) if self._before is not None else None  # a truthy answer would skip the compile
 
     def __enter__(self) -> KernelSpecializations:

@@ -330,7 +330,7 @@ def run_mode(
         cancelled=stats.cancelled,
         captures=stats.captures,  # graphs captured inside the timed run (their time counts)
         compiles=compiled.counts,  # Triton kernel specializations first met inside it, by kernel (None: unknown)
-        compiled_variants=compiled.variants,  # and each one's arguments' types, as Triton specialized them
+        compiled_variants=compiled.variants,  # and each one's signature, constants and argument specializations
     )
     return figures, tracks, done
 

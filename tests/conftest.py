@@ -26,4 +26,5 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # as nproc
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))

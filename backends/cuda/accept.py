@@ -14,16 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_power_of_2
-
 GATHER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32, torch.int64)
 FILL_BONUS_BLOCK = 128  # requests a program of `fill_bonus`: fixed, so every batch size runs one compiled kernel
+NARROW_FEATURES = 32  # `gather_accepted` rows this wide or narrower take the narrow blocks
 
 
-# The entry count (requests x accepted positions) and the batch size change from call to call in serving: not
-# specialized, and the entry blocks do not follow them, so a new batch compiles no kernel mid-serving. The features
-# (a call site's row width) stay specialized: they are fixed per call site.
-@triton.jit(do_not_specialize=["num_entries"])
+# The entry count (requests x accepted positions) changes from call to call in serving, and so does the row width
+# at one call site (the top-n logprobs' columns: the batch's largest ``top_logprobs``): neither is specialized, and
+# the blocks take one of two fixed shapes (`_gather_blocks`), so a new batch compiles no kernel mid-serving.
+@triton.jit(do_not_specialize=["num_entries", "features"])
 def _gather_accepted_kernel(
     rows_ptr,
     accept_index_ptr,
@@ -45,6 +44,13 @@ def _gather_accepted_kernel(
     tl.store(out_ptr + entries.to(tl.int64)[:, None] * features + cols[None, :], x, mask=inside)
 
 
+def _gather_blocks(features: int) -> tuple[int, int]:
+    """(entries, features) a program of `gather_accepted`: narrow rows (tokens, top-n logprobs: up to
+    `NARROW_FEATURES`) or wide ones (hidden states), 4,096 elements a program either way."""
+    block_f = NARROW_FEATURES if features <= NARROW_FEATURES else 1024
+    return 4096 // block_f, block_f
+
+
 def gather_accepted(rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Tensor:
     """Same contract and shapes as `TorchBackend.gather_accepted`: ``rows [bs * N, ...]`` ->
     ``[bs, S + 1, ...]`` for the dtypes in ``GATHER_DTYPES``."""
@@ -60,8 +66,7 @@ def gather_accepted(rows: torch.Tensor, accept_index: torch.Tensor) -> torch.Ten
     if rows.shape[0] == 0:
         raise IndexError("gather_accepted: accept_index points into an empty rows tensor")
     flat = rows.reshape(rows.shape[0], features).contiguous()
-    block_f = min(1024, next_power_of_2(features))
-    block_e = max(1, 4096 // block_f)  # not from num_entries: one compiled kernel per row width
+    block_e, block_f = _gather_blocks(features)
     grid = (triton.cdiv(num_entries, block_e), triton.cdiv(features, block_f))
     _gather_accepted_kernel[grid](
         flat, accept_index.contiguous(), out, num_entries, features, BLOCK_E=block_e, BLOCK_F=block_f

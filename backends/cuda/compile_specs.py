@@ -69,7 +69,7 @@ def kernel_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
          [dict(BLOCK_B=1, BLOCK=64)]),
         (accept._gather_accepted_kernel,
          dict(rows_ptr="*bf16", accept_index_ptr=i64, out_ptr="*bf16", num_entries=i32, features=i32),
-         [dict(BLOCK_E=4, BLOCK_F=1024)]),
+         [dict(BLOCK_E=4, BLOCK_F=1024), dict(BLOCK_E=4096 // accept.NARROW_FEATURES, BLOCK_F=accept.NARROW_FEATURES)]),
         (accept._fill_bonus_kernel,
          dict(tokens_ptr=i64, accept_len_ptr=i64, out_ptr=i64, bs=i32, stride=i32),
          [dict(BLOCK=accept.FILL_BONUS_BLOCK)]),

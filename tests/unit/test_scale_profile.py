@@ -58,26 +58,36 @@ def test_write_result_records_the_speccycle_settings(tmp_path, monkeypatch):
 
 def test_kernel_specializations_counts_what_triton_announces_and_restores_its_hook():
     """`bench.common.KernelSpecializations` counts each new specialization by kernel name from Triton's cache hook
-    (called as Triton calls it: keywords only), passes the call on to a hook installed before it, and puts that hook
-    back on exit."""
+    (called as Triton calls it: keywords only; the name from ``fn``, else from ``repr``), records its signature,
+    constants and specializations, passes the call on to a hook installed before it, and puts that hook back on
+    exit, an exception's too."""
+    from types import SimpleNamespace
+
     import pytest
 
     knobs = pytest.importorskip("triton").knobs
     from bench.common import KernelSpecializations
 
     before, seen = knobs.runtime.jit_cache_hook, []
-    knobs.runtime.jit_cache_hook = lambda **kwargs: seen.append(kwargs["repr"])
+
+    def recorder(**kwargs):
+        seen.append(kwargs["repr"])
+
+    compiled = {"signature": {"bs": "i32"}, "constants": {(1,): 128}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    knobs.runtime.jit_cache_hook = recorder
     try:
-        with KernelSpecializations() as compiled:
-            for name in ("_fill_bonus_kernel", "_slots_kernel", "_fill_bonus_kernel"):
-                call = dict(key=None, fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
-                assert not knobs.runtime.jit_cache_hook(repr=f"{name}[num_warps=4](bs: i32)", **call)
-        assert compiled.counts == {"_fill_bonus_kernel": 2, "_slots_kernel": 1}
-        assert compiled.variants == [f"{name}[num_warps=4](bs: i32) constants None attrs {{}}" for name in (
-            "_fill_bonus_kernel", "_slots_kernel", "_fill_bonus_kernel")]  # fmt: skip
-        assert len(seen) == 3 and knobs.runtime.jit_cache_hook is not compiled._hook
-        with KernelSpecializations() as quiet:
-            pass
-        assert quiet.counts == {}
+        with KernelSpecializations() as counted:
+            for name, fn in (("_fill_bonus_kernel", SimpleNamespace(name="_fill_bonus_kernel")),
+                             ("_slots_kernel", None), ("_fill_bonus_kernel", None)):  # fmt: skip
+                call = dict(key=None, fn=fn, compile=compiled, is_manual_warmup=False, already_compiled=False)
+                assert not knobs.runtime.jit_cache_hook(repr=f"{name}[num_warps=4](bs: ()", **call)
+        assert knobs.runtime.jit_cache_hook is recorder and len(seen) == 3
+        assert counted.counts == {"_fill_bonus_kernel": 2, "_slots_kernel": 1}
+        detail = "signature {'bs': 'i32'} constants {(1,): 128} attrs {(0,): [['tt.divisibility', 16]]}"
+        names = ("_fill_bonus_kernel", "_slots_kernel", "_fill_bonus_kernel")
+        assert counted.variants == [f"{n} {detail}" for n in names]
+        with pytest.raises(RuntimeError), KernelSpecializations() as failed:
+            raise RuntimeError("a step failed")
+        assert knobs.runtime.jit_cache_hook is recorder and failed.counts == {}
     finally:
         knobs.runtime.jit_cache_hook = before
