@@ -27,9 +27,10 @@ and the KV pool is empty at the end. Sampled outputs are not compared across mod
 reproduces its output only in the same batch with the same draft (docs/sampling.md), and a closed loop changes
 the batch around it. The greedy references run afterwards, one prompt at a time, speculation off.
 
-Before the timed runs, every mode's graphs (greedy and sampled batches) are captured at every batch bucket
-(`Scheduler.warm_up`), then a short warm-up workload runs in each mode (compilation, the allocator); each run reports
-the graphs still captured inside it (``captures``) and the kernels first compiled inside it (``compiles``).
+Before the timed runs, every mode's graphs (greedy batches', and with a forward draft sampled batches') are
+captured at every batch bucket (`Scheduler.warm_up`), then a short warm-up workload runs in each mode (compilation,
+the allocator); each run reports the graphs still captured inside it (``captures``) and the kernels first compiled
+inside it (``compiles``).
 
     python -m bench.load_test --device cuda --dtype bfloat16 --draft eagle --fast --clients 64 --requests 4000
     .venv/bin/python -m bench.load_test --clients 4 --requests 48 --max-new-tokens 24   # CPU, small

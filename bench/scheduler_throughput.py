@@ -280,7 +280,7 @@ def main() -> None:
     for mode in modes:  # every shape's graphs at every bucket, as a server captures them before it serves
         speculation = {"ar": "off", "spec": "on", "adaptive": controller}[mode]
         scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=max(batch_sizes))
-        captures[mode] = scheduler.warm_up(warm)
+        captures[mode] = scheduler.warm_up(warm, sampled=args.sampled > 0)  # greedy runs: no sampled buffers
     for mode in modes:
         for bs in warm:
             run_mode(engine, mode, prompts, bs, 8, args.device, args.max_prefill_tokens, controller=controller,

@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
     buckets = sorted({1 << k for k in range(args.clients.bit_length())} | {args.clients})
     for mode in modes:
         speculation = {"ar": "off", "spec": "on", "adaptive": controller}[mode]
-        Scheduler.from_engine(engine, speculation=speculation, max_batch_size=args.clients).warm_up(buckets)
+        scheduler = Scheduler.from_engine(engine, speculation=speculation, max_batch_size=args.clients)
+        scheduler.warm_up(buckets, sampled=False)  # greedy runs: no sampled batch's buffers
     phases = Phases()
     results = {}
     try:

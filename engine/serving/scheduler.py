@@ -287,13 +287,16 @@ class Scheduler:
         graphs of both parities (a pipelined cycle reads the other set) exist; a pool too small for a bucket's
         batch warms what fits. With ``sampled`` (and the graphed executor), a batch of sampled requests follows each
         greedy one: a batch with a sampled request runs graphs of its own, and their sampling kernels compile in
-        that capture. Returns the graphs captured. Stats, callbacks, the controller's measurements and the prefix
-        cache are left as they were, and if a step raises, no warm-up request stays behind. Raises `ValueError` on
-        a scheduler with requests."""
+        that capture (a lookup draft, n-gram, runs its drafting shapes' sampled batches eagerly: none there).
+        Returns the graphs captured. Stats, callbacks, the controller's measurements and the prefix cache are left
+        as they were, and if a step raises, no warm-up request stays behind. Raises `ValueError` on a scheduler
+        with requests."""
         if not self.idle:
             raise ValueError("warm_up needs an idle scheduler: call it before submitting requests")
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
             raise ValueError(f"prompt_len={prompt_len!r} must be an int >= 1")
+        if not isinstance(sampled, bool):
+            raise ValueError(f"sampled={sampled!r} must be True or False")
         if batch_sizes is None:
             top = batch_bucket(self.max_batch_size)
             batch_sizes = [1 << k for k in range(top.bit_length())]
@@ -320,7 +323,9 @@ class Scheduler:
                 # no stop ids: every request runs its whole budget, at least four cycles of up to S + 1 tokens
                 greedy = SamplingParams(max_new_tokens=3 * shape.accept_width + 2)
                 kinds = [greedy]
-                if sampled and self.fused_cycles is not None:  # seeded: the warm-up draws the same every time
+                # a lookup draft's drafting cycles run sampled batches eagerly (`static_rows.static_covers`): no graph
+                forward = draft_kind(self.ports) == "forward" or not shape.drafts
+                if sampled and forward and self.fused_cycles is not None:  # seeded: the same draws every time
                     kinds.append(attrs.evolve(greedy, temperature=1.0, top_k=20, top_p=0.95, seed=0))
                 for bucket in buckets:
                     for sampling in kinds:

@@ -500,8 +500,8 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     ar = [engine.generate_autoregressive([p], NEW_TOKENS)[0] for p in prompts]
     free = engine.pool.num_free_pages
     scheduler = Scheduler.from_engine(engine, speculation="adaptive", max_batch_size=4)
-    # buckets 1, 2, 4, two parities each: the greedy batches' graphs, and the sampled batches' beside them
-    assert scheduler.warm_up() > 2 * len(scheduler.controller.shapes) * 3
+    # buckets 1, 2, 4, two parities each, greedy and sampled batches
+    assert scheduler.warm_up() == 2 * 2 * len(scheduler.controller.shapes) * 3
     assert scheduler.warm_up() == 0  # all there already
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     sampled = scheduler.submit(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.7, seed=3))
@@ -530,6 +530,8 @@ def test_warm_up_runs_a_sampled_batch_beside_each_greedy_one_and_leaves_no_trace
 
     Scheduler.run = run
     try:
+        with pytest.raises(ValueError, match="sampled"):
+            scheduler.warm_up([1], sampled=1)
         scheduler.warm_up([1, 2], prompt_len=8, sampled=False)
         assert runs == [[True], [True]]
         runs.clear()
