@@ -51,6 +51,17 @@ class Transition:
         return "" if self.guard is always else self.guard.__name__
 
 
+# The backend ops of one draft level (its slots, top-K, the top token's probability under draft_floor, a grammar's
+# mask, sampling's processing and draws): the draft extend runs the first level, the draft row the rest.
+DRAFT_LEVEL_OPS = (
+    "slots_for_positions",
+    "select_topk",
+    "top1_probability",
+    "apply_token_mask",
+    "process_logits",
+    "sample_without_replacement",
+)
+
 TABLE: tuple[Transition, ...] = (
     Transition(
         Admitted,
@@ -81,14 +92,7 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.draft_extend,
         guard=t.extend_ready,
-        ops=(
-            "slots_for_positions",
-            "select_topk",
-            "top1_probability",
-            "apply_token_mask",
-            "process_logits",
-            "sample_without_replacement",
-        ),
+        ops=DRAFT_LEVEL_OPS,
         grammar=("draft_masks",),
         doc="Draft extend over the committed tokens: draft KV and the depth-1 top-K (sampled: K draws from q; "
         "a chain under draft_floor: its top token's probability).",
@@ -158,16 +162,7 @@ TABLE: tuple[Transition, ...] = (
         Drafted,
         t.draft_tree,
         guard=t.forward_draft_live,
-        ops=(
-            "slots_for_positions",
-            "select_topk",
-            "top1_probability",
-            "apply_token_mask",
-            "process_logits",
-            "sample_without_replacement",
-            "advance_frontier",
-            "rerank_tree",
-        ),
+        ops=(*DRAFT_LEVEL_OPS, "advance_frontier", "rerank_tree"),
         grammar=("FrontierMasks", "row_masks"),
         doc="Reserve the cycle's slots; S - 1 draft forwards at L + depth - 1; rerank to N - 1 "
         "(sampled: children drawn from q, level order, no rerank; speculate=False: no draft rows, width 1; "

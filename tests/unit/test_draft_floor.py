@@ -37,15 +37,10 @@ def test_widths_count_the_depths_whose_products_reach_the_floor():
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(model_path):
     from speccycle.engine import Engine
-    from speccycle.engine.weights.weights_gguf import default_model_path
 
-    try:
-        path = default_model_path()
-    except Exception as error:  # the model package is missing: the install command is in the message
-        pytest.skip(str(error))
-    return Engine.load(path, draft="eagle", spec=SpecConfig(num_steps=4, page_size=16), dtype=torch.float32,
+    return Engine.load(model_path, draft="eagle", spec=SpecConfig(num_steps=4, page_size=16), dtype=torch.float32,
                        fast=True, kv_tokens=2048)  # fmt: skip
 
 
