@@ -71,6 +71,10 @@ class ForwardBatch:
     # (`engine.kernels.attention_prefill`: by default each row keeps the decode's bits, the flash kernel on request
     # rounds otherwise); decodes and verifies never set it.
     prefill: bool = False
+    # The dtype of the returned logits: float32 (the model dtype's rounding, widened), or None: the model's own dtype,
+    # the same values without the widening copy (a ``[T, V]`` pass over the vocabulary), for a caller that only takes
+    # their argmax (a greedy verify). A port may return float32 either way.
+    logits_dtype: torch.dtype | None = torch.float32
 
     @property
     def num_rows(self) -> int:

@@ -81,6 +81,7 @@ class RowInputs:
     kv_bound: int  # bound on prefix_lens (the torch attention gathers this many positions)
     logits_rows: torch.Tensor | None  # [R] int64 rows whose logits are wanted; None: all rows
     prefill: bool = False  # `ForwardBatch.prefill`: the forward may attend with the prefill kernel
+    logits_dtype: torch.dtype | None = torch.float32  # `ForwardBatch.logits_dtype` (None: the model's dtype)
 
 
 # compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
@@ -206,6 +207,7 @@ def batch_inputs(batch: ForwardBatch, kv_bound: int) -> RowInputs:
         kv_bound=kv_bound,
         logits_rows=batch.logits_rows,
         prefill=batch.prefill,
+        logits_dtype=batch.logits_dtype,
     )
 
 

@@ -122,7 +122,8 @@ def llama_rows_forward(
     x, y = ops.add_rms_norm(x, delta, model.norm.weight, eps, views.get(depth))
     if inputs.logits_rows is not None:
         y = y.index_select(0, inputs.logits_rows)
-    logits = ops.linear(y, model.lm_head_weight, torch.float32)  # the dtype's rounding, stored as float32
+    # the dtype's rounding, stored as float32 unless the caller takes the model's dtype (`RowInputs.logits_dtype`)
+    logits = ops.linear(y, model.lm_head_weight, inputs.logits_dtype)
     return logits, features
 
 
@@ -178,7 +179,7 @@ def _folded_layers(model, ops, rope, kv, inputs, x, depth, views, eps) -> torch.
     y = ops.rms_norm(x, model.norm.weight, eps)
     if inputs.logits_rows is not None:
         y = y.index_select(0, inputs.logits_rows)
-    return ops.linear(y, model.lm_head_weight, torch.float32)
+    return ops.linear(y, model.lm_head_weight, inputs.logits_dtype)
 
 
 def eagle_rows_forward(

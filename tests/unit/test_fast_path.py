@@ -133,6 +133,22 @@ def test_fast_target_equals_reference(weights, ops, page_size):
     torch.testing.assert_close(fast_kv, ref_kv, atol=ATOL, rtol=RTOL)  # padding rows wrote nothing
 
 
+@pytest.mark.parametrize("ops", OPS, ids=lambda v: v.name)
+def test_logits_in_the_model_dtype_are_the_float32_logits_values(weights, ops):
+    """`ForwardBatch.logits_dtype=None` (a greedy verify's forward): a bfloat16 model's logits come back in bfloat16,
+    the very values the float32 call returns widened, so their argmax (ties included) is the same; float32 stays the
+    default."""
+    pool = PagedKVPool(num_pages=POOL_SLOTS // 4, page_size=4)
+    target = LlamaTarget.from_weights(TINY, weights, pool, dtype=torch.bfloat16)
+    fast = FastTarget(target, pool, FastOptions("cpu", graphs=False, ops=ops, max_rows=16))
+    batch = tree_batch(pool, 1, 14, [9, 10, 11, 12, 13, 14], [-1, 0, 0, 1, 1, 3])
+    wide = fast.forward_static(batch, 32).logits
+    own = fast.forward_static(attrs.evolve(batch, logits_dtype=None), 32).logits
+    assert wide.dtype == torch.float32 and own.dtype == torch.bfloat16
+    assert torch.equal(own.float(), wide)
+    assert torch.equal(own.argmax(-1), wide.argmax(-1))
+
+
 def test_static_buffers_leave_inputs_and_reset_padding(weights):
     """A smaller batch after a larger one: stale rows in the buffers are padding, never live rows."""
     (ref, ref_pool), (fast, fast_pool) = pair(weights, 2, TorchOps)
