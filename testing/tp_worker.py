@@ -77,22 +77,28 @@ def eagle_head(version: int, layers: int = 1) -> EagleHead:
     return EagleHead.random(head_config, seed=2, target_vocab=CONFIG.vocab_size)
 
 
-def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    """Entry point of one spawned rank (``torch.multiprocessing`` passes ``rank`` first)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0"
-    )
+def run(rank: int, world_size: int, out_dir: str) -> None:
+    """Entry point of one spawned rank (``torch.multiprocessing`` passes ``rank`` first).
+
+    The ranks meet through a file in ``out_dir`` (a fresh directory), not a TCP port: a port picked free and
+    released before rank 0 binds it may be taken meanwhile by another process (another test worker's ranks).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     if sys.platform == "linux":  # gloo otherwise picks the interface the hostname resolves to, absent in some sandboxes
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     result: dict = {}
     try:
+        dist.init_process_group("gloo", init_method=Path(out_dir, "rendezvous").resolve().as_uri(), rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=120))  # fmt: skip
         _scenarios(result)
     except BaseException:  # written for the test to show; the test fails on a missing result anyway
         result["crash"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 

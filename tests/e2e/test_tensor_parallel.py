@@ -10,7 +10,6 @@ with SmolLM2's awkward shape (3 KV heads, odd vocabulary), float32.
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
@@ -29,17 +28,11 @@ TIMEOUT_S = 300
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp")
     context = mp.start_processes(
-        tp_worker.run, args=(WORLD_SIZE, _free_port(), str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        tp_worker.run, args=(WORLD_SIZE, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:
