@@ -84,7 +84,8 @@ class RowInputs:
     logits_dtype: torch.dtype | None = torch.float32  # `ForwardBatch.logits_dtype` (None: the model's dtype)
 
 
-# compute(inputs, hidden_in) -> (logits [R or T, V] float32, hidden [T, F] or None)
+# compute(inputs, hidden_in) -> (logits [R or T, V] float32 (the model's dtype where inputs.logits_dtype is None),
+#                              hidden [T, F] or None)
 Compute = Callable[[RowInputs, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 # reduction(logits [R, V]) -> [R, X]: computed inside the graph; hashable (it is part of the graph's key)
 Reduction = Callable[[torch.Tensor], torch.Tensor]

@@ -85,7 +85,8 @@ def llama_rows_forward(
     num_layers: int | None = None,
     want_hidden: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`LlamaModel.forward` over `RowInputs`: ``(logits [R, V] float32, hidden [T, F] | None)``.
+    """`LlamaModel.forward` over `RowInputs`: ``(logits [R, V], hidden [T, F] | None)``, the logits float32 (the
+    model dtype's rounding, widened) or, where ``inputs.logits_dtype`` is None, in the model's dtype.
 
     ``num_layers``: run the first layers only (layer skip). ``hidden`` holds the model's feature layers
     (`LlamaModel.feature_layers`; default the final-norm input) when ``want_hidden``.
