@@ -101,6 +101,23 @@ class _Batch:
         self.flag_kernel = cuda and flag_to_host(buffers.sets[0]["all_done"], self.host_done)
 
 
+class CycleTimer:
+    """What a launched cycle cost the device and the host: CUDA events recorded on the stream around its replay
+    (the GPU's time for the cycle alone: the start fires once the work before it on the stream is done), and the
+    seconds `FusedCycles.collect` waited for its commits. The adaptive controller compares shapes by these
+    (`engine.serving.adaptive`): the device's time of a replay is steady where a step's wall time is not."""
+
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.waited = 0.0  # seconds the host waited for the commits (set by `FusedCycles.collect`)
+
+    @property
+    def gpu_seconds(self) -> float:
+        """The replay's time on the device (once `FusedCycles.collect` has waited for the commits)."""
+        return self.start.elapsed_time(self.end) / 1e3
+
+
 @attrs.frozen(eq=False)
 class Launched:
     """A cycle `FusedCycles.launch` put on the device: its source record, ports, batch buffers, stop ids and the
@@ -117,6 +134,7 @@ class Launched:
     captured: bool = False  # whether launching it captured a graph (its time is not a cycle's)
     parity: int = 0  # the buffer set the cycle read (it wrote ``1 - parity``)
     cycles: int = 1  # cycles run on the batch since it was loaded, this one included (`FusedCycles.launch_next`)
+    timer: CycleTimer | None = None  # a graph replay's device time and the wait for its commits (None: eager)
 
     @property
     def buffers(self) -> CycleBuffers:
@@ -376,10 +394,11 @@ class FusedCycles:
             bound = max(lens) + cfg.reserve_len() + 1
         with torch.no_grad():
             self.captured = self.use_graphs and 0 not in bt.graphs  # this step captures its graph (timed apart)
+            timer = None
             if self.use_graphs:
                 if 0 not in bt.graphs:
                     bt.graphs[0] = self._capture(bt, 0, bound, requests)
-                bt.graphs[0].replay()
+                timer = _replay(bt.graphs[0])
                 self.replays += 1
                 boundaries = bt.captured[0]
             else:
@@ -389,7 +408,7 @@ class FusedCycles:
             after = bt.buffers.ready(1, requests)
             copy, state = copy_log(after, cfg.accept_width), snapshot_state(after)
         self.steps = tuple(b.step for b in boundaries)
-        return Launched(ready, ports, bt, stops, boundaries, copy, state, bt.loads, self.captured)
+        return Launched(ready, ports, bt, stops, boundaries, copy, state, bt.loads, self.captured, timer=timer)
 
     def launch_next(self, launched: Launched, live: Sequence[Request]) -> Launched:
         """The batch's next cycle on the device's own state, launched before the last one is collected: no reload,
@@ -436,10 +455,11 @@ class FusedCycles:
             bound = max(len(r.tokens) for r in live) + grow + 1 if live else 1
         with torch.no_grad():
             self.captured = self.use_graphs and parity not in bt.graphs
+            timer = None
             if self.use_graphs:
                 if parity not in bt.graphs:
                     bt.graphs[parity] = self._capture(bt, parity, bound, requests)
-                bt.graphs[parity].replay()
+                timer = _replay(bt.graphs[parity])
                 self.replays += 1
                 boundaries = bt.captured[parity]
             else:
@@ -449,7 +469,7 @@ class FusedCycles:
             copy, state = copy_log(after, cycles * cfg.accept_width), snapshot_state(after)
         self.steps = tuple(b.step for b in boundaries)
         return attrs.evolve(launched, boundaries=boundaries, copy=copy, state=state, captured=self.captured,
-                            parity=parity, cycles=cycles)  # fmt: skip
+                            parity=parity, cycles=cycles, timer=timer)  # fmt: skip
 
     def collect(self, launched: Launched, checked: bool = False) -> tuple[Ready, list[int]]:
         """A launched cycle's result: its commits read back in one copy (waits for the GPU), as `step` returns
@@ -461,6 +481,10 @@ class FusedCycles:
             if checked:
                 self.executor(launched.ports).check([_with_requests(b, requests) for b in launched.boundaries])
             width = launched.cycles * cfg.accept_width
+            if launched.timer is not None and launched.copy.event is not None:  # the wait, timed apart
+                waiting = time.perf_counter()
+                launched.copy.event.synchronize()
+                launched.timer.waited = time.perf_counter() - waiting
             ready = materialize_ready(launched.state, launched.stops, width=width, copy=launched.copy)
             return ready, [len(new.output) - len(old.output) for new, old in zip(ready.requests, requests)]
         finally:
@@ -513,6 +537,15 @@ class FusedCycles:
             self.replays += i + 1 if max_cycles else 0
             self.host_s, self.wait_s, self.launch_s = self.host_s + host, self.wait_s + wait, self.launch_s + launch
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _replay(graph: torch.cuda.CUDAGraph) -> CycleTimer:
+    """One replay of a captured cycle between the events of its `CycleTimer`."""
+    timer = CycleTimer()
+    timer.start.record()
+    graph.replay()
+    timer.end.record()
+    return timer
 
 
 def _sampled(requests) -> bool:

@@ -12,9 +12,13 @@ measured on the running machine: `ShapeController` keeps a moving average of eac
 per request (over every batch size, forgetting per request-verify; for a chain, of each draft depth's chance
 to be accepted once the one before was, which every chain's cycles tell up to their depth: a shallow shape's
 estimate sharpens with every deeper cycle, a deep one's needs only its last depth from its own), and each
-shape's time per batch bucket (powers of two, the graphed executor's buckets): the least of the recent wall
-times of the steps that ran it there and prefilled no request (noise only adds to a wall clock; a prefill
-costs the same whatever the shape). A pair not measured yet runs first (twice: the first run of a shape at a
+shape's time per batch bucket (powers of two, the graphed executor's buckets). A captured cycle's time is the
+longer of two medians over its recent cycles there: the replay's time on the device (CUDA events around it) and
+the host's own time for it (its step's wall time less the waits for commits, from steps that prefilled no
+request: a prefill costs the same whatever the shape). Pipelined, the two overlap and the slower sets the pace;
+a step's wall time alone is not steady (a step that collects early is short, the next one long). An eager cycle's
+time is the least of its recent wall times (noise only adds to an unpipelined wall clock). A pair not measured
+yet runs first (twice: the first run of a shape at a
 bucket captures its graph, and is not timed); every ``probe_every`` cycles at a bucket the shape measured
 longest ago runs ``probe_cycles`` cycles in a row, so the estimates follow the load (while the bucket's
 incumbent holds, the gap doubles after each probe, up to `MAX_PROBE_GAP` times ``probe_every``: a probe of a
@@ -162,7 +166,8 @@ class ShapeController:
         # EMA of the committed tokens per request and cycle of each shape (exactly one with no draft)
         self.tau: dict[SpecConfig, float] = {c: 1.0 for c in self.shapes if not c.drafts}
         self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
-        self._window: dict[tuple[int, SpecConfig], deque] = {}
+        self._window: dict[tuple[int, SpecConfig], deque] = {}  # recent (cycle, wall or host seconds)
+        self._gpu_window: dict[tuple[int, SpecConfig], deque] = {}  # recent (cycle, a replay's device seconds)
         self._tau_sums: dict[SpecConfig, tuple[float, float]] = {}  # decayed sums of committed tokens, of verifies
         # a greedy chain's draft depth d -> decayed counts of request-verifies that reached it, that accepted it
         self._depth_sums: dict[int, tuple[float, float]] = {}
@@ -244,27 +249,47 @@ class ShapeController:
         return pick
 
     def record(
-        self, shape: SpecConfig, batch_size: int, seconds: float, committed: Sequence[int], timed: bool = True
+        self,
+        shape: SpecConfig,
+        batch_size: int,
+        seconds: float,
+        committed: Sequence[int],
+        timed: bool = True,
+        gpu_seconds: float | None = None,
     ) -> None:
-        """Fold in one cycle: its shape, batch size, wall time and each request's committed tokens. ``timed``:
-        False for a cycle whose time is not its shape's cost (it captured a graph).
+        """Fold in one cycle: its shape, batch size, time and each request's committed tokens. ``timed``: False for
+        a cycle whose host time is not its shape's cost (it captured a graph, or its step prefilled).
 
-        A cycle's time is the least of the bucket's last `TIMING_WINDOW` cycles of the shape taken within the
-        last `TIMING_AGE` cycles (times the bucket's probe backoff): what a wall clock adds to a shape's work at a
-        bucket (the tail of a prefill launched before it, a host pause) only adds, while the work itself grows
-        slowly with the contexts. A greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth
-        ``S'`` would, so its committed counts tell every chain's acceptance up to depth ``S`` (`_record_chain`)."""
+        Without ``gpu_seconds`` (an eager cycle, a CPU), ``seconds`` is the cycle's wall time and its cost the least
+        of the bucket's last `TIMING_WINDOW` such times of the shape taken within the last `TIMING_AGE` cycles
+        (times the bucket's probe backoff): what a wall clock adds to an unpipelined cycle (a host pause) only adds.
+        With ``gpu_seconds`` (a captured replay's device time, from CUDA events), ``seconds`` is the host's own
+        time for the cycle (its step less the waits for commits), and the cost is the longer of the two medians
+        over the same windows: pipelined, the host's work and the GPU's overlap and the slower sets the pace. The
+        device's time is steady where a pipelined step's wall time is not (a step that collects early is short, the
+        next one long), and it is recorded even from a step that prefilled, whose host time is not the shape's.
+
+        A greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth ``S'`` would, so its
+        committed counts tell every chain's acceptance up to depth ``S`` (`_record_chain`)."""
         key = (batch_bucket(batch_size), shape)
         runs = self.runs.get(key, 0) + 1
         self.runs[key], self.last[key] = runs, self.cycles
         self.cycles += 1
         self.chosen[shape] = self.chosen.get(shape, 0) + 1
-        if runs >= 2 and timed:  # a shape's first run at a bucket compiles or captures: not its cost
-            window = self._window.setdefault(key, deque(maxlen=TIMING_WINDOW))
-            window.append((self.cycles, seconds))
-            backoff = self.probe_gap.get(key[0], self.policy.probe_every) / self.policy.probe_every
-            fresh = [t for when, t in window if self.cycles - when <= TIMING_AGE * backoff]
-            self.seconds[key] = min(fresh) if fresh else seconds
+        if runs >= 2:  # a shape's first run at a bucket compiles or captures: not its cost
+            age = TIMING_AGE * self.probe_gap.get(key[0], self.policy.probe_every) / self.policy.probe_every
+            if gpu_seconds is not None:
+                _push(self._gpu_window, key, self.cycles, gpu_seconds)
+            if timed:
+                _push(self._window, key, self.cycles, seconds)
+            window = self._window.get(key)
+            if window:  # the host's (or wall) times: the freshest, else the last one
+                host = _fresh(window, self.cycles, age) or [window[-1][1]]
+                if key in self._gpu_window:
+                    gpu = _fresh(self._gpu_window[key], self.cycles, age)
+                    self.seconds[key] = max(_median(host), _median(gpu) if gpu else 0.0)
+                else:
+                    self.seconds[key] = min(host)
         if not shape.drafts or not committed:
             return
         keep = (1 - self.policy.ema_weight) ** (len(committed) / TAU_REQUESTS)
@@ -309,3 +334,21 @@ class ShapeController:
             survive *= accepted / reached
             tau += survive
         return tau
+
+
+def _push(windows: dict, key, cycle: int, seconds: float) -> deque:
+    """Append ``(cycle, seconds)`` to ``key``'s window (the last `TIMING_WINDOW` entries); returns the window."""
+    window = windows.setdefault(key, deque(maxlen=TIMING_WINDOW))
+    window.append((cycle, seconds))
+    return window
+
+
+def _fresh(window, cycle: int, age: float) -> list[float]:
+    """The times of ``window`` taken within the last ``age`` cycles."""
+    return [t for when, t in window if cycle - when <= age]
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -241,7 +241,8 @@ class Scheduler:
         self.running: Ready | None = None
         self.finished: dict[int, Request] = {}
         self.stats = SchedulerStats()
-        self._cycles: list[tuple] = []  # this step's cycles (shape, batch size, counts, timed), for the controller
+        # this step's cycles (shape, batch size, counts, timed, the replay's `CycleTimer` or None), for the controller
+        self._cycles: list[tuple] = []
         # per queued or running request: its arrival order (retraction takes the newest) and tokens streamed
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
@@ -487,14 +488,21 @@ class Scheduler:
             seconds = time.perf_counter() - start
             self.stats.seconds += seconds
             if self.controller is not None:
-                # A cycle's cost is its step's wall time: with the admission under the cycle and the cycles
-                # pipelined, the host's and the GPU's work overlap and no part of the step is another shape's. A
-                # step that prefilled is timed only for a shape not timed yet at its bucket (a load where every
+                # A cycle's cost is its step's: with the admission under the cycle and the cycles pipelined, the
+                # host's and the GPU's work overlap and no part of the step is another shape's. A captured replay
+                # tells the GPU's time apart (its events) and the host's (the step less its waits for commits):
+                # the step takes the longer of the two (`ShapeController.record`). A step that prefilled gives
+                # no host time (nor wall time) but for a shape not timed yet at its bucket (a load where every
                 # step prefills still measures each shape once): its prefill costs the same whatever the shape,
                 # and at a high load it would be most of the time the controller compares.
-                for shape, batch_size, counts, timed in self._cycles:
+                waited = sum(timer.waited for *_, timer in self._cycles if timer is not None)
+                share = seconds / max(len(self._cycles), 1)
+                host = max(seconds - waited, 0.0) / max(len(self._cycles), 1)
+                for shape, batch_size, counts, timed, timer in self._cycles:
                     timed = timed and (not self._prefilled or not self.controller.timed(shape, batch_size))
-                    self.controller.record(shape, batch_size, seconds / len(self._cycles), counts, timed)
+                    gpu = timer.gpu_seconds if timer is not None else None
+                    cost = share if gpu is None else host
+                    self.controller.record(shape, batch_size, cost, counts, timed, gpu_seconds=gpu)
             self._cycles.clear()
         return finished
 
@@ -731,7 +739,8 @@ class Scheduler:
         self.stats.fused_cycles += 1
         self.stats.captures += launched.captured
         seconds += time.perf_counter() - start  # the cycle's own host time and wait, not the admission's between
-        self._record(shape, batch_size, seconds, counts, timed=not launched.captured)
+        timer = None if launched.captured else launched.timer  # a capture's step is no cycle's cost
+        self._record(shape, batch_size, seconds, counts, timed=not launched.captured, timer=timer)
 
     def _cycle(self, finished: list[Request]) -> None:
         """The running batch's cycle after the admission: launched and collected at once when the graphed executor
@@ -773,7 +782,13 @@ class Scheduler:
             self.stats.first_levels += 1
 
     def _record(
-        self, shape: SpecConfig, batch_size: int, seconds: float, counts: Sequence[int], timed: bool = True
+        self,
+        shape: SpecConfig,
+        batch_size: int,
+        seconds: float,
+        counts: Sequence[int],
+        timed: bool = True,
+        timer=None,
     ) -> None:
         """A cycle's statistics, and its cost and committed tokens to the adaptive controller."""
         if shape.drafts:
@@ -784,7 +799,7 @@ class Scheduler:
             self.stats.plain_cycles += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         self.stats.cycle_seconds += seconds
-        self._cycles.append((shape, batch_size, counts, timed))  # to the controller at the step's end
+        self._cycles.append((shape, batch_size, counts, timed, timer))  # to the controller at the step's end
 
     def _to_ready(self, record, finished: list[Request]) -> Ready:
         """Step a `Compacted` record through retire and extend to `Ready`, collecting retired requests."""

@@ -217,9 +217,9 @@ def test_a_step_that_prefilled_times_only_a_shape_without_a_time():
     scheduler = Scheduler(ports, CHAIN, speculation=controller, max_batch_size=4)
     seen, original = [], controller.record
 
-    def record(shape, batch_size, seconds, committed, timed=True):
+    def record(shape, batch_size, seconds, committed, timed=True, gpu_seconds=None):
         seen.append((timed, controller.timed(shape, batch_size), scheduler.stats.prefills))
-        original(shape, batch_size, seconds, committed, timed)
+        original(shape, batch_size, seconds, committed, timed, gpu_seconds)
 
     controller.record = record
     steps = []  # (whether the step prefilled, its records)
@@ -317,3 +317,36 @@ def test_a_long_running_scheduler_keeps_nothing_of_a_finished_request_but_its_re
         assert not scheduler._arrival and not scheduler._sent
     assert scheduler.stats.retractions > 0  # a pool of 40 slots for four requests of 13 tokens and a reservation
     assert pool.num_free_pages == 40
+
+
+def test_a_captured_cycle_costs_the_longer_of_its_device_and_host_medians():
+    """With a replay's device time, a cycle's cost is max(median of the device times, median of the host times):
+    a pipelined step's alternating host times (one short, the next long) move no estimate, and a step that
+    prefilled still tells the device's time while its host time stays out."""
+    controller = ShapeController(AdaptiveSpeculation(), CHAIN)
+    s3 = controller.shapes[0]
+    controller.record(s3, 64, 9.0, [4], gpu_seconds=9.0)  # the first run captures: not timed
+    assert (64, s3) not in controller.seconds
+    for host in (0.5, 1.5, 0.5, 1.5, 0.5):
+        controller.record(s3, 64, host, [4], gpu_seconds=2.0)
+    assert controller.seconds[(64, s3)] == 2.0  # GPU-bound: the device sets the pace
+    for _ in range(8):
+        controller.record(s3, 64, 1.0, [4], timed=False, gpu_seconds=3.0)  # steps that prefilled
+    assert controller.seconds[(64, s3)] == 3.0
+    for _ in range(8):
+        controller.record(s3, 64, 4.0, [4], gpu_seconds=3.0)  # host-bound
+    assert controller.seconds[(64, s3)] == 4.0
+
+
+def test_device_times_rank_shapes_that_wall_times_would_misrank():
+    """Shapes of the same device time per committed token, the host's time per step the same for all: the deepest
+    spreads the host's time over the most tokens and wins (S2's cycle is host-bound, S3's is not), whatever the
+    jitter of the steps' host times."""
+    controller = ShapeController(AdaptiveSpeculation(ema_weight=1.0, probe_every=4, probe_cycles=1), CHAIN)
+    jitter = itertools.cycle([0.2, 1.8, 0.4, 1.6, 1.0])
+    for _ in range(200):
+        shape = controller.choose(64)
+        tau = 1 + shape.num_steps  # every draft accepted: tau = S + 1
+        gpu = 0.6 * tau  # the device's time per committed token is flat across shapes
+        controller.record(shape, 64, 2.0 * next(jitter), [tau], gpu_seconds=gpu)
+    assert controller.best(64) == controller.shapes[0]  # S = 3

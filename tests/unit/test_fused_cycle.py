@@ -510,6 +510,9 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     assert len(scheduler.finished[sampled].output) == NEW_TOKENS
     assert scheduler.stats.captures == 0 and scheduler.stats.pipelined_cycles > 0
     assert engine.pool.num_free_pages == free
+    # the controller timed the replays on the device (CUDA events), every shape it ran twice or more at a bucket
+    device_times = [t for window in scheduler.controller._gpu_window.values() for _, t in window]
+    assert device_times and all(0 < t < 1 for t in device_times)
 
 
 def test_warm_up_runs_a_sampled_batch_beside_each_greedy_one_and_leaves_no_trace(engines):
