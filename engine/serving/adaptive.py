@@ -13,10 +13,12 @@ per request (over every batch size, forgetting per request-verify; for a chain, 
 to be accepted once the one before was, which every chain's cycles tell up to their depth: a shallow shape's
 estimate sharpens with every deeper cycle, a deep one's needs only its last depth from its own), and each
 shape's time per batch bucket (powers of two, the graphed executor's buckets). A captured cycle's time is the
-longer of two medians over its recent cycles there: the replay's time on the device (CUDA events around it) and
-the host's own time for it (its step's wall time less the waits for commits, from steps that prefilled no
-request: a prefill costs the same whatever the shape). Pipelined, the two overlap and the slower sets the pace;
-a step's wall time alone is not steady (a step that collects early is short, the next one long). An eager cycle's
+longer of two medians over the recent cycles there: the shape's replays' time on the device (CUDA events around
+them: steady to a percent) and the host's own time per cycle at the bucket, whichever shape ran (a step's wall
+time less its waits for commits, from steps that prefilled no request: a prefill costs the same whatever the
+shape, and so does a step's host work, while a shape probed for a few cycles would take its reload's time).
+Pipelined, the two overlap and the slower sets the pace; a step's wall time alone is not steady (a step that
+collects early is short, the next one long). An eager cycle's
 time is the least of its recent wall times (noise only adds to an unpipelined wall clock). A pair not measured
 yet runs first (twice: the first run of a shape at a
 bucket captures its graph, and is not timed); every ``probe_every`` cycles at a bucket the shape measured
@@ -168,6 +170,7 @@ class ShapeController:
         self.seconds: dict[tuple[int, SpecConfig], float] = {}  # (bucket, shape) -> a cycle's seconds (`record`)
         self._window: dict[tuple[int, SpecConfig], deque] = {}  # recent (cycle, wall or host seconds)
         self._gpu_window: dict[tuple[int, SpecConfig], deque] = {}  # recent (cycle, a replay's device seconds)
+        self._host_window: dict[int, deque] = {}  # bucket -> recent (cycle, host seconds) of its timed replays
         self._tau_sums: dict[SpecConfig, tuple[float, float]] = {}  # decayed sums of committed tokens, of verifies
         # a greedy chain's draft depth d -> decayed counts of request-verifies that reached it, that accepted it
         self._depth_sums: dict[int, tuple[float, float]] = {}
@@ -264,10 +267,11 @@ class ShapeController:
         of the bucket's last `TIMING_WINDOW` such times of the shape taken within the last `TIMING_AGE` cycles
         (times the bucket's probe backoff): what a wall clock adds to an unpipelined cycle (a host pause) only adds.
         With ``gpu_seconds`` (a captured replay's device time, from CUDA events), ``seconds`` is the host's own
-        time for the cycle (its step less the waits for commits), and the cost is the longer of the two medians
-        over the same windows: pipelined, the host's work and the GPU's overlap and the slower sets the pace. The
-        device's time is steady where a pipelined step's wall time is not (a step that collects early is short, the
-        next one long), and it is recorded even from a step that prefilled, whose host time is not the shape's.
+        time for the cycle (its step less the waits for commits), and the cost is the longer of the shape's median
+        device time and the bucket's median host time over the same windows (`_device_costs`): pipelined, the
+        host's work and the GPU's overlap and the slower sets the pace. The device's time is steady where a
+        pipelined step's wall time is not (a step that collects early is short, the next one long), and it is
+        recorded even from a step that prefilled, whose host time is not the shape's.
 
         A greedy chain of depth ``S`` drafts the first ``S' < S`` tokens a chain of depth ``S'`` would, so its
         committed counts tell every chain's acceptance up to depth ``S`` (`_record_chain`)."""
@@ -277,19 +281,16 @@ class ShapeController:
         self.cycles += 1
         self.chosen[shape] = self.chosen.get(shape, 0) + 1
         if runs >= 2:  # a shape's first run at a bucket compiles or captures: not its cost
-            age = TIMING_AGE * self.probe_gap.get(key[0], self.policy.probe_every) / self.policy.probe_every
+            bucket = key[0]
+            age = TIMING_AGE * self.probe_gap.get(bucket, self.policy.probe_every) / self.policy.probe_every
             if gpu_seconds is not None:
                 _push(self._gpu_window, key, self.cycles, gpu_seconds)
-            if timed:
-                _push(self._window, key, self.cycles, seconds)
-            window = self._window.get(key)
-            if window:  # the host's (or wall) times: the freshest, else the last one
-                host = _fresh(window, self.cycles, age) or [window[-1][1]]
-                if key in self._gpu_window:
-                    gpu = _fresh(self._gpu_window[key], self.cycles, age)
-                    self.seconds[key] = max(_median(host), _median(gpu) if gpu else 0.0)
-                else:
-                    self.seconds[key] = min(host)
+                if timed:
+                    _push(self._host_window, bucket, self.cycles, seconds)
+                self._device_costs(bucket, age)
+            elif timed:  # an eager cycle: its wall time
+                window = _push(self._window, key, self.cycles, seconds)
+                self.seconds[key] = min(_fresh(window, self.cycles, age) or [seconds])
         if not shape.drafts or not committed:
             return
         keep = (1 - self.policy.ema_weight) ** (len(committed) / TAU_REQUESTS)
@@ -300,6 +301,20 @@ class ShapeController:
         total, count = keep * total + sum(committed), keep * count + len(committed)
         self._tau_sums[shape] = (total, count)
         self.tau[shape] = total / count
+
+    def _device_costs(self, bucket: int, age: float) -> None:
+        """Every replayed shape's cost at ``bucket``: the longer of its replays' median device time and the bucket's
+        median host time per cycle (whichever shapes' steps told it: the host's work of a step is the same
+        whatever the shape, and a shape probed for a few cycles would otherwise take its reload's time)."""
+        window = self._host_window.get(bucket)
+        if not window:
+            return
+        host = _median(_fresh(window, self.cycles, age) or [window[-1][1]])
+        for shape in self.shapes:
+            times = self._gpu_window.get((bucket, shape))
+            if times:
+                gpu = _median(_fresh(times, self.cycles, age) or [times[-1][1]])
+                self.seconds[(bucket, shape)] = max(gpu, host)
 
     def _record_chain(self, depth: int, committed: Sequence[int], keep: float) -> None:
         """A greedy chain's verify that commits ``n`` tokens accepted its first ``n - 1`` drafts and rejected the

@@ -350,3 +350,15 @@ def test_device_times_rank_shapes_that_wall_times_would_misrank():
         gpu = 0.6 * tau  # the device's time per committed token is flat across shapes
         controller.record(shape, 64, 2.0 * next(jitter), [tau], gpu_seconds=gpu)
     assert controller.best(64) == controller.shapes[0]  # S = 3
+
+
+def test_the_host_time_is_the_buckets_whichever_shape_ran():
+    """A bucket's host time per cycle is pooled over its shapes: a shape probed for a few cycles (its first one a
+    reload, slower on the host) costs its own device time against the bucket's host time, not its reload's."""
+    controller = ShapeController(AdaptiveSpeculation(), CHAIN)
+    s3, s0 = controller.shapes[0], controller.shapes[-1]
+    for _ in range(9):
+        controller.record(s3, 64, 1.0, [4], gpu_seconds=2.0)
+    for host in (9.0, 9.0, 1.0):  # the probe: a capture, then a reload, then a pipelined cycle
+        controller.record(s0, 64, host, [1], gpu_seconds=0.5)
+    assert controller.seconds[(64, s0)] == 1.0 and controller.seconds[(64, s3)] == 2.0
