@@ -66,6 +66,39 @@ def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+# A prefill's logits rows (one per request: its last row) pad to one of these, and to at most the prefill's row
+# bucket: a few graphs a row bucket, which `serving.Scheduler.warm_up` captures before serving (`prefill_shapes`),
+# where a bucket per request count met mid-serving captured a new graph (18-50 ms on an H200) in the middle of
+# admissions. The padding rows' logits cost a few microseconds of LM head.
+PREFILL_LOGIT_BUCKETS = (8, 32, 128)
+
+
+def logit_bucket(rows: int, logit_rows: int, prefill: bool) -> int | None:
+    """The logits-rows bucket of a forward of ``rows`` (bucketed) rows that wants ``logit_rows`` logits rows; None
+    when none holds them within its rows (the forward runs eagerly)."""
+    if prefill:
+        wanted = bucket(max(logit_rows, 1), PREFILL_LOGIT_BUCKETS)
+        wanted = None if wanted is None else min(wanted, rows)
+    else:
+        wanted = bucket(max(logit_rows, 1))
+    return wanted if wanted is not None and logit_rows <= wanted <= rows else None
+
+
+def prefill_shapes(max_rows: int, max_requests: int) -> list[tuple[int, int]]:
+    """``(rows, requests)`` of prefills that between them meet every graph key a prefill of up to ``max_requests``
+    requests can take at up to ``max_rows`` rows a replay (a longer prefill replays chunks of ``max_rows`` rows):
+    every row bucket with each of its logits-rows buckets."""
+    shapes = set()
+    for rows in BUCKETS:
+        if rows > max_rows:
+            break
+        for top in PREFILL_LOGIT_BUCKETS:
+            requests = min(rows, top, max_requests)
+            if logit_bucket(rows, requests, prefill=True) is not None:
+                shapes.add((rows, requests))
+    return sorted(shapes)
+
+
 @attrs.frozen(eq=False)
 class RowInputs:
     """What a row forward reads. Shapes: ``T`` rows, ``M`` extra slots, ``bs`` page-table rows."""
@@ -375,8 +408,8 @@ class ForwardGraphs:
             return self._eager(batch, hidden_in, reduce)
         m = batch.extra_slots.shape[1]
         r = t if batch.logits_rows is None else batch.logits_rows.shape[0]
-        logit_rows = 0 if batch.logits_rows is None else bucket(max(r, 1))
-        if logit_rows is None or logit_rows > rows:
+        logit_rows = 0 if batch.logits_rows is None else logit_bucket(rows, r, batch.prefill)
+        if logit_rows is None:
             return self._eager(batch, hidden_in, reduce)
         self._load(batch, rows, logit_rows, hidden_in)
         inputs = self._views(rows, m, logit_rows)

@@ -65,6 +65,7 @@ from ...core.ports import (
 from ...statemachine import step as run_step
 from ...statemachine.batching import merge_ready, reshape, select_ready
 from ...statemachine.transitions import first_level_due
+from ..fast.graphs import prefill_shapes
 from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, batch_bucket, no_draft_shape
 
 Speculation = Literal["on", "off", "adaptive"]
@@ -289,9 +290,10 @@ class Scheduler:
         batch warms what fits. With ``sampled`` (and the graphed executor), a batch of sampled requests follows each
         greedy one: a batch with a sampled request runs graphs of its own, and their sampling kernels compile in
         that capture (a lookup draft, n-gram, runs its drafting shapes' sampled batches eagerly: none there).
-        Returns the graphs captured. Stats, callbacks, the controller's measurements and the prefix cache are left
-        as they were, and if a step raises, no warm-up request stays behind. Raises `ValueError` on a scheduler
-        with requests."""
+        On the graphed path a prefill of each row bucket and logits-rows bucket follows (`_warm_prefills`), so an
+        admission captures no forward graph either. Returns the cycle graphs captured. Stats, callbacks, the
+        controller's measurements and the prefix cache are left as they were, and if a step raises, no warm-up
+        request stays behind. Raises `ValueError` on a scheduler with requests."""
         if not self.idle:
             raise ValueError("warm_up needs an idle scheduler: call it before submitting requests")
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
@@ -337,6 +339,8 @@ class Scheduler:
                         captures += self.stats.captures
                         self._forget(ids)
                         ids.clear()
+            self.config = saved[1]
+            self._warm_prefills(ids)
         finally:
             if ids:  # a step raised: its requests errored (pages freed); the rest leave the queue too
                 self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
@@ -346,6 +350,27 @@ class Scheduler:
             (self.controller, self.config, self.stats, self.prefix_cache, self.on_tokens, self.on_finish,
              self.max_prefill_tokens, self.admit_fraction) = saved  # fmt: skip
         return captures
+
+    def _warm_prefills(self, ids: set) -> None:
+        """On the graphed path, one prefill of each `graphs.prefill_shapes` ``(rows, requests)`` that fits this
+        scheduler (requests of one or a few tokens each, done one token after their prefill): every graph key the
+        forwards of an admission can take (row bucket, logits-rows bucket) is captured before serving, the target's
+        and the draft extend's. ``ids`` collects the requests (`warm_up` cleans up after a raise)."""
+        fused = self.fused_cycles
+        if fused is None or not fused.use_graphs:
+            return
+        vocab = target_vocab_size(self.ports)
+        once = SamplingParams(max_new_tokens=2)
+        for rows, requests in prefill_shapes(
+            fused.options.max_rows, min(self.max_batch_size, fused.options.max_requests)
+        ):
+            self.stats = SchedulerStats()
+            for i in range(requests):  # ``rows`` tokens over ``requests`` prompts
+                length = rows // requests + (i < rows % requests)
+                ids.add(self._enqueue(tuple(1 + (i + j) % max(vocab - 1, 1) for j in range(length)), once))
+            self.run()
+            self._forget(ids)
+            ids.clear()
 
     def _forget(self, request_ids) -> None:
         """Drop every trace of requests the caller never saw (`warm_up`'s)."""

@@ -503,6 +503,7 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     # buckets 1, 2, 4, two parities each, greedy and sampled batches
     assert scheduler.warm_up() == 2 * 2 * len(scheduler.controller.shapes) * 3
     assert scheduler.warm_up() == 0  # all there already
+    forward_graphs = (engine.target.graphs.num_graphs, engine.draft.extend_graphs.num_graphs)
     ids = [scheduler.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     sampled = scheduler.submit(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.7, seed=3))
     scheduler.run()
@@ -510,6 +511,8 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     assert len(scheduler.finished[sampled].output) == NEW_TOKENS
     assert scheduler.stats.captures == 0 and scheduler.stats.pipelined_cycles > 0
     assert engine.pool.num_free_pages == free
+    # the admissions' forwards (the target's prefill, the draft's extend) found their graphs captured by warm_up
+    assert (engine.target.graphs.num_graphs, engine.draft.extend_graphs.num_graphs) == forward_graphs
     # the controller timed the replays on the device (CUDA events), every shape it ran twice or more at a bucket
     device_times = [t for window in scheduler.controller._gpu_window.values() for _, t in window]
     assert device_times and all(0 < t < 1 for t in device_times)
@@ -580,3 +583,18 @@ def test_sampled_generate_runs_the_fused_cycles_and_draws_what_the_table_draws(e
     results, _ = engine.generate(prompts, 12, sampling=stop)  # one run of the fused cycles loads one stop list
     assert engine.fused_cycles.run_s == before
     assert results[1].finish_reason == "stop" and len(results[1].output) <= 3
+
+
+def test_prefill_shapes_meet_every_graph_key_a_prefill_can_take():
+    """Every prefill of up to ``max_requests`` requests and ``max_rows`` rows takes the graph key (row bucket,
+    logits-rows bucket) of one of `prefill_shapes`, which `Scheduler.warm_up` prefills on the graphed path; a
+    verify keeps its exact logits-rows bucket."""
+    from speccycle.engine.fast.graphs import bucket, logit_bucket, prefill_shapes
+
+    warmed = {(rows, logit_bucket(rows, requests, prefill=True)) for rows, requests in prefill_shapes(512, 64)}
+    for rows in range(1, 513):
+        for requests in range(1, min(rows, 64) + 1):
+            b = bucket(rows)
+            assert (b, logit_bucket(b, requests, prefill=True)) in warmed
+    assert logit_bucket(64, 5, prefill=False) == 8 and logit_bucket(64, 5, prefill=True) == 8
+    assert logit_bucket(24, 20, prefill=True) == 24 and logit_bucket(12, 13, prefill=True) is None
