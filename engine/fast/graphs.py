@@ -7,7 +7,8 @@
    into a static ``[max_requests, W]`` buffer (``W`` pages: the whole pool), the fed hidden states
    into a static ``[max_rows, F]`` buffer;
 2. the forward runs over views of those buffers: on CUDA a graph captured for the key
-   ``(Tb, M, Rb, hidden in?)`` (``Rb``: the bucket of the logits rows, 0 for all rows) is replayed
+   ``(Tb, M, Rb, hidden in?)`` (``Rb``: the bucket of the logits rows, 0 for all rows; a prefill's pad to
+   `PREFILL_LOGIT_BUCKETS`, so that `prefill_shapes` meets all its keys) is replayed
    (captured on first use), otherwise (or with ``graphs=False``) the same function runs eagerly on
    the same buffers;
 3. the outputs (``logits [R, V]``, ``hidden [T, F]``) are cloned out of the graph's memory.
