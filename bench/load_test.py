@@ -29,8 +29,8 @@ the batch around it. The greedy references run afterwards, one prompt at a time,
 
 Before the timed runs, every mode's graphs (greedy batches', and with a forward draft sampled batches') are
 captured at every batch bucket (`Scheduler.warm_up`), then a short warm-up workload runs in each mode (compilation,
-the allocator); each run reports the graphs still captured inside it (``captures``) and the kernels first compiled
-inside it (``compiles``).
+the allocator); each run reports the graphs still captured inside it (``captures``: cycles', ``forward_captures``:
+its admissions' forwards') and the kernels first compiled inside it (``compiles``).
 
     python -m bench.load_test --device cuda --dtype bfloat16 --draft eagle --fast --clients 64 --requests 4000
     .venv/bin/python -m bench.load_test --clients 4 --requests 48 --max-new-tokens 24   # CPU, small
@@ -329,7 +329,8 @@ def run_mode(
         tau=round(stats.tau, 3) if stats.verifies else None,
         retractions=stats.retractions,
         cancelled=stats.cancelled,
-        captures=stats.captures,  # graphs captured inside the timed run (their time counts)
+        captures=stats.captures,  # cycle graphs captured inside the timed run (their time counts)
+        forward_captures=stats.forward_captures,  # and forward graphs (an admission's prefill, draft extend)
         compiles=compiled.counts,  # Triton kernel specializations first met inside it, by kernel (None: unknown)
         compiled_variants=compiled.variants,  # and each one's signature, constants and argument specializations
     )
@@ -374,6 +375,7 @@ def summary_row(mode: str, row: dict) -> dict:
         "finished": f"{c['finished']}/{c['submitted']}",
         "cancelled": c["finish_reasons"]["cancelled"],
         "captures": row["captures"],
+        "forward_captures": row["forward_captures"],
         "compiles": None if row["compiles"] is None else sum(row["compiles"].values()),
         "greedy_identical": f"{c['greedy_identical']}/{c['greedy']}",
         "pool_empty": c["pool_empty_at_end"],
@@ -493,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"{mode:>8}: {row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_ms']['p50']} p99 {row['ttft_ms']['p99']} "
             f"ms, TPOT p50 {row['tpot_ms']['p50']} p99 {row['tpot_ms']['p99']} ms; finished {c['finished']}/"
             f"{c['submitted']} {c['finish_reasons']}, greedy identical {c['greedy_identical']}/{c['greedy']}, "
-            f"pool empty {c['pool_empty_at_end']}, passed {c['passed']}; {row['captures']} graphs captured in the run, "
+            f"pool empty {c['pool_empty_at_end']}, passed {c['passed']}; {row['captures']} cycle and "
+            f"{row['forward_captures']} forward graphs captured in the run, "
             f"kernels compiled in it: {row['compiles'] if row['compiles'] is not None else 'unknown'}"
         )
     payload = {

@@ -137,6 +137,7 @@ def run_mode(
         "fused_cycles": stats.fused_cycles,
         "pipelined_cycles": stats.pipelined_cycles,
         "captures": stats.captures,  # graph captures inside the timed run (their time counts)
+        "forward_captures": stats.forward_captures,  # and graphs of its admissions' forwards
         "prefills": stats.prefills,
         "held_admissions": stats.held_admissions,
         "switches": (controller.switches - switches) if mode == "adaptive" and controller is not None else 0,

@@ -82,6 +82,8 @@ class SchedulerStats:
     fused_cycles: int = 0  # cycles run as the graphed executor's captured cycle (the rest ran eagerly)
     pipelined_cycles: int = 0  # of those, launched from the device's state before the last one was collected
     captures: int = 0  # of those, cycles whose launch captured their graph (a bucket and shape's first, per parity)
+    # graphs of forwards outside a cycle (a prefill's, a draft extend's, a first level's) captured in a step
+    forward_captures: int = 0
     verifies: int = 0  # request-verifies in speculative cycles
     accepted: int = 0  # tokens those verifies accepted (bonus included)
     committed: int = 0  # output tokens committed, prefill included
@@ -244,6 +246,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # this step's cycles (shape, batch size, counts, timed, the replay's `CycleTimer` or None), for the controller
         self._cycles: list[tuple] = []
+        self._cycle_graphs = 0  # graphs this step's cycle launches captured (`step` counts the others apart)
         # per queued or running request: its arrival order (retraction takes the newest) and tokens streamed
         self._arrival: dict[int, int] = {}
         self._sent: dict[int, int] = {}
@@ -469,6 +472,8 @@ class Scheduler:
         start = time.perf_counter()
         finished: list[Request] = []
         in_flight: list[Request] = []
+        pool = self.fused_cycles.graph_pool if self.fused_cycles is not None else None
+        graphs, self._cycle_graphs = (pool.num_graphs if pool is not None else 0), 0
         self._stepping = True
         try:
             self._shape = None
@@ -510,6 +515,8 @@ class Scheduler:
             for request in finished:
                 self._finish(request)
             self.stats.steps += 1
+            if pool is not None:  # every graph this step captured into the engine's pool, but its cycles'
+                self.stats.forward_captures += pool.num_graphs - graphs - self._cycle_graphs
             seconds = time.perf_counter() - start
             self.stats.seconds += seconds
             if self.controller is not None:
@@ -706,6 +713,7 @@ class Scheduler:
         except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
             self._retract_newest(self._reserve_len(), finished)
             return ()  # no cycle this step
+        self._cycle_graphs += launched.captured
         return launched, shape, self.num_running, time.perf_counter() - start
 
     # ---- pipelined cycles -------------------------------------------------------------------------
@@ -733,6 +741,7 @@ class Scheduler:
                 except KVPoolExhausted:  # short of pages: collect, then the ordinary step makes room
                     nxt = None
                 else:
+                    self._cycle_graphs += nxt.captured
                     nxt = (nxt, shape, self.num_running, time.perf_counter() - start)
         self._drain(finished)
         if nxt is not None and self.num_running:

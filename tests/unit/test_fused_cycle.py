@@ -513,6 +513,7 @@ def test_warm_up_captures_every_graph_an_adaptive_scheduler_runs_on_cuda(model_p
     assert engine.pool.num_free_pages == free
     # the admissions' forwards (the target's prefill, the draft's extend) found their graphs captured by warm_up
     assert (engine.target.graphs.num_graphs, engine.draft.extend_graphs.num_graphs) == forward_graphs
+    assert scheduler.stats.forward_captures == 0
     # the controller timed the replays on the device (CUDA events), every shape it ran twice or more at a bucket
     device_times = [t for window in scheduler.controller._gpu_window.values() for _, t in window]
     assert device_times and all(0 < t < 1 for t in device_times)
