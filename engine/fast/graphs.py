@@ -71,7 +71,7 @@ def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
 # bucket: a few graphs a row bucket, which `serving.Scheduler.warm_up` captures before serving (`prefill_shapes`),
 # where a bucket per request count met mid-serving captured a new graph (18-50 ms on an H200) in the middle of
 # admissions. The padding rows' logits cost a few microseconds of LM head.
-PREFILL_LOGIT_BUCKETS = (8, 32, 128)
+PREFILL_LOGIT_BUCKETS = (8, 32, 128, 256, 512)  # past 128: only where ``max_requests`` allows that many
 
 
 def logit_bucket(rows: int, logit_rows: int, prefill: bool) -> int | None:

@@ -132,7 +132,7 @@ class AdaptiveSpeculation:
       `MAX_PROBE_GAP` times.
     * ``probe_cycles``: cycles a probe runs in a row. A scheduler that pipelines its cycles pays a reload on every
       change of shape, so a probe's first cycle costs more than the shape does; its next ones run pipelined like
-      the incumbent's, and the least of a shape's recent times is what the scores compare.
+      the incumbent's (and a captured cycle's cost reads its replays' device times and the bucket's host time).
     * ``margin``: how much higher another shape must score before the batch moves to it.
     """
 
@@ -149,8 +149,8 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << (max(1, batch_size) - 1).bit_length()
 
 
-TIMING_WINDOW = 8  # a shape's cycle time at a bucket: the least of its last 8 cycles there
-# ... taken within the controller's last 256 cycles (contexts grow: old minima go stale), times the bucket's probe
+TIMING_WINDOW = 8  # a shape's cycle time at a bucket: from its last 8 cycles there (`ShapeController.record`)
+# ... taken within the controller's last 256 cycles (contexts grow: old times go stale), times the bucket's probe
 # backoff (a shape probed every 8 * probe_every cycles keeps the times of its last probes)
 TIMING_AGE = 256
 # a shape's tau forgets with every TAU_REQUESTS request-verifies as an EMA does with every cycle: a cycle of one
@@ -204,9 +204,9 @@ class ShapeController:
         return self.seconds[(bucket, shape)]
 
     def score(self, shape: SpecConfig, bucket: int) -> float:
-        """Committed tokens per request and second of ``shape`` at a bucket: ``tau / t``, ``t`` the time a step of
-        the shape takes there (the scheduler records a step's whole wall time: its host work and the GPU's overlap,
-        so no part of it is the same whatever the shape)."""
+        """Committed tokens per request and second of ``shape`` at a bucket: ``tau / t``, ``t`` the time a cycle of
+        the shape takes there (`record`: the longer of its replays' device time and the bucket's host time per
+        cycle, or an eager cycle's wall time)."""
         return self.tau[shape] / max(self._seconds(bucket, shape), 1e-12)
 
     def best(self, batch_size: int) -> SpecConfig | None:
@@ -261,7 +261,7 @@ class ShapeController:
         gpu_seconds: float | None = None,
     ) -> None:
         """Fold in one cycle: its shape, batch size, time and each request's committed tokens. ``timed``: False for
-        a cycle whose host time is not its shape's cost (it captured a graph, or its step prefilled).
+        a cycle whose host or wall time is not its shape's cost (it captured a graph, or its step prefilled).
 
         Without ``gpu_seconds`` (an eager cycle, a CPU), ``seconds`` is the cycle's wall time and its cost the least
         of the bucket's last `TIMING_WINDOW` such times of the shape taken within the last `TIMING_AGE` cycles
@@ -288,7 +288,7 @@ class ShapeController:
                 if timed:
                     _push(self._host_window, bucket, self.cycles, seconds)
                 self._device_costs(bucket, age)
-            elif timed:  # an eager cycle: its wall time
+            elif timed and key not in self._gpu_window:  # an eager cycle: its wall time (not mixed with replays')
                 window = _push(self._window, key, self.cycles, seconds)
                 self.seconds[key] = min(_fresh(window, self.cycles, age) or [seconds])
         if not shape.drafts or not committed:
@@ -305,11 +305,10 @@ class ShapeController:
     def _device_costs(self, bucket: int, age: float) -> None:
         """Every replayed shape's cost at ``bucket``: the longer of its replays' median device time and the bucket's
         median host time per cycle (whichever shapes' steps told it: the host's work of a step is the same
-        whatever the shape, and a shape probed for a few cycles would otherwise take its reload's time)."""
-        window = self._host_window.get(bucket)
-        if not window:
-            return
-        host = _median(_fresh(window, self.cycles, age) or [window[-1][1]])
+        whatever the shape, and a shape probed for a few cycles would otherwise take its reload's time; the device
+        time alone while no step at the bucket has told the host's)."""
+        window = self._host_window.get(bucket)  # none yet where every step so far prefilled: the device alone
+        host = _median(_fresh(window, self.cycles, age) or [window[-1][1]]) if window else 0.0
         for shape in self.shapes:
             times = self._gpu_window.get((bucket, shape))
             if times:

@@ -65,7 +65,8 @@ from ...core.ports import (
 from ...statemachine import step as run_step
 from ...statemachine.batching import merge_ready, reshape, select_ready
 from ...statemachine.transitions import first_level_due
-from ..fast.graphs import prefill_shapes
+from ..fast.graphs import BUCKETS, prefill_shapes
+from ..fast.graphs import bucket as row_bucket
 from .adaptive import AdaptiveSpeculation, ShapeController, ZeroDraft, batch_bucket, no_draft_shape
 
 Speculation = Literal["on", "off", "adaptive"]
@@ -343,7 +344,7 @@ class Scheduler:
                         self._forget(ids)
                         ids.clear()
             self.config = saved[1]
-            self._warm_prefills(ids)
+            captures += self._warm_prefills(ids, min(self.max_batch_size, buckets[-1]))
         finally:
             if ids:  # a step raised: its requests errored (pages freed); the rest leave the queue too
                 self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
@@ -354,26 +355,30 @@ class Scheduler:
              self.max_prefill_tokens, self.admit_fraction) = saved  # fmt: skip
         return captures
 
-    def _warm_prefills(self, ids: set) -> None:
-        """On the graphed path, one prefill of each `graphs.prefill_shapes` ``(rows, requests)`` that fits this
-        scheduler (requests of one or a few tokens each, done one token after their prefill): every graph key the
-        forwards of an admission can take (row bucket, logits-rows bucket) is captured before serving, the target's
-        and the draft extend's. ``ids`` collects the requests (`warm_up` cleans up after a raise)."""
+    def _warm_prefills(self, ids: set, max_requests: int) -> int:
+        """On the graphed path, one prefill of each `graphs.prefill_shapes` ``(rows, requests)`` of up to
+        ``max_requests`` requests (of one or a few tokens each, done one token after their prefill): every graph key
+        the forwards of such an admission can take (row bucket, logits-rows bucket) is captured before serving, the
+        target's and the draft extend's. ``ids`` collects the requests (`warm_up` cleans up after a raise). Returns
+        the cycle graphs captured."""
         fused = self.fused_cycles
         if fused is None or not fused.use_graphs:
-            return
+            return 0
         vocab = target_vocab_size(self.ports)
         once = SamplingParams(max_new_tokens=2)
-        for rows, requests in prefill_shapes(
-            fused.options.max_rows, min(self.max_batch_size, fused.options.max_requests)
-        ):
+        captures = 0
+        max_rows = row_bucket(fused.options.max_rows) or BUCKETS[-1]  # what `ForwardGraphs` replays at most
+        for rows, requests in prefill_shapes(max_rows, min(max_requests, fused.options.max_requests)):
             self.stats = SchedulerStats()
             for i in range(requests):  # ``rows`` tokens over ``requests`` prompts
                 length = rows // requests + (i < rows % requests)
-                ids.add(self._enqueue(tuple(1 + (i + j) % max(vocab - 1, 1) for j in range(length)), once))
+                tokens = tuple(1 + (i + j) % (vocab - 1) if vocab > 1 else 0 for j in range(length))
+                ids.add(self._enqueue(tokens, once))
             self.run()
+            captures += self.stats.captures
             self._forget(ids)
             ids.clear()
+        return captures
 
     def _forget(self, request_ids) -> None:
         """Drop every trace of requests the caller never saw (`warm_up`'s)."""
@@ -521,18 +526,23 @@ class Scheduler:
             self.stats.seconds += seconds
             if self.controller is not None:
                 # A cycle's cost is its step's: with the admission under the cycle and the cycles pipelined, the
-                # host's and the GPU's work overlap and no part of the step is another shape's. A captured replay
-                # tells the GPU's time apart (its events) and the host's (the step less its waits for commits):
-                # the step takes the longer of the two (`ShapeController.record`). A step that prefilled gives
-                # no host time (nor wall time) but for a shape not timed yet at its bucket (a load where every
-                # step prefills still measures each shape once): its prefill costs the same whatever the shape,
-                # and at a high load it would be most of the time the controller compares.
+                # host's and the GPU's work overlap. A captured replay tells the GPU's time apart (its events) and
+                # the host's (the step less its waits for commits): the step takes the longer of the two
+                # (`ShapeController.record`). A step that prefilled, or captured a graph, gives no host time: its
+                # prefill costs the same whatever the shape, and at a high load it would be most of the time the
+                # controller compares (its replays' device times still count). An eager cycle's cost is its
+                # step's wall time, which a step that prefilled gives only to a shape not timed yet at its bucket
+                # (a load where every step prefills still measures each shape once).
+                captured = pool is not None and pool.num_graphs > graphs
                 waited = sum(timer.waited for *_, timer in self._cycles if timer is not None)
                 share = seconds / max(len(self._cycles), 1)
                 host = max(seconds - waited, 0.0) / max(len(self._cycles), 1)
                 for shape, batch_size, counts, timed, timer in self._cycles:
-                    timed = timed and (not self._prefilled or not self.controller.timed(shape, batch_size))
                     gpu = timer.gpu_seconds if timer is not None else None
+                    if gpu is None:
+                        timed = timed and (not self._prefilled or not self.controller.timed(shape, batch_size))
+                    else:
+                        timed = timed and not self._prefilled and not captured
                     cost = share if gpu is None else host
                     self.controller.record(shape, batch_size, cost, counts, timed, gpu_seconds=gpu)
             self._cycles.clear()

@@ -9,6 +9,7 @@ stops and the length limit cut a run where `stops.cut_at_stops` cuts it, and eve
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from speccycle.bench.forced import force_fused_acceptance
@@ -599,3 +600,42 @@ def test_prefill_shapes_meet_every_graph_key_a_prefill_can_take():
             assert (b, logit_bucket(b, requests, prefill=True)) in warmed
     assert logit_bucket(64, 5, prefill=False) == 8 and logit_bucket(64, 5, prefill=True) == 8
     assert logit_bucket(24, 20, prefill=True) == 24 and logit_bucket(12, 13, prefill=True) is None
+
+
+def test_the_adaptive_controller_gets_each_replays_device_time_and_the_steps_host_time(engines, replies, monkeypatch):
+    """The scheduler hands the controller each captured cycle's device time (its `CycleTimer`, faked here: a CPU
+    replays nothing) and the host's time for it (the step less its waits for commits); a step that prefilled gives
+    no host time (``timed=False``) yet its device time counts. The outputs stay the autoregressive ones."""
+    from speccycle.core.config import SamplingParams
+    from speccycle.engine.fast import fused_cycle
+    from speccycle.engine.serving.scheduler import Scheduler
+
+    class Timer:
+        gpu_seconds = 10.0  # longer than any host time here (a CPU cycle takes a fraction of a second)
+        waited = 0.0
+
+    for name in ("launch", "launch_next"):
+        original = getattr(fused_cycle.FusedCycles, name)
+
+        def timed(self, *args, _original=original, **kwargs):
+            return attrs.evolve(_original(self, *args, **kwargs), timer=Timer())
+
+        monkeypatch.setattr(fused_cycle.FusedCycles, name, timed)
+    engine = engines["chain"]
+    prompts = [engine.chat_prompt(m) for m in MESSAGES]
+    scheduler = Scheduler.from_engine(engine, speculation="adaptive", max_batch_size=2)
+    controller, seen = scheduler.controller, []
+    original_record = controller.record
+
+    def record(shape, batch_size, seconds, committed, timed=True, gpu_seconds=None):
+        seen.append((scheduler._prefilled, seconds, timed, gpu_seconds))
+        original_record(shape, batch_size, seconds, committed, timed, gpu_seconds)
+
+    controller.record = record
+    ids = [scheduler.submit(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    scheduler.run()
+    assert [list(scheduler.finished[i].output) for i in ids] == [replies("chain", p, 12) for p in prompts]
+    assert seen and all(gpu == Timer.gpu_seconds for _, _, _, gpu in seen)
+    assert all(not timed for prefilled, _, timed, _ in seen if prefilled)
+    assert any(timed for prefilled, _, timed, _ in seen if not prefilled)
+    assert controller.seconds and all(t == Timer.gpu_seconds for t in controller.seconds.values())
