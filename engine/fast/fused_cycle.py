@@ -134,7 +134,7 @@ class Launched:
     captured: bool = False  # whether launching it captured a graph (its time is not a cycle's)
     parity: int = 0  # the buffer set the cycle read (it wrote ``1 - parity``)
     cycles: int = 1  # cycles run on the batch since it was loaded, this one included (`FusedCycles.launch_next`)
-    timer: CycleTimer | None = None  # a graph replay's device time and the wait for its commits (None: eager)
+    timer: CycleTimer | None = None  # a replay's device time and the wait for its commits (None: eager, or untimed)
 
     @property
     def buffers(self) -> CycleBuffers:
@@ -362,19 +362,20 @@ class FusedCycles:
         of the cycle is validated after it ran."""
         return self.collect(self.launch(ready, ports), checked)
 
-    def launch(self, ready: Ready, ports: Ports | None = None) -> Launched:
+    def launch(self, ready: Ready, ports: Ports | None = None, timed: bool = False) -> Launched:
         """The cycle of ``ready`` put on the GPU, not waited for: the pages grow by one cycle's reservation
         (`transitions.reserve`: all or nothing, `KVPoolExhausted` leaves the pool as it was); the batch is loaded
         into the buffers of its bucket; one replay of the captured cycle (eagerly on a CPU: it has run when this
         returns). Until `collect`, the host is free for other work (the scheduler admits the next requests); work
-        it puts on the device runs after the cycle (one stream)."""
+        it puts on the device runs after the cycle (one stream). ``timed``: a replay between the events of a
+        `CycleTimer` (`Launched.timer`; its `launch_next` cycles too), for an adaptive controller."""
         start = time.perf_counter()
         try:
-            return self._launch(ready, ports or self.ports)
+            return self._launch(ready, ports or self.ports, timed)
         finally:
             self.run_s += time.perf_counter() - start
 
-    def _launch(self, ready: Ready, ports: Ports) -> Launched:
+    def _launch(self, ready: Ready, ports: Ports, timed: bool = False) -> Launched:
         requests, cfg = ready.requests, ready.config
         ids = [r.request_id for r in requests]
         lens = [len(r.tokens) - 1 for r in requests]  # L: prompt + output - the root (invariant 8), no copy back
@@ -398,7 +399,7 @@ class FusedCycles:
             if self.use_graphs:
                 if 0 not in bt.graphs:
                     bt.graphs[0] = self._capture(bt, 0, bound, requests)
-                timer = _replay(bt.graphs[0])
+                timer = _replay(bt.graphs[0], timed)
                 self.replays += 1
                 boundaries = bt.captured[0]
             else:
@@ -459,7 +460,7 @@ class FusedCycles:
             if self.use_graphs:
                 if parity not in bt.graphs:
                     bt.graphs[parity] = self._capture(bt, parity, bound, requests)
-                timer = _replay(bt.graphs[parity])
+                timer = _replay(bt.graphs[parity], launched.timer is not None)
                 self.replays += 1
                 boundaries = bt.captured[parity]
             else:
@@ -539,8 +540,11 @@ class FusedCycles:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-def _replay(graph: torch.cuda.CUDAGraph) -> CycleTimer:
-    """One replay of a captured cycle between the events of its `CycleTimer`."""
+def _replay(graph: torch.cuda.CUDAGraph, timed: bool) -> CycleTimer | None:
+    """One replay of a captured cycle, ``timed``: between the events of its `CycleTimer`."""
+    if not timed:
+        graph.replay()
+        return None
     timer = CycleTimer()
     timer.start.record()
     graph.replay()

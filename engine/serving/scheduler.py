@@ -719,7 +719,7 @@ class Scheduler:
     def _launch_fused(self, shape: SpecConfig, finished: list[Request]):
         start = time.perf_counter()
         try:
-            launched = self.fused_cycles.launch(self.running, ports=self.ports)
+            launched = self.fused_cycles.launch(self.running, ports=self.ports, timed=self.controller is not None)
         except KVPoolExhausted:  # the pool counted otherwise (shared with another user?): nothing was reserved
             self._retract_newest(self._reserve_len(), finished)
             return ()  # no cycle this step
