@@ -37,6 +37,7 @@ forward at all).
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -290,7 +291,7 @@ class ShapeController:
                 self._device_costs(bucket, age)
             elif timed and key not in self._gpu_window:  # an eager cycle: its wall time (not mixed with replays')
                 window = _push(self._window, key, self.cycles, seconds)
-                self.seconds[key] = min(_fresh(window, self.cycles, age) or [seconds])
+                self.seconds[key] = min(_recent(window, self.cycles, age))
         if not shape.drafts or not committed:
             return
         keep = (1 - self.policy.ema_weight) ** (len(committed) / TAU_REQUESTS)
@@ -308,11 +309,11 @@ class ShapeController:
         whatever the shape, and a shape probed for a few cycles would otherwise take its reload's time; the device
         time alone while no step at the bucket has told the host's)."""
         window = self._host_window.get(bucket)  # none yet where every step so far prefilled: the device alone
-        host = _median(_fresh(window, self.cycles, age) or [window[-1][1]]) if window else 0.0
+        host = statistics.median(_recent(window, self.cycles, age)) if window else 0.0
         for shape in self.shapes:
             times = self._gpu_window.get((bucket, shape))
             if times:
-                gpu = _median(_fresh(times, self.cycles, age) or [times[-1][1]])
+                gpu = statistics.median(_recent(times, self.cycles, age))
                 self.seconds[(bucket, shape)] = max(gpu, host)
 
     def _record_chain(self, depth: int, committed: Sequence[int], keep: float) -> None:
@@ -357,12 +358,6 @@ def _push(windows: dict, key, cycle: int, seconds: float) -> deque:
     return window
 
 
-def _fresh(window, cycle: int, age: float) -> list[float]:
-    """The times of ``window`` taken within the last ``age`` cycles."""
-    return [t for when, t in window if cycle - when <= age]
-
-
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def _recent(window, cycle: int, age: float) -> list[float]:
+    """The times of a non-empty ``window`` taken within the last ``age`` cycles; none that fresh: its last one."""
+    return [t for when, t in window if cycle - when <= age] or [window[-1][1]]

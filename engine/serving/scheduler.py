@@ -336,13 +336,7 @@ class Scheduler:
                     kinds.append(attrs.evolve(greedy, temperature=1.0, top_k=20, top_p=0.95, seed=0))
                 for bucket in buckets:
                     for sampling in kinds:
-                        self.stats = SchedulerStats()
-                        for _ in range(min(bucket, self.max_batch_size)):
-                            ids.add(self._enqueue(prompt, sampling))
-                        self.run()
-                        captures += self.stats.captures
-                        self._forget(ids)
-                        ids.clear()
+                        captures += self._warm_batch(ids, [prompt] * min(bucket, self.max_batch_size), sampling)
             self.config = saved[1]
             captures += self._warm_prefills(ids, min(self.max_batch_size, buckets[-1]))
         finally:
@@ -369,16 +363,23 @@ class Scheduler:
         captures = 0
         max_rows = row_bucket(fused.options.max_rows) or BUCKETS[-1]  # what `ForwardGraphs` replays at most
         for rows, requests in prefill_shapes(max_rows, min(max_requests, fused.options.max_requests)):
-            self.stats = SchedulerStats()
-            for i in range(requests):  # ``rows`` tokens over ``requests`` prompts
-                length = rows // requests + (i < rows % requests)
-                tokens = tuple(1 + (i + j) % (vocab - 1) if vocab > 1 else 0 for j in range(length))
-                ids.add(self._enqueue(tokens, once))
-            self.run()
-            captures += self.stats.captures
-            self._forget(ids)
-            ids.clear()
+            lengths = [rows // requests + (i < rows % requests) for i in range(requests)]  # ``rows`` tokens in all
+            prompts = [
+                tuple(1 + (i + j) % (vocab - 1) if vocab > 1 else 0 for j in range(n)) for i, n in enumerate(lengths)
+            ]
+            captures += self._warm_batch(ids, prompts, once)
         return captures
+
+    def _warm_batch(self, ids: set, prompts, sampling: SamplingParams) -> int:
+        """`warm_up`'s unit: ``prompts`` run to the end on fresh stats and leave no trace (``ids`` collects them
+        while they run); returns the cycle graphs they captured."""
+        self.stats = SchedulerStats()
+        for prompt in prompts:
+            ids.add(self._enqueue(prompt, sampling))
+        self.run()
+        self._forget(ids)
+        ids.clear()
+        return self.stats.captures
 
     def _forget(self, request_ids) -> None:
         """Drop every trace of requests the caller never saw (`warm_up`'s)."""
@@ -520,8 +521,8 @@ class Scheduler:
             for request in finished:
                 self._finish(request)
             self.stats.steps += 1
-            if pool is not None:  # every graph this step captured into the engine's pool, but its cycles'
-                self.stats.forward_captures += pool.num_graphs - graphs - self._cycle_graphs
+            graphs = pool.num_graphs - graphs if pool is not None else 0  # captured in this step
+            self.stats.forward_captures += graphs - self._cycle_graphs  # all of them but its cycles'
             seconds = time.perf_counter() - start
             self.stats.seconds += seconds
             if self.controller is not None:
@@ -533,7 +534,6 @@ class Scheduler:
                 # controller compares (its replays' device times still count). An eager cycle's cost is its
                 # step's wall time, which a step that prefilled gives only to a shape not timed yet at its bucket
                 # (a load where every step prefills still measures each shape once).
-                captured = pool is not None and pool.num_graphs > graphs
                 waited = sum(timer.waited for *_, timer in self._cycles if timer is not None)
                 share = seconds / max(len(self._cycles), 1)
                 host = max(seconds - waited, 0.0) / max(len(self._cycles), 1)
@@ -542,7 +542,7 @@ class Scheduler:
                     if gpu is None:
                         timed = timed and (not self._prefilled or not self.controller.timed(shape, batch_size))
                     else:
-                        timed = timed and not self._prefilled and not captured
+                        timed = timed and not self._prefilled and not graphs
                     cost = share if gpu is None else host
                     self.controller.record(shape, batch_size, cost, counts, timed, gpu_seconds=gpu)
             self._cycles.clear()
