@@ -630,17 +630,13 @@ class Scheduler:
 
     def _admission_due(self) -> bool:
         """Whether a waiting request would be admitted now: the batch has a free place and admission batching
-        (``admit_fraction``) does not hold the queue. It holds it while requests run in a shape that drafts (an
-        adaptive controller's ``S == 0`` holds nothing, as speculation off), an admission would take fewer than the
-        fraction of the running batch (fewer wait, or fewer places are free), and the queue has not waited
+        (``admit_fraction``) does not hold the queue. It holds it while requests run, an admission would take fewer
+        than the fraction of the running batch (fewer wait, or fewer places are free), and the queue has not waited
         ``admit_wait`` steps."""
         running = self.num_running
         if not self.waiting or running >= self.max_batch_size:
             return False
         if not self.admit_fraction or running == 0 or self._held >= self.admit_wait:
-            return True
-        shape = self._shape or self.running.config  # this step's shape once chosen (`_launch`), else the last one's
-        if not shape.drafts:  # an adaptive batch in the shape of no draft: admitted as without speculation
             return True
         admissible = min(len(self.waiting), self.max_batch_size - running)  # what an admission would take now
         due = admissible >= math.ceil(self.admit_fraction * running)

@@ -80,37 +80,6 @@ def test_the_default_batches_admissions_when_speculating_only():
     assert _scheduler(speculation="off")[0].admit_fraction == 0
 
 
-def test_an_adaptive_batch_that_drafts_nothing_admits_at_every_step():
-    """Admission batching pays under speculation only: a batch an adaptive controller runs in the shape of no draft
-    (``S == 0``) admits at every step, as a scheduler with speculation off does; its drafting shapes still hold."""
-    from speccycle.engine.serving.adaptive import AdaptiveSpeculation
-
-    policy = AdaptiveSpeculation(cost=lambda c, bs: 1.0 if c.drafts else 0.01, probe_every=4)  # S == 0 wins
-    adaptive, target, pool = _scheduler(max_batch_size=8, admit_fraction=0.5, admit_wait=3, speculation=policy)
-    held_in = {True: 0, False: 0}  # steps that held the queue, by whether the batch's shape drafted
-    step = adaptive.step
-
-    def counted():  # eager cycles: a step admits before it chooses its shape, so the last step's shape decides
-        held, drafts = adaptive.stats.held_admissions, adaptive.running is None or adaptive.running.config.drafts
-        finished = step()
-        if adaptive.stats.held_admissions > held:
-            held_in[drafts] += 1
-        return finished
-
-    adaptive.step = counted
-    done, _ = _closed_loop(adaptive, clients=8, total=40)
-    on, _, _ = _scheduler(max_batch_size=8, admit_fraction=0.5, admit_wait=3)
-    _closed_loop(on, clients=8, total=40)
-    assert held_in[False] == 0 and on.stats.held_admissions > adaptive.stats.held_admissions, (
-        held_in,
-        on.stats.held_admissions,
-    )
-    assert adaptive.stats.shapes[adaptive.controller.shapes[-1]] > sum(adaptive.stats.shapes.values()) // 2
-    for rid, prompt, budget in done:
-        assert list(adaptive.finished[rid].output) == target.greedy(prompt, budget)
-    assert pool.num_free_pages == pool.num_pages
-
-
 def test_held_requests_are_admitted_after_admit_wait_steps():
     """Half the batch must wait before an admission; a lone waiting request is admitted after ``admit_wait``
     held steps all the same."""
