@@ -107,13 +107,13 @@ HEADLINES: tuple[Headline, ...] = (
     Headline(
         what="the continuous-batching scheduler (CUDA graphs, admission under the cycle, pipelined cycles, the prefill "
         "attention kernel, admissions batched while speculating, verify attention at one pipelining stage, the "
-        "decode's attention launch and merge), SmolLM2-135M bf16 with the shipped EAGLE-3 head "
-        "(chain S4), "
+        "decode's attention launch and merge, adaptive shapes compared by their replays' device time, every prefill "
+        "graph captured before serving), SmolLM2-135M bf16 with the shipped EAGLE-3 head (chain S4), "
         "closed loop, {tokens} tokens a request, the median of three runs a mode",
         figure="speculative over autoregressive **{r1}x** at 1 client ({spec1} / {ar1} tokens/s), {r4}x at 4, "
         "{r16}x at 16, {r64}x at 64, {r256}x at 256; adaptive speculation {a1}x, {a4}x, {a16}x, {a64}x, {a256}x; "
         "{identical} requests identical",
-        file="scheduler_throughput-H200-20261127-16b3c2b-chain-S4-repeats3.json",
+        file="scheduler_throughput-H200-20261128-58a6056-chain-S4-repeats3.json",
         values={
             "tokens": Value(("max_new_tokens",), "d"),
             **{f"r{n}": _over_ar(n, "spec") for n in (1, 4, 16, 64, 256)},
