@@ -29,15 +29,17 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from ..backends.torch.sampling import BELOW_ONE as _BELOW_ONE
+from ..backends.torch.sampling import GAMMA as _GAMMA
+from ..backends.torch.sampling import MUL1 as _MUL1
+from ..backends.torch.sampling import MUL2 as _MUL2
+from ..backends.torch.sampling import TINY as _TINY
+from ..backends.torch.sampling import keyed_uniforms, splitmix64_tensor
 from ..core.records import DraftTree, Request
 
 STREAM_FIRST, STREAM_DRAFT, STREAM_COINS, STREAM_FINAL = 0, 1, 2, 3
 
-_TINY = torch.finfo(torch.float32).tiny  # the clamp of `backends.torch.sampling.safe_uniform`
-_BELOW_ONE = 1.0 - 2.0**-24
 _MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
-_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(x: int) -> int:
@@ -64,46 +66,30 @@ def key_uniforms(key: int, count: int) -> list[float]:
     return out
 
 
-def _signed(c: int) -> int:
-    """A 64-bit constant as the int64 whose two's complement bits it is (a tensor op takes no wider int)."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """The logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic: the sign bits are masked off)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
-    """`_splitmix64` on int64 tensors: adds and multiplies wrap modulo 2**64, as the host's masked ones."""
-    x = x + _signed(_GAMMA)
-    x = (x ^ _shift(x, 30)) * _signed(_MUL1)
-    x = (x ^ _shift(x, 27)) * _signed(_MUL2)
-    return x ^ _shift(x, 31)
-
-
 def stream_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int, level: int = 0) -> torch.Tensor:
     """The key of one draw per request: a splitmix64 chain over ``(seed, counter, stream, level)``, on the device.
 
     ``counter`` is the request's committed count at the draw (``len(output)``). Shapes: ``[m]`` int64 -> ``[m]``.
     """
-    h = _splitmix64_tensor(seed)
+    h = splitmix64_tensor(seed)
     for word in (counter, stream, level):
-        h = _splitmix64_tensor(h ^ word)
+        h = splitmix64_tensor(h ^ word)
     return h
 
 
-def uniforms_from_keys(keys: torch.Tensor, count: int) -> torch.Tensor:
+def uniforms_from_keys(keys: torch.Tensor, count: int, backend=None) -> torch.Tensor:
     """``count`` uniforms per key, strictly inside ``(0, 1)``: element ``i`` is the top 24 bits of
     ``splitmix64(key + i * gamma)`` (the splitmix64 sequence from ``key``) times ``2**-24``, clamped to
-    ``[tiny, 1 - 2**-24]`` as `safe_uniform` clamps `torch.rand`. Elementwise int64 ops only: no generator, no
-    host value, so a CUDA graph captures it and the eager and static executors draw the same numbers.
+    ``[tiny, 1 - 2**-24]`` as `safe_uniform` clamps `torch.rand`. Integer ops only: no generator, no host value, so a
+    CUDA graph captures it and the eager and static executors draw the same numbers. ``backend``: its
+    ``uniforms_from_keys`` (the CUDA backend's is one kernel of the same bits); None: the torch reference,
+    `backends.torch.sampling.keyed_uniforms`.
 
     Shapes: ``keys [m]`` int64 -> ``[m, count]`` float32.
     """
-    index = torch.arange(count, dtype=torch.long, device=keys.device) * _signed(_GAMMA)
-    bits = _shift(_splitmix64_tensor(keys[:, None] + index[None, :]), 40)
-    return (bits.to(torch.float32) * 2.0**-24).clamp_(min=_TINY, max=_BELOW_ONE)
+    if backend is not None:
+        return backend.uniforms_from_keys(keys, count)
+    return keyed_uniforms(keys, count)
 
 
 def with_seed(request: Request) -> Request:
@@ -146,13 +132,14 @@ class SampledRows:
             self.min_p.repeat_interleave(per_request),
         )
 
-    def uniforms(self, shape: tuple[int, ...], stream: int, level: int = 0) -> torch.Tensor:
-        """Per request, uniforms of ``shape`` from its key (`stream_keys`). Shapes: -> ``[m, *shape]`` float32."""
+    def uniforms(self, shape: tuple[int, ...], stream: int, level: int = 0, backend=None) -> torch.Tensor:
+        """Per request, uniforms of ``shape`` from its key (`stream_keys`; made by ``backend``, `uniforms_from_keys`).
+        Shapes: -> ``[m, *shape]`` float32."""
         count = 1
         for size in shape:
             count *= size
         keys = stream_keys(self.seed, self.counter, stream, level)
-        return uniforms_from_keys(keys, count).view(-1, *shape)
+        return uniforms_from_keys(keys, count, backend).view(-1, *shape)
 
 
 def sampled_rows(requests: Sequence[Request], device: torch.device | str) -> SampledRows | None:
@@ -190,7 +177,8 @@ def sample_first(
     first, probs = greedy_first, None
     if rows is not None:
         probs = rows.process(logits[rows.index], 1, backend)  # [m, V]
-        drawn = backend.sample_without_replacement(probs, 1, rows.uniforms((logits.shape[-1],), STREAM_FIRST))[:, 0]
+        noise = rows.uniforms((logits.shape[-1],), STREAM_FIRST, 0, backend)
+        drawn = backend.sample_without_replacement(probs, 1, noise)[:, 0]
         first = greedy_first.clone()
         first[rows.index] = torch.where(drawn >= 0, drawn, greedy_first[rows.index])  # -1: non-finite logits
     return first, row_logprobs(requests, logits, first, rows, probs, 1)
@@ -220,7 +208,7 @@ def draw_children(
     vocab = logits.shape[-1]
     flat = rows.flat_rows(per_request)  # [m * r]
     q_sampled = rows.process(logits[flat], per_request, backend)  # [m * r, V]
-    uniforms = rows.uniforms((per_request, vocab), STREAM_DRAFT, level).reshape(-1, vocab)
+    uniforms = rows.uniforms((per_request, vocab), STREAM_DRAFT, level, backend).reshape(-1, vocab)
     ids = backend.sample_without_replacement(q_sampled, topk_index.shape[-1], uniforms)  # [m * r, K], -1 padded
     if parent_tokens is not None:
         ids = torch.where(parent_tokens[flat][:, None] < 0, -1, ids)  # padding begets padding
@@ -312,8 +300,8 @@ def verify_sampled(
     p = rows.process(logits[rows.flat_rows(n)], n, backend)  # [m * N, V]
     q = None if draft_probs is None else draft_probs[rows.index]  # [m, N, V]
     tokens = tree.tokens[rows.index]
-    coins = rows.uniforms((n,), STREAM_COINS)  # [m, N]
-    noise = rows.uniforms((vocab,), STREAM_FINAL)  # [m, V]
+    coins = rows.uniforms((n,), STREAM_COINS, 0, backend)  # [m, N]
+    noise = rows.uniforms((vocab,), STREAM_FINAL, 0, backend)  # [m, V]
     padding = None if tree.padding is None else tree.padding[rows.index]
     if static:  # a greedy request's rows are padding here: its tree verify walks nothing (its result is dropped)
         dropped = ~rows.mask[:, None] & (torch.arange(n, device=tokens.device) > 0)[None, :]

@@ -59,6 +59,7 @@ DRAFT_LEVEL_OPS = (
     "top1_probability",
     "apply_token_mask",
     "process_logits",
+    "uniforms_from_keys",
     "sample_without_replacement",
 )
 
@@ -73,6 +74,7 @@ TABLE: tuple[Transition, ...] = (
             "greedy_predict",
             "apply_token_mask",
             "process_logits",
+            "uniforms_from_keys",
             "sample_without_replacement",
         ),
         grammar=("compile_request", "next_masks", "cut", "advance"),
@@ -151,7 +153,14 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.first_level,
         guard=t.first_level_due,
-        ops=("select_topk", "top1_probability", "apply_token_mask", "process_logits", "sample_without_replacement"),
+        ops=(
+            "select_topk",
+            "top1_probability",
+            "apply_token_mask",
+            "process_logits",
+            "uniforms_from_keys",
+            "sample_without_replacement",
+        ),
         grammar=("draft_masks",),
         doc="A batch whose top-K a cycle of S == 0 deferred, moved to a shape that drafts: the draft's logits from "
         "its hidden state (the extend's, exactly), then the depth-1 top-K as the extend takes it.",
@@ -204,6 +213,7 @@ TABLE: tuple[Transition, ...] = (
             "verify_greedy",
             "verify_greedy_chain",
             "process_logits",
+            "uniforms_from_keys",
             "verify_chain_sampling",
             "verify_tree_sampling",
         ),

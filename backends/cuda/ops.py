@@ -21,6 +21,7 @@ it replaces (exactly for integer outputs; float32 rounding for probabilities):
 | `move_kv` | `kv.move_kv`: gather-then-scatter in one launch, bitwise | ``buf[dst] = buf[src]`` |
 | `verify_block` | `dflash.verify_block`: leading matches of the block | cumprod, sum, gather |
 | `verify_chain_sampling`, `verify_tree_sampling` | `sampling` (the `SamplingKernels` mixin) | the torch walks |
+| `uniforms_from_keys` | `sampling.keyed_uniforms` (the mixin): one launch, the same bits | ~15 int64 ops |
 
 Kept in torch: `last_correct_step_indices` (one gather; a kernel saves nothing); not fused yet:
 `process_logits` and `sample_without_replacement`.

@@ -180,6 +180,11 @@ class TorchBackend:
         """``k`` distinct tokens per row in draw order, -1 padded. See `sampling.sample_without_replacement`."""
         return sampling.sample_without_replacement(probs, k, uniforms)
 
+    def uniforms_from_keys(self, keys: torch.Tensor, count: int) -> torch.Tensor:
+        """``count`` keyed uniforms per key (splitmix64). See `sampling.keyed_uniforms`. Shapes: ``[m]`` ->
+        ``[m, count]`` float32."""
+        return sampling.keyed_uniforms(keys, count)
+
     def verify_chain_sampling(self, draft_tokens, draft_probs, target_probs, uniforms, sample_uniforms):
         """Speculative sampling over chains. See `sampling.verify_chain_sampling` (unvalidated, as kernels run)."""
         return sampling.verify_chain_sampling(

@@ -19,8 +19,42 @@ from __future__ import annotations
 
 import torch
 
-# The largest float32 below 1. torch.rand returns multiples of 2**-24 in [0, 1), so 0 itself can occur.
-_BELOW_ONE = 1.0 - 2.0**-24
+# splitmix64 (Steele, Lea and Flood, 2014): the generator behind every keyed draw (`keyed_uniforms`)
+GAMMA = 0x9E3779B97F4A7C15  # its increment
+MUL1, MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+TINY = torch.finfo(torch.float32).tiny  # the clamps of `safe_uniform`: 0 itself can come from torch.rand ...
+BELOW_ONE = 1.0 - 2.0**-24  # ... and the largest float32 below 1 (torch.rand returns multiples of 2**-24)
+
+
+def signed64(c: int) -> int:
+    """A 64-bit constant as the int64 whose two's complement bits it is (a tensor op takes no wider int)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic: the sign bits are masked off)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 tensors: adds and multiplies wrap modulo 2**64."""
+    x = x + signed64(GAMMA)
+    x = (x ^ shift_right(x, 30)) * signed64(MUL1)
+    x = (x ^ shift_right(x, 27)) * signed64(MUL2)
+    return x ^ shift_right(x, 31)
+
+
+def keyed_uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` uniforms per key, strictly inside ``(0, 1)``: element ``i`` is the top 24 bits of
+    ``splitmix64(key + i * GAMMA)`` (the splitmix64 sequence from ``key``) times ``2**-24``, clamped to
+    ``[TINY, BELOW_ONE]`` as `safe_uniform` clamps `torch.rand`. Elementwise int64 ops only (about fifteen passes
+    over ``[m, count]``; `backends.cuda.sampling.keyed_uniforms` is one kernel of the same bits).
+
+    Shapes: ``keys [m]`` int64 -> ``[m, count]`` float32.
+    """
+    index = torch.arange(count, dtype=torch.long, device=keys.device) * signed64(GAMMA)
+    bits = shift_right(splitmix64_tensor(keys[:, None] + index[None, :]), 40)
+    return (bits.to(torch.float32) * 2.0**-24).clamp_(min=TINY, max=BELOW_ONE)
 
 
 def _per_row(value: torch.Tensor | float | int, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -108,7 +142,7 @@ def safe_uniform(
     """
     device = generator.device if device is None else device
     u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
-    return u.clamp_(min=torch.finfo(torch.float32).tiny, max=_BELOW_ONE)
+    return u.clamp_(min=TINY, max=BELOW_ONE)
 
 
 def gumbel_keys(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

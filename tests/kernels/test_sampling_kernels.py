@@ -115,3 +115,22 @@ def test_the_mixin_routes_both_verifies_to_the_kernels():
     assert all(
         torch.equal(a, b) for a, b in zip(Backend().verify_chain_sampling(*args), fast.verify_chain_sampling(*args))
     )
+
+
+@pytest.mark.parametrize("count", [1, 37, fast.KEYED_BLOCK + 5])
+def test_keyed_uniforms_kernel_is_the_reference_bit_for_bit(count):
+    """The draws' uniforms (`keyed_uniforms`, splitmix64 from each request's key): integer arithmetic, so the kernel
+    returns the reference's float32 bits exactly, for keys of either sign (int64 bits read as unsigned), and the
+    backend takes the kernel where Triton runs."""
+    from speccycle.backends.cuda.ops import CudaBackend
+
+    gen = torch.Generator().manual_seed(count)
+    keys = torch.randint(-(2**63), 2**63 - 1, (5,), dtype=torch.long, generator=gen)
+    keys[0], keys[1] = 0, -1  # all bits clear, all bits set
+    keys = keys.to(DEVICE)
+    want = ref.keyed_uniforms(keys, count)
+    got = fast.keyed_uniforms(keys, count)
+    assert got.dtype == torch.float32 and got.shape == (5, count)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert bool(((got > 0) & (got < 1)).all())
+    assert torch.equal(CudaBackend().uniforms_from_keys(keys, count), want)
