@@ -2,7 +2,7 @@
 
 For each op of `speccycle.backends.cuda.ops.CudaBackend` at real shapes (vocabulary 49152 as
 SmolLM2's, ``bs`` 1 / 16 / 64, trees up to ``N = 64`` rows, ``S`` up to 8, the engine's slot-major
-KV cache for SmolLM2 and a Llama-3-8B shape):
+KV cache for SmolLM2 and a Llama-3-8B shape, a sampled draw's uniforms over the vocabulary):
 
 1. correctness: the kernel's output equals the reference's (exactly for integer outputs and moved
    bytes; top-K probabilities to float32 rounding, ids tie-aware in bfloat16, where the reference
@@ -238,6 +238,17 @@ def bench_accept_and_compact(fast, ref, batch_sizes, iters, device) -> None:
                 torch.cuda.empty_cache()
 
 
+def bench_sampling(fast, ref, batch_sizes, iters, device) -> None:
+    """A sampled draw's keyed uniforms (`uniforms_from_keys`): one key a request, a ``[V]`` row each (the final
+    token's Gumbel noise, a chain's draft level)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    for bs in batch_sizes:
+        keys = torch.randint(-(2**62), 2**62, (bs,), dtype=torch.long, device=device, generator=gen)
+        measure("uniforms_from_keys", f"[{bs}] keys x {VOCAB}", fast.uniforms_from_keys, ref.uniforms_from_keys,
+                (keys, VOCAB), iters, bs=bs)  # fmt: skip
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="directory for the JSON result (default bench/results)")
@@ -253,7 +264,7 @@ def main() -> None:
     batch_sizes = (1, 64) if args.quick else (1, 16, 64)
     iters = 50 if args.quick else args.iters
     start = time.time()
-    for section in (bench_logits, bench_tree, bench_accept_and_compact):
+    for section in (bench_logits, bench_tree, bench_accept_and_compact, bench_sampling):
         section(fast, ref, batch_sizes, iters, device)
     unequal = [f"{r['op']} {r['case']}" for r in ROWS if not r["equal"]]
     payload = {
