@@ -5,8 +5,9 @@ an all-greedy batch runs exactly the greedy code. In a mixed batch the greedy re
 greedy results (``select_topk``, the EAGLE-2 rerank, ``verify_greedy``) and the sampled requests'
 rows are overwritten with theirs, so a greedy request decodes the same tokens whatever shares its batch.
 
-**Random streams.** Every draw of a sampled request comes from a `torch.Generator` seeded by a hash of
-``(seed, counter, stream, level)``: ``counter`` is the number of tokens the request had committed
+**Random streams.** Every draw of a sampled request comes from a counter-based generator keyed by a hash of
+``(seed, counter, stream, level)`` (`stream_keys`, then splitmix64 from the key: `uniforms_from_keys`; no
+`torch.Generator`): ``counter`` is the number of tokens the request had committed
 when the draw was made (strictly increasing from cycle to cycle), ``stream`` says what the draw is
 for (the first token, draft candidates, acceptance coins, the final sample) and ``level`` the draft
 tree level. So the draws are a function of the record alone: a seeded request reproduces its output

@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import accept, argmax, cycle, dflash, kv, topk, tree
+from . import accept, argmax, cycle, dflash, kv, sampling, topk, tree
 
 NONE = 2147483647
 TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "hip": GPUTarget("hip", "gfx942", 64)}
@@ -83,6 +83,11 @@ def kernel_specs() -> list[tuple[object, dict[str, str], list[dict[str, object]]
         (dflash._verify_block_kernel,
          dict(cand_ptr=i64, target_ptr=i64, correct_ptr=i64, bonus_ptr=i64, block_size=i32),
          [dict(BLOCK=8)]),
+        (sampling._keyed_uniforms_kernel,
+         dict(keys_ptr=i64, out_ptr=f32, count=i32, tiny="fp32", below_one="fp32"),
+         [dict(BLOCK=sampling.KEYED_BLOCK, GAMMA_HI=sampling._GAMMA_HI, GAMMA_LO=sampling._GAMMA_LO,
+               MUL1_HI=sampling._MUL1_HI, MUL1_LO=sampling._MUL1_LO, MUL2_HI=sampling._MUL2_HI,
+               MUL2_LO=sampling._MUL2_LO)]),
         (kv._move_kv_kernel,
          dict(buf_ptr="*i16", src_ptr=i64, dst_ptr=i64, num_moves=i32, slot_stride=i32, group_stride="i64",
               inner=i32, row_numel=i32),

@@ -1,8 +1,11 @@
-"""Triton kernels of the lossless sampling verify (references: `backends.torch.sampling`, `sampling_tree`).
+"""Triton kernels of sampling: the lossless verify and the draws' uniforms (references: `backends.torch.sampling`,
+`sampling_tree`).
 
-One program per request. Both kernels take the same uniforms as the references (``uniforms [bs, N]``:
-row ``c``'s acceptance coin; ``sample_uniforms [bs, V]``: the final token's Gumbel noise), so under
-one random stream they return the same tokens: tested equal in ``tests/kernels/test_sampling_kernels.py``.
+`keyed_uniforms`: a draw's uniforms from each request's key (splitmix64), bit for bit the torch reference's, one
+program per 1,024 of a row. The verifies: one program per request. Both take the same uniforms as the
+references (``uniforms [bs, N]``: row ``c``'s acceptance coin; ``sample_uniforms [bs, V]``: the final token's
+Gumbel noise), so under one random stream they return the same tokens: tested equal in
+``tests/kernels/test_sampling_kernels.py``.
 
 * `verify_chain_sampling`: the ``S`` coins in order until the first rejection, then one pass for the
   residual's mass and one Gumbel-argmax pass over the vocabulary for the final (recovered or bonus) token.
@@ -327,14 +330,14 @@ def _u64(hi, lo):
     return (tl.full((), hi, tl.uint64) << 32) | tl.full((), lo, tl.uint64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])  # the vocabulary, K of it, or N coins: no variant per batch
 def _keyed_uniforms_kernel(keys_ptr, out_ptr, count, tiny, below_one, BLOCK: tl.constexpr, GAMMA_HI: tl.constexpr,
                            GAMMA_LO: tl.constexpr, MUL1_HI: tl.constexpr, MUL1_LO: tl.constexpr,
                            MUL2_HI: tl.constexpr, MUL2_LO: tl.constexpr):  # fmt: skip
-    """Program ``(row, block)``: uniforms ``block * BLOCK ..`` of the row's key, `keyed_uniforms`' bits (unsigned
+    """Program ``(block, row)``: uniforms ``block * BLOCK ..`` of the row's key, `keyed_uniforms`' bits (unsigned
     64-bit adds and multiplies wrap as the reference's int64 ones, the shifts are logical)."""
-    row = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < count
     gamma = _u64(GAMMA_HI, GAMMA_LO)
     key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
@@ -354,7 +357,7 @@ def keyed_uniforms(keys: torch.Tensor, count: int) -> torch.Tensor:
     out = torch.empty((keys.shape[0], count), dtype=torch.float32, device=keys.device)
     if out.numel() == 0:
         return out
-    grid = (keys.shape[0], triton.cdiv(count, KEYED_BLOCK))
+    grid = (triton.cdiv(count, KEYED_BLOCK), keys.shape[0])
     _keyed_uniforms_kernel[grid](
         keys, out, count, reference.TINY, reference.BELOW_ONE, BLOCK=KEYED_BLOCK, GAMMA_HI=_GAMMA_HI,
         GAMMA_LO=_GAMMA_LO, MUL1_HI=_MUL1_HI, MUL1_LO=_MUL1_LO, MUL2_HI=_MUL2_HI, MUL2_LO=_MUL2_LO,

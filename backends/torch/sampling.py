@@ -1,8 +1,9 @@
 """Lossless speculative sampling, reference ops in plain torch: logits processing, random draws, chain verify.
 
-Every random draw comes from an explicit tensor of uniforms (made by `safe_uniform` from a
-`torch.Generator`), never from the global RNG, so a fast kernel fed the same uniforms must return the
-same tokens. Tree verification lives in `sampling_tree.py`.
+Every random draw comes from an explicit tensor of uniforms, never from the global RNG: the cycle's from
+`keyed_uniforms` (splitmix64 from each request's key), a caller's own from `safe_uniform` over a
+`torch.Generator`. So a fast kernel fed the same uniforms must return the same tokens. Tree verification lives
+in `sampling_tree.py`.
 
 Terms (as in vLLM's rejection sampler): a draft token is *accepted* when the rejection test passes;
 at the first rejection a *recovered* token is sampled from the residual ``normalize(max(p - q, 0))``;

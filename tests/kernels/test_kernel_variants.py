@@ -94,3 +94,4 @@ def test_slots_for_positions_takes_one_variant_where_it_compiles(monkeypatch):
 def test_the_sampling_verifies_do_not_specialize_what_a_batch_changes():
     assert _unspecialized(sampling._chain_kernel) >= {"num_steps"}
     assert _unspecialized(sampling._tree_kernel) >= {"n", "width"}
+    assert _unspecialized(sampling._keyed_uniforms_kernel) >= {"count"}

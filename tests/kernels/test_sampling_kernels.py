@@ -118,7 +118,7 @@ def test_the_mixin_routes_both_verifies_to_the_kernels():
 
 
 @pytest.mark.parametrize("count", [1, 37, fast.KEYED_BLOCK + 5])
-def test_keyed_uniforms_kernel_is_the_reference_bit_for_bit(count):
+def test_keyed_uniforms_kernel_is_the_reference_bit_for_bit(count, monkeypatch):
     """The draws' uniforms (`keyed_uniforms`, splitmix64 from each request's key): integer arithmetic, so the kernel
     returns the reference's float32 bits exactly, for keys of either sign (int64 bits read as unsigned), and the
     backend takes the kernel where Triton runs."""
@@ -133,4 +133,11 @@ def test_keyed_uniforms_kernel_is_the_reference_bit_for_bit(count):
     assert got.dtype == torch.float32 and got.shape == (5, count)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert bool(((got > 0) & (got < 1)).all())
-    assert torch.equal(CudaBackend().uniforms_from_keys(keys, count), want)
+    calls = []
+
+    def counted(keys, count):
+        calls.append(count)
+        return got
+
+    monkeypatch.setattr(fast, "keyed_uniforms", counted)
+    assert CudaBackend().uniforms_from_keys(keys, count) is got and calls == [count]

@@ -344,7 +344,7 @@ def test_sampled_transitions_call_only_the_ops_their_rows_name():
         record = step(record, ports, Recording(), checked=True)
         assert set(calls) <= set(row.ops), f"{row.event} called {set(calls) - set(row.ops)}"
         seen.update(calls)
-    assert {"process_logits", "sample_without_replacement", "verify_tree_sampling"} <= seen
+    assert {"process_logits", "uniforms_from_keys", "sample_without_replacement", "verify_tree_sampling"} <= seen
 
 
 # ---- every sampling parameter: greedy token for token, logprobs, speculation off ---------------
