@@ -153,14 +153,7 @@ TABLE: tuple[Transition, ...] = (
         Ready,
         t.first_level,
         guard=t.first_level_due,
-        ops=(
-            "select_topk",
-            "top1_probability",
-            "apply_token_mask",
-            "process_logits",
-            "uniforms_from_keys",
-            "sample_without_replacement",
-        ),
+        ops=tuple(op for op in DRAFT_LEVEL_OPS if op != "slots_for_positions"),  # a level's top-K, no forward
         grammar=("draft_masks",),
         doc="A batch whose top-K a cycle of S == 0 deferred, moved to a shape that drafts: the draft's logits from "
         "its hidden state (the extend's, exactly), then the depth-1 top-K as the extend takes it.",
